@@ -1,0 +1,210 @@
+"""``Case``: what to train, described once, run identically in every mode.
+
+Also resolves user targets (``pkg.mod:fn`` or ``path/file.py:fn``) and the named losses
+and optimizers. A leaf module: it imports no harness code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ddparity.errors import UsageError
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DDP_OPTIONS = (
+    "find_unused_parameters",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "broadcast_buffers",
+    "bucket_cap_mb",
+)
+
+
+@dataclass(kw_only=True)
+class Case:
+    """One training set-up to compare across modes and world sizes.
+
+    ``model`` builds the module (a callable, or ``"pkg.mod:fn"`` / ``"file.py:fn"``);
+    ``data(step, generator)`` returns the GLOBAL batch ``(inputs, targets)`` of a step;
+    ``loss`` names a ``torch.nn.functional`` loss or is ``(outputs, targets) -> scalar``;
+    ``optimizer`` is ``"sgd" | "adam" | "adamw"`` or ``(params) -> Optimizer``.
+    ``ddp_options`` are passed to ``DistributedDataParallel``; ``comm_hook`` (optional)
+    is registered with ``DistributedDataParallel.register_comm_hook(comm_hook_state, comm_hook)``;
+    every run gets its own copy of ``comm_hook_state``.
+    """
+
+    model: Callable[[], Any] | str
+    data: Callable[[int, Any], Any] | str
+    loss: str | Callable[[Any, Any], Any] = "cross_entropy"
+    optimizer: str | Callable[[Any], Any] = "sgd"
+    lr: float = 0.01
+    steps: int = 3
+    seed: int = 0
+    dtype: Any = None  # torch.dtype; None means torch.float32
+    ddp_options: dict[str, Any] = field(default_factory=dict)
+    comm_hook: Callable[..., Any] | None = None
+    comm_hook_state: Any = None
+    name: str | None = None
+    target: str | None = None  # "module:function" it was loaded from, for repro commands
+
+    def validate(self) -> Case:
+        """Raise :class:`UsageError` naming the first bad field and its fix."""
+        import torch
+
+        if not (callable(self.model) or isinstance(self.model, str)):
+            raise UsageError(f"Case.model must be a callable returning an nn.Module, got {self.model!r}")
+        if not (callable(self.data) or isinstance(self.data, str)):
+            raise UsageError(
+                f"Case.data must be a callable (step, generator) -> (inputs, targets), got {self.data!r}"
+            )
+        resolve_loss(self.loss)
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise UsageError(
+                f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)} "
+                "or a callable (params) -> torch.optim.Optimizer"
+            )
+        if not (isinstance(self.optimizer, str) or callable(self.optimizer)):
+            raise UsageError(f"Case.optimizer must be a name or a callable, got {self.optimizer!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise UsageError(f"Case.steps must be an int >= 1, got {self.steps!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise UsageError(f"Case.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            raise UsageError(f"Case.lr must be a positive number, got {self.lr!r}")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise UsageError(f"Case.dtype must be a floating torch.dtype such as torch.float32, got {self.dtype!r}")
+        unknown = sorted(set(self.ddp_options) - set(DDP_OPTIONS))
+        if unknown:
+            raise UsageError(
+                f"unknown DDP option(s) {unknown}; ddparity passes these through: {', '.join(DDP_OPTIONS)}"
+            )
+        if self.comm_hook is not None and not callable(self.comm_hook):
+            raise UsageError(f"Case.comm_hook must be callable (state, bucket) -> Future, got {self.comm_hook!r}")
+        return self
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return self.dtype if self.dtype is not None else torch.float32
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        model = self.model if isinstance(self.model, str) else getattr(self.model, "__qualname__", "model")
+        return str(model)
+
+    def with_steps(self, steps: int | None) -> Case:
+        return self if steps is None else dataclasses.replace(self, steps=steps)
+
+
+def resolve_loss(loss: str | Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    if callable(loss):
+        return loss
+    import torch.nn.functional as F
+
+    fn = getattr(F, loss, None) if isinstance(loss, str) else None
+    if fn is None or not callable(fn) or not ("loss" in loss or "entropy" in loss or loss == "kl_div"):
+        raise UsageError(
+            f"unknown loss {loss!r}; use the name of a torch.nn.functional loss "
+            "(cross_entropy, mse_loss, nll_loss, l1_loss, ...) or a callable (outputs, targets) -> scalar"
+        )
+    return fn
+
+
+def make_optimizer(case: Case, params: Any) -> Any:
+    import torch
+
+    if callable(case.optimizer):
+        return case.optimizer(params)
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[case.optimizer]
+    return cls(params, lr=case.lr)
+
+
+def load_target(target: str) -> Any:
+    """Import ``pkg.mod:attr`` or ``path/to/file.py:attr`` and return the attribute.
+
+    A file is imported under a private module name and registered with cloudpickle to
+    travel *by value*, since rank processes cannot import it by that name.
+    """
+    if not isinstance(target, str) or ":" not in target:
+        raise UsageError(
+            f"target {target!r} must look like 'package.module:function' or 'path/to/file.py:function'"
+        )
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise UsageError(f"target {target!r} must name both a module or file and a function after ':'")
+    if where.endswith(".py") or os.sep in where:
+        module = _import_file(where, target)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise UsageError(
+                f"cannot import module {where!r} for target {target!r}: {exc}; check the name, "
+                "run from the directory that contains it, or give a file path instead"
+            ) from None
+        except Exception as exc:
+            raise UsageError(f"importing {where!r} raised {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{where!r} has no attribute {attr!r} (target {target!r})") from None
+
+
+def _import_file(path: str, target: str) -> Any:
+    import cloudpickle
+
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise UsageError(f"file {path!r} does not exist (target {target!r})")
+    digest = hashlib.sha1(full.encode()).hexdigest()[:10]
+    name = f"_ddparity_target_{os.path.splitext(os.path.basename(full))[0]}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {path!r} as Python (target {target!r})")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    directory = os.path.dirname(full)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)  # its own sibling imports work, as under `python file.py`
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise UsageError(f"importing {path!r} raised {type(exc).__name__}: {exc}") from None
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def load_case(target: str) -> Case:
+    """Call the function named by ``target`` and check that it returns a :class:`Case`."""
+    fn = load_target(target)
+    if isinstance(fn, Case):
+        case = fn
+    elif callable(fn):
+        try:
+            case = fn()
+        except Exception as exc:
+            raise UsageError(f"{target} raised {type(exc).__name__}: {exc}") from None
+    else:
+        raise UsageError(f"{target} is neither a function returning a Case nor a Case")
+    if not isinstance(case, Case):
+        raise UsageError(
+            f"{target} returned {type(case).__name__}, not a ddparity.Case; "
+            "return Case(model=..., data=..., loss=..., optimizer=...)"
+        )
+    case = dataclasses.replace(case, name=case.name or target, target=target)
+    return case.validate()

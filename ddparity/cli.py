@@ -1,0 +1,170 @@
+"""The ``ddparity`` command line (an adapter: parse, call the library, render).
+
+Exit codes (SPEC): 0 equivalent, 1 divergence or desync, 2 usage error or bad input,
+3 hang or crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Sequence
+
+from ddparity.errors import UsageError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        raise UsageError(message)
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
+    if not sizes or any(ws < 1 for ws in sizes):
+        raise argparse.ArgumentTypeError(f"world sizes must be integers >= 1, got {text!r}")
+    return sizes
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _tolerance(text: str) -> str | float:
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tolerance must be 'auto' or a number, got {text!r}") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"tolerance must be >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"timeout must be positive, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddparity", description="Prove that data-parallel training matches one device.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    chk = sub.add_parser("check", help="run a Case as single-device and DDP and compare them step by step")
+    chk.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
+    chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
+    chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,ddp")
+    chk.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4), help="comma-separated, e.g. 1,2,4")
+    chk.add_argument("--backend", default="auto", help="auto | gloo | nccl")
+    chk.add_argument("--steps", type=_positive_int, default=None, help="override the Case's number of steps")
+    chk.add_argument("--tolerance", type=_tolerance, default="auto",
+                     help="auto (calibrated noise floor) or a relative tolerance (0 = bit-exact)")
+    chk.add_argument("--timeout", type=_seconds, default=60.0, help="seconds per run before it counts as a hang")
+    chk.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) here")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    from ddparity.case import load_case
+    from ddparity.controller import check, default_pool
+    from ddparity.report import Report
+
+    if args.demo and args.target:
+        raise UsageError("give either a TARGET or --demo, not both")
+    if not args.demo and not args.target:
+        raise UsageError("missing TARGET (module:function or file.py:function returning a Case), or use --demo")
+    if args.demo:
+        from ddparity.fixtures.models import DEMO_CASES
+
+        cases = []
+        for key, factory in DEMO_CASES.items():
+            case = factory()
+            case.target = f"ddparity.fixtures.models:{key}"
+            cases.append(case)
+    else:
+        cases = [load_case(args.target)]
+    reports: list[Report] = []
+    try:
+        for case in cases:
+            report = check(case, modes=args.modes, world_sizes=args.world_sizes, backend=args.backend,
+                           timeout=args.timeout, tolerance=args.tolerance, steps=args.steps)
+            reports.append(report)
+            print(report.render(), flush=True)
+            if len(cases) > 1:
+                print(flush=True)
+    finally:
+        default_pool().close()
+    if args.json:
+        _write_json(args.json, reports)
+    return max(r.exit_code for r in reports)
+
+
+def _write_json(path: str, reports: list) -> None:
+    if len(reports) == 1:
+        data = reports[0].to_json()
+    else:
+        runs = [dict(run, case=r.case) for r in reports for run in r.to_json()["runs"]]
+        data = {"version": 1, "ok": all(r.ok for r in reports), "case": "demo", "runs": runs}
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write the JSON report to {path!r}: {exc.strerror}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.version:
+            from ddparity import __version__
+
+            print(f"ddparity {__version__}")
+            return 0
+        if args.command == "check":
+            return _check(args)
+        parser.print_help()
+        return EXIT_USAGE
+    except UsageError as exc:
+        print(f"ddparity: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ddparity: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        # A bug in ddparity itself: say so plainly; the traceback is for the report.
+        if os.environ.get("DDPARITY_DEBUG"):
+            traceback.print_exc()
+        else:
+            print(traceback.format_exc().rstrip().splitlines()[-1], file=sys.stderr)
+        print("ddparity: internal error; rerun with DDPARITY_DEBUG=1 and report it", file=sys.stderr)
+        return 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

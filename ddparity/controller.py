@@ -1,0 +1,267 @@
+"""``check``: run a Case in every requested mode and world size, compare to the reference.
+
+The controller decides and reports; user code (model factories, data, training) runs only
+inside rank processes, so a model that hangs or segfaults becomes a report, never a
+stuck or dead controller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.checks.equivalence import divergences, worst
+from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
+from ddparity.errors import (
+    RankCrashed,
+    TaskFailed,
+    TaskTimeout,
+    UsageError,
+    WorldFailure,
+    WorldStartError,
+)
+from ddparity.harness import rendezvous
+from ddparity.harness.modes import ddp_task, reference_task
+from ddparity.harness.world import World
+from ddparity.report import Report, RunResult
+
+MODES = ("single", "ddp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckOptions:
+    """What to run. Built once from the API, CLI or plugin; errors name the bad value."""
+
+    modes: tuple[str, ...] = ("single", "ddp")
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    backend: str = "auto"
+    timeout: float = 60.0
+    tolerance: str | float = "auto"
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise UsageError("no modes given; use one or more of: single, ddp")
+        for mode in self.modes:
+            if mode == "dp":
+                raise UsageError(
+                    "mode 'dp' (DataParallel) is not available in this version of ddparity; "
+                    "use --modes single,ddp"
+                )
+            if mode not in MODES:
+                raise UsageError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if not self.world_sizes:
+            raise UsageError("no world sizes given; use e.g. --world-sizes 1,2,4")
+        for ws in self.world_sizes:
+            if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+                raise UsageError(f"world size must be an integer >= 1, got {ws!r}")
+        if self.backend not in rendezvous.BACKENDS:
+            rendezvous.resolve_backend(self.backend, 1)  # raises the right message
+        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise UsageError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        tol = self.tolerance
+        if tol != "auto" and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0):
+            raise UsageError(f"tolerance must be 'auto' or a number >= 0 (relative), got {tol!r}")
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1):
+            raise UsageError(f"steps must be an integer >= 1, got {self.steps!r}")
+
+
+class WorldPool:
+    """Warm worlds, one per (world size, backend), reused across checks."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[tuple[int, str], World] = {}
+
+    def get(self, world_size: int, backend: str) -> World:
+        key = (world_size, backend)
+        world = self._worlds.get(key)
+        if world is None:
+            world = World(world_size, backend)
+            self._worlds[key] = world
+        return world.start()
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
+
+
+_default_pool: WorldPool | None = None
+
+
+def default_pool() -> WorldPool:
+    global _default_pool
+    if _default_pool is None:
+        _default_pool = WorldPool()
+        atexit.register(_default_pool.close)
+    return _default_pool
+
+
+def _choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
+    """One backend for the whole check, so every run is compared on the same device kind."""
+    if backend == "auto":
+        return rendezvous.resolve_backend("auto", max(world_sizes))
+    if backend == "nccl" and rendezvous.cuda_device_count() == 0:
+        rendezvous.resolve_backend("nccl", 1)  # raises: no GPU at all is a usage error
+    return backend
+
+
+def _user_error(exc: BaseException) -> str:
+    """The error as the user should read it, with the traceback from their code."""
+    if isinstance(exc, TaskFailed):
+        bad = [o for o in exc.outcomes if not o.ok]
+        head = bad[0]
+        return f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_case_error(exc: TaskFailed) -> bool:
+    from ddparity.harness.modes import CaseError
+
+    return any(isinstance(o.error, (CaseError, UsageError)) for o in exc.outcomes if not o.ok)
+
+
+def _failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
+    run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
+    if isinstance(exc, TaskTimeout):
+        run.status = "hang"
+        run.hang = {
+            "suspect_ranks": exc.pending_ranks,
+            "ranks": {str(r): {"collective_seq": None, "collective": None, "stack": s} for r, s in exc.stacks.items()},
+        }
+        run.reason = str(exc).splitlines()[0]
+    elif isinstance(exc, RankCrashed):
+        run.status = "crash"
+        run.crash = {"rank": exc.rank, "exitcode": exc.exitcode, "error": str(exc).splitlines()[0]}
+        run.reason = str(exc)
+    elif isinstance(exc, TaskFailed) and not _is_case_error(exc):
+        run.status = "crash"
+        bad = [o for o in exc.outcomes if not o.ok]
+        run.crash = {"rank": bad[0].rank, "exitcode": None, "error": f"{type(bad[0].error).__name__}: {bad[0].error}"}
+        run.reason = _user_error(exc)
+    else:
+        run.reason = _user_error(exc)
+    return run
+
+
+def _repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any) -> str:
+    if case.target:
+        return (
+            f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
+            f"--steps {case.steps} --tolerance {tolerance}"
+        )
+    return (
+        f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
+        f"tolerance={tolerance!r})  # seed={case.seed}, steps={case.steps}"
+    )
+
+
+def check(
+    case: Case,
+    modes: tuple[str, ...] | list[str] = ("single", "ddp"),
+    world_sizes: tuple[int, ...] | list[int] = (1, 2, 4),
+    backend: str = "auto",
+    timeout: float = 60.0,
+    tolerance: str | float = "auto",
+    *,
+    steps: int | None = None,
+    pool: WorldPool | None = None,
+) -> Report:
+    """Run ``case`` in every mode and world size; compare each run to the reference."""
+    if not isinstance(case, Case):
+        raise UsageError(f"check() needs a ddparity.Case, got {type(case).__name__}")
+    opts = CheckOptions(
+        modes=tuple(modes), world_sizes=tuple(world_sizes), backend=backend,
+        timeout=timeout, tolerance=tolerance, steps=steps,
+    )
+    case = case.with_steps(opts.steps).validate()
+    chosen = _choose_backend(opts.backend, opts.world_sizes)
+    pool = pool or default_pool()
+    report = Report(case.label)
+
+    started = time.perf_counter()
+    try:
+        ref_world = pool.get(1, chosen)
+        [(state, reference, permuted)] = ref_world.run(reference_task, case, timeout=opts.timeout)
+    except UsageError:
+        raise
+    except WorldFailure as exc:
+        # The case cannot even run on one device: every requested run shares that fate.
+        elapsed = time.perf_counter() - started
+        for mode, ws in _planned(opts):
+            run = _failure_run(mode, ws, chosen, exc, elapsed, _repro(case, mode, ws, chosen, opts.tolerance))
+            if run.status == "crash" and not isinstance(exc, RankCrashed):
+                run.status = "error"  # raised by the user's code on a single device: bad input
+            report.runs.append(run)
+        return report
+    if "single" in opts.modes:
+        report.runs.append(
+            RunResult(mode="single", world_size=1, backend=chosen, status="pass",
+                      seconds=time.perf_counter() - started, tolerance="reference")
+        )
+    if "ddp" in opts.modes:
+        for ws in opts.world_sizes:
+            report.runs.append(_run_ddp(case, opts, chosen, ws, pool, state, reference, permuted))
+    return report
+
+
+def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
+    plan = [("single", 1)] if "single" in opts.modes else []
+    if "ddp" in opts.modes:
+        plan += [("ddp", ws) for ws in opts.world_sizes]
+    return plan
+
+
+def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
+             state: Any, reference: Any, permuted: Any) -> RunResult:
+    repro = _repro(case, "ddp", ws, backend, opts.tolerance)
+    started = time.perf_counter()
+    sizes = reference.batch_sizes
+    if any(size < 1 for size in sizes):
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+                         reason="cannot find the batch dimension: the data function's inputs hold no tensor "
+                                "with a dim 0 to shard")
+    uneven = [(step, size) for step, size in enumerate(sizes) if size % ws]
+    if uneven:
+        step, size = uneven[0]
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+                         reason=f"the global batch of step {step} has {size} samples, which cannot be split "
+                                f"into {ws} equal shards; use a batch size divisible by every world size "
+                                f"(e.g. {_lcm(opts.world_sizes)})")
+    if backend == "nccl" and rendezvous.cuda_device_count() < ws:
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
+                         reason=f"nccl needs {ws} CUDA devices, {rendezvous.cuda_device_count()} visible")
+    try:
+        world = pool.get(ws, backend)
+        traces = world.run(ddp_task, case, state, timeout=opts.timeout)
+    except WorldStartError as exc:
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
+                         seconds=time.perf_counter() - started, repro=repro)
+    except WorldFailure as exc:
+        return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
+    if opts.tolerance == "auto":
+        tol = auto_tolerance(reference, permuted, ws, case.torch_dtype)
+    else:
+        tol = fixed_tolerance(reference, float(opts.tolerance))
+    found = divergences(reference, traces, tol)
+    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="diverged" if found else "pass",
+                    seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
+    if found:
+        run.first_divergence = found[0]
+        run.worst = worst(found)
+    return run
+
+
+def _lcm(values: tuple[int, ...]) -> int:
+    import math
+
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+__all__ = ["CheckOptions", "WorldPool", "check", "default_pool"]

@@ -1,0 +1,76 @@
+"""The one error hierarchy of ddparity.
+
+Every message says what was observed, what was expected, and how to fix it. The CLI maps
+:class:`UsageError` to exit code 2, :class:`ParityError` to 1 and :class:`WorldFailure`
+subclasses (hang, crash) to 3.
+"""
+
+from __future__ import annotations
+
+
+class DdparityError(Exception):
+    """Root of every error ddparity raises on purpose."""
+
+
+class UsageError(DdparityError):
+    """The input cannot be run as given (bad target, bad option, bad Case)."""
+
+
+class ParityError(DdparityError):
+    """A check found a divergence or desync; the message is the readable report."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class WorldFailure(DdparityError):
+    """A World could not run a task to completion on every rank."""
+
+
+class WorldStartError(WorldFailure):
+    """Rank processes could not be started or could not form a process group."""
+
+
+class TaskTimeout(WorldFailure):
+    """Some ranks did not answer within the task's timeout; the world was rebuilt."""
+
+    def __init__(self, message: str, pending_ranks: list[int], stacks: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.pending_ranks = pending_ranks
+        self.stacks = stacks or {}
+
+
+class RankCrashed(WorldFailure):
+    """A rank process died (exit, signal) while running a task."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None, output: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.output = output
+
+
+class TaskFailed(WorldFailure):
+    """The task raised on at least one rank. ``outcomes`` holds every rank's outcome."""
+
+    def __init__(self, message: str, outcomes: list) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [o.rank for o in self.outcomes if o is not None and not o.ok]
+
+
+class RemoteError(Exception):
+    """Stands in for an exception raised in a rank that could not be pickled back."""
+
+    def __init__(self, type_name: str, message: str, traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+    def __reduce__(self):  # keep it picklable with its three fields
+        return (RemoteError, (self.type_name, self.message, self.traceback))

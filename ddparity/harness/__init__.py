@@ -1,0 +1,1 @@
+"""How ranks exist and run: worlds of rank processes, their protocol, the modes."""

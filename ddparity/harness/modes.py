@@ -1,0 +1,210 @@
+"""The modes, as tasks that run inside rank processes: given a Case, produce a Trace.
+
+* ``reference_task`` builds the initial state once (from the case's factory and seed),
+  then trains on one device with the whole global batch (mode ``single``), and once more
+  with every global batch permuted: the same mathematics in another summation order,
+  whose distance to the reference calibrates the floating-point noise floor.
+* ``ddp_task`` loads that initial state into every rank and trains under
+  ``DistributedDataParallel``, each rank on its contiguous shard of the same batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddparity.case import Case, load_target, make_optimizer, resolve_loss
+from ddparity.errors import UsageError
+from ddparity.harness.protocol import RankContext
+from ddparity.trace import StepRecord, Trace
+
+
+class CaseError(UsageError):
+    """The case itself cannot be run (its factory, data or loss raised)."""
+
+
+def _build_model(case: Case) -> Any:
+    import torch
+
+    factory = load_target(case.model) if isinstance(case.model, str) else case.model
+    try:
+        model = factory()
+    except Exception as exc:
+        raise CaseError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise CaseError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _data_fn(case: Case) -> Any:
+    return load_target(case.data) if isinstance(case.data, str) else case.data
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def batch_size(obj: Any) -> int | None:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0]) if obj.dim() else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        size = batch_size(item)
+        if size is not None:
+            return size
+    return None
+
+
+def shard(obj: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s contiguous, equal share of every tensor along dim 0."""
+
+    def cut(t: Any) -> Any:
+        if t.dim() == 0:
+            return t
+        per = t.shape[0] // world_size
+        return t[rank * per : (rank + 1) * per]
+
+    return map_tensors(obj, cut)
+
+
+def _global_batch(case: Case, data: Any, step: int, generator: Any) -> tuple[Any, Any]:
+    try:
+        batch = data(step, generator)
+    except Exception as exc:
+        raise CaseError(f"the data function raised at step {step}: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise CaseError(
+            f"the data function must return (inputs, targets) for step {step}, got {type(batch).__name__}"
+        )
+    return batch[0], batch[1]
+
+
+def _forward(model: Any, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _snapshot(module: Any, loss: Any) -> StepRecord:
+    return StepRecord(
+        loss=loss.detach().to("cpu", copy=True),
+        grads={
+            n: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
+            for n, p in module.named_parameters()
+        },
+    )
+
+
+def _finish_step(record: StepRecord, module: Any) -> None:
+    record.params = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
+    record.buffers = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
+
+
+def initial_state(case: Case) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(case.seed)
+    model = _build_model(case)
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _prepared(case: Case, state: dict[str, Any], device: str) -> Any:
+    import torch
+
+    model = _build_model(case)
+    model.load_state_dict(state)
+    model.to(device=device, dtype=case.torch_dtype)
+    torch.manual_seed(case.seed)  # any randomness in forward starts from the same point
+    return model
+
+
+def _cast(batch: Any, case: Case, device: str) -> Any:
+    def move(t: Any) -> Any:
+        t = t.to(device)
+        return t.to(case.torch_dtype) if t.is_floating_point() else t
+
+    return map_tensors(batch, move)
+
+
+def run_single(case: Case, state: dict[str, Any], device: str, permute: bool = False) -> Trace:
+    """Mode ``single``: one device, the whole global batch (``permute``: reversed order)."""
+    import torch
+
+    model = _prepared(case, state, device)
+    optimizer = make_optimizer(case, model.parameters())
+    loss_fn = resolve_loss(case.loss)
+    data = _data_fn(case)
+    generator = torch.Generator().manual_seed(case.seed)
+    trace = Trace(mode="single", rank=0, world_size=1)
+    for step in range(case.steps):
+        inputs, targets = _global_batch(case, data, step, generator)
+        size = batch_size(inputs)
+        trace.batch_sizes.append(size if size is not None else -1)
+        if permute and size:
+            order = torch.arange(size - 1, -1, -1)
+            inputs, targets = (map_tensors(x, lambda t: t[order] if t.dim() else t) for x in (inputs, targets))
+        inputs, targets = _cast(inputs, case, device), _cast(targets, case, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(_forward(model, inputs), targets)
+        loss.backward()
+        record = _snapshot(model, loss)
+        optimizer.step()
+        _finish_step(record, model)
+        trace.steps.append(record)
+    return trace
+
+
+def reference_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], Trace, Trace]:
+    """Initial state, the single-device reference, and its permuted twin (calibration)."""
+    state = initial_state(case)
+    reference = run_single(case, state, ctx.device)
+    permuted = run_single(case, state, ctx.device, permute=True)
+    return state, reference, permuted
+
+
+def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any]) -> Trace:
+    """Mode ``ddp``: this rank's shard of every global batch under DDP."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _prepared(case, state, ctx.device)
+    device_ids = [torch.device(ctx.device).index] if ctx.device.startswith("cuda") else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **case.ddp_options)
+    if case.comm_hook is not None:
+        ddp.register_comm_hook(case.comm_hook_state, case.comm_hook)
+    optimizer = make_optimizer(case, ddp.parameters())
+    loss_fn = resolve_loss(case.loss)
+    data = _data_fn(case)
+    generator = torch.Generator().manual_seed(case.seed)
+    trace = Trace(mode="ddp", rank=ctx.rank, world_size=ctx.world_size)
+    for step in range(case.steps):
+        inputs, targets = _global_batch(case, data, step, generator)
+        trace.batch_sizes.append(batch_size(inputs) or -1)
+        inputs = _cast(shard(inputs, ctx.rank, ctx.world_size), case, ctx.device)
+        targets = _cast(shard(targets, ctx.rank, ctx.world_size), case, ctx.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(_forward(ddp, inputs), targets)
+        loss.backward()  # returns after DDP's gradient all-reduce has finished
+        # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        global_loss /= ctx.world_size
+        record = _snapshot(model, global_loss)
+        optimizer.step()
+        _finish_step(record, model)
+        trace.steps.append(record)
+    return trace

@@ -1,0 +1,85 @@
+"""Every message between the controller and a rank process.
+
+Messages are small frozen dataclasses with primitive payloads; anything richer (the task
+callable, its result) travels as cloudpickled ``bytes`` so that what crosses the process
+boundary is always plain data. ``tests/harness/test_protocol.py`` round-trips each one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Everything a rank process needs to join its world."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    store_host: str
+    store_port: int
+    store_prefix: str
+    pg_timeout_s: float
+    threads: int
+    loopback_ifname: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RankContext:
+    """What a task function receives as its first argument on every rank."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    generation: int = 0
+
+
+# controller -> rank
+
+
+@dataclass(frozen=True, slots=True)
+class RunTask:
+    task_id: int
+    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    sys_path: tuple[str, ...]  # the controller's import path at submission time
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+# rank -> controller
+
+
+@dataclass(frozen=True, slots=True)
+class RankReady:
+    rank: int
+    pid: int
+    seconds: float  # time to join the process group
+
+
+@dataclass(frozen=True, slots=True)
+class RankStartFailed:
+    rank: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDone:
+    task_id: int
+    rank: int
+    ok: bool
+    payload: bytes  # cloudpickle of the return value (ok) or of the exception (not ok)
+    error: str  # "Type: message" when not ok
+    traceback: str
+    seconds: float
+
+
+OUTPUT_END_MARK = b"\n\x00ddparity-task-end:%d\x00\n"
+"""Written to a rank's output stream after a task, so the controller can cut the
+stream at task boundaries even though output and messages travel on different pipes."""

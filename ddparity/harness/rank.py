@@ -1,0 +1,166 @@
+"""The program a rank process runs: join the world, then run tasks until told to stop.
+
+This module is the rank side of the harness. It imports nothing from ``ddparity.checks``
+reporting, the CLI or the pytest plugin; it talks to the controller only through the
+messages of :mod:`ddparity.harness.protocol`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from ddparity.harness.protocol import (
+    OUTPUT_END_MARK,
+    RankContext,
+    RankReady,
+    RankSpec,
+    RankStartFailed,
+    RunTask,
+    Shutdown,
+    TaskDone,
+)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when our parent dies, even by SIGKILL.
+
+    The parent is the controller (fork) or its forkserver, which exits when the
+    controller does. If the parent died before the request took effect, leave now.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _route_output(output: Connection) -> None:
+    """Send fd 1 and 2 (Python and C-level output alike) to the controller's pipe."""
+    fd = output.fileno()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    output.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    # A segfault or a SIGUSR1 from the controller prints every thread's Python stack.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+
+
+def _join_process_group(spec: RankSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads)
+    if spec.loopback_ifname and spec.backend == "gloo":
+        # gloo otherwise listens on the address the hostname resolves to (a LAN one).
+        os.environ["GLOO_SOCKET_IFNAME"] = spec.loopback_ifname
+    device_id = None
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(spec.device)
+        device_id = torch.device(spec.device)
+    timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
+    client = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        spec.backend,
+        store=dist.PrefixStore(spec.store_prefix, client),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+def _encode_exception(exc: BaseException) -> bytes:
+    import cloudpickle
+
+    from ddparity.errors import RemoteError
+
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        data = cloudpickle.dumps(exc)
+        cloudpickle.loads(data)  # some exceptions pickle but cannot be rebuilt
+        return data
+    except Exception:
+        return cloudpickle.dumps(RemoteError(type(exc).__name__, str(exc), tb))
+
+
+def _run_task(msg: RunTask, ctx: RankContext) -> TaskDone:
+    import cloudpickle
+
+    sys.path[:] = list(msg.sys_path)
+    started = time.perf_counter()
+    try:
+        fn, args, kwargs = cloudpickle.loads(msg.payload)
+        value = fn(ctx, *args, **kwargs)
+        payload = cloudpickle.dumps(value)
+    except BaseException as exc:  # everything, SystemExit included, becomes a report
+        return TaskDone(
+            task_id=msg.task_id,
+            rank=ctx.rank,
+            ok=False,
+            payload=_encode_exception(exc),
+            error=f"{type(exc).__name__}: {exc}",
+            traceback="".join(traceback.format_exception(exc)),
+            seconds=time.perf_counter() - started,
+        )
+    return TaskDone(msg.task_id, ctx.rank, True, payload, "", "", time.perf_counter() - started)
+
+
+def rank_main(
+    spec: RankSpec, control: Connection, output: Connection, inherited_fds: tuple[int, ...] = ()
+) -> None:
+    """Entry point of a rank process (target of ``multiprocessing.Process``)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    for fd in inherited_fds:  # other ranks' pipe ends, inherited through fork
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _route_output(output)
+    started = time.perf_counter()
+    try:
+        _join_process_group(spec)
+    except BaseException as exc:
+        control.send(RankStartFailed(spec.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        os._exit(1)
+    control.send(RankReady(spec.rank, os.getpid(), time.perf_counter() - started))
+    ctx = RankContext(spec.rank, spec.world_size, spec.backend, spec.device)
+    while True:
+        try:
+            msg = control.recv()
+        except (EOFError, OSError):
+            break  # the controller is gone
+        if isinstance(msg, Shutdown):
+            break
+        if isinstance(msg, RunTask):
+            done = _run_task(msg, ctx)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.write(1, OUTPUT_END_MARK % msg.task_id)
+            control.send(done)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        # Skip interpreter teardown: a forked rank holds copies of the controller's
+        # objects (its store server among them) whose finalizers must not run here.
+        os._exit(0)

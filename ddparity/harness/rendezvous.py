@@ -1,0 +1,102 @@
+"""Loopback-only rendezvous for local worlds, and the choice of backend and device.
+
+The store is a ``TCPStore`` served by the controller on a socket that *we* bind to
+``127.0.0.1:0`` and hand over as ``master_listen_fd``: ``TCPStore("127.0.0.1", 0,
+is_master=True)`` would listen on every interface, and picking a port by bind-then-close
+races with other worlds and pytest-xdist workers. The socket stays owned by us, so the
+port is never free between choosing and listening.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+
+from ddparity.errors import UsageError
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def loopback_ifname() -> str | None:
+    """Name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if any."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        if name == "lo" or name.startswith("lo0"):
+            return name
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices, without creating a CUDA context in this process.
+
+    The NVML-based count keeps the controller fork-safe; ``torch.cuda.device_count``
+    honours ``PYTORCH_NVML_BASED_CUDA_CHECK`` for exactly this reason.
+    """
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return 0
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver is the same as no GPU for choosing a backend
+        return 0
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """Turn ``auto`` into a concrete backend and reject what cannot run here."""
+    if backend not in BACKENDS:
+        if backend == "threaded":
+            raise UsageError(
+                "backend 'threaded' (simulated ranks) is not available in this version of "
+                "ddparity; use --backend gloo (real CPU processes) or nccl (GPUs)"
+            )
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    gpus = cuda_device_count()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise UsageError(
+            f"backend 'nccl' needs one CUDA device per rank: world size {world_size}, "
+            f"{gpus} device(s) visible; use --backend gloo on CPU, or a smaller world size"
+        )
+    return backend
+
+
+@dataclass
+class LoopbackStore:
+    """A TCPStore served from this process, reachable on 127.0.0.1 only."""
+
+    timeout_s: float
+    host: str = "127.0.0.1"
+    port: int = field(init=False)
+    _store: object = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((self.host, 0))
+        sock.listen(1024)
+        self.port = sock.getsockname()[1]
+        # The store takes ownership of the descriptor and closes it when destroyed.
+        self._store = dist.TCPStore(
+            self.host,
+            self.port,
+            is_master=True,
+            master_listen_fd=sock.detach(),
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+
+    @property
+    def store(self):  # torch.distributed.Store
+        return self._store
+
+    def close(self) -> None:
+        self._store = None

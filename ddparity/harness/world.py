@@ -1,0 +1,523 @@
+"""``World``: N real rank processes, started once and reused for many tasks.
+
+The controller's only door to the ranks. Start-up is cheap because ranks are forked from
+this (already torch-importing) process, or from a forkserver that preloaded torch when
+forking here is unsafe (a CUDA world, or ranks that want more than one intra-op thread:
+libgomp in a forked child hangs if the parent ever ran a multi-threaded region).
+
+Ranks die with their controller (``PR_SET_PDEATHSIG``), so even a SIGKILLed parent leaves
+no process behind; every wait here has a deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from ddparity.errors import (
+    RankCrashed,
+    TaskFailed,
+    TaskTimeout,
+    UsageError,
+    WorldStartError,
+)
+from ddparity.harness import rendezvous
+from ddparity.harness.protocol import (
+    OUTPUT_END_MARK,
+    RankReady,
+    RankSpec,
+    RankStartFailed,
+    RunTask,
+    Shutdown,
+    TaskDone,
+)
+
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
+           "ddparity.harness.rank"]
+"""Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
+first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
+
+_END_MARK_RE = re.compile(re.escape(OUTPUT_END_MARK).replace(b"%d", rb"\d+"))
+
+STACK_DUMP_WAIT_S = 1.0
+"""How long to wait for ranks to print their stacks (SIGUSR1) before they are killed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorldSpec:
+    """How a world is built. Validated once; errors name the bad value and the fix."""
+
+    world_size: int
+    backend: str = "gloo"
+    timeout: float = 300.0
+    start_timeout: float = 60.0
+    threads_per_rank: int = 1
+    error_grace: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise UsageError(f"world_size must be an int, got {self.world_size!r}")
+        if self.world_size < 1:
+            raise UsageError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("timeout", "start_timeout", "error_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
+            raise UsageError(f"threads_per_rank must be an int >= 1, got {self.threads_per_rank!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankOutcome:
+    """What one rank made of one task."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+    output: str = ""
+    seconds: float = 0.0
+
+
+class _OutputReader(threading.Thread):
+    """Drains one rank's stdout+stderr pipe. Only reads and appends; decides nothing."""
+
+    def __init__(self, rank: int, conn: Connection) -> None:
+        super().__init__(name=f"ddparity-output-rank{rank}", daemon=True)
+        self._conn = conn
+        self._buffer = bytearray()
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def run(self) -> None:
+        fd = self._conn.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            with self._cond:
+                if not chunk:
+                    self.closed = True
+                    self._cond.notify_all()
+                    break
+                self._buffer += chunk
+                self._cond.notify_all()
+        self._conn.close()
+
+    def take_until(self, mark: bytes, timeout: float) -> str:
+        """Everything up to ``mark`` (removed with it), or all there is after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while mark not in self._buffer and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            cut = self._buffer.find(mark)
+            if cut < 0:
+                data, self._buffer = bytes(self._buffer), bytearray()
+            else:
+                data = bytes(self._buffer[:cut])
+                del self._buffer[: cut + len(mark)]
+        return data.decode("utf-8", "replace")
+
+    def take_all(self, settle: float = 0.0) -> str:
+        """Everything buffered (task-end marks dropped), after up to ``settle`` s for EOF."""
+        if settle:
+            self.join(settle)
+        with self._cond:
+            data, self._buffer = bytes(self._buffer), bytearray()
+        return _END_MARK_RE.sub(b"", data).decode("utf-8", "replace")
+
+
+class _Ranks:
+    """The live processes of one generation; shared with the finalizer."""
+
+    def __init__(self) -> None:
+        self.procs: list[multiprocessing.Process] = []
+        self.controls: list[Connection] = []
+        self.readers: list[_OutputReader] = []
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                try:
+                    proc.kill()
+                except (OSError, ValueError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for conn in self.controls:
+            conn.close()
+        for reader in self.readers:
+            reader.join(timeout=1)
+        self.procs, self.controls, self.readers = [], [], []
+
+
+def _signal_name(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+class World:
+    """A warm world of ``world_size`` rank processes with a process group.
+
+    ``world.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank and returns the
+    results by rank. A task that raises leaves the world usable (or rebuilds it if the
+    other ranks got stuck waiting for the failed one); a rank that dies gets the world
+    rebuilt before the next task.
+    """
+
+    _task_ids = itertools.count(1)
+
+    def __init__(self, world_size: int, backend: str = "gloo", **options: Any) -> None:
+        self.spec = WorldSpec(world_size=world_size, backend=backend, **options)
+        self._backend: str | None = None
+        self._store: rendezvous.LoopbackStore | None = None
+        self._ranks = _Ranks()
+        self._generation = 0
+        self._live = False
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _Ranks.kill, self._ranks)
+        self.start_seconds: float | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def backend(self) -> str:
+        if self._backend is None:
+            self._backend = rendezvous.resolve_backend(self.spec.backend, self.spec.world_size)
+        return self._backend
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._ranks.procs if p.pid is not None]
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def __enter__(self) -> World:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> World:
+        """Start the ranks if they are not running (idempotent)."""
+        if self._closed:
+            raise UsageError("this World was closed; create a new one")
+        if not self._live:
+            self._launch()
+        return self
+
+    def restart(self) -> None:
+        """Kill the ranks and start a fresh generation on the same store."""
+        self._ranks.kill()
+        self._live = False
+        self._launch()
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by SIGKILL) and release the store."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._ranks.controls:
+            try:
+                conn.send(Shutdown())
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._ranks.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._ranks.kill()
+        self._live = False
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _start_method(self) -> str:
+        import torch
+
+        if self.backend == "gloo" and self.spec.threads_per_rank == 1 and not torch.cuda.is_initialized():
+            return "fork"
+        return "forkserver"
+
+    def _device(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.backend == "nccl" else "cpu"
+
+    def _launch(self) -> None:
+        started = time.perf_counter()
+        for name in PRELOAD:
+            __import__(name)
+        if self._store is None:
+            self._store = rendezvous.LoopbackStore(timeout_s=self.spec.start_timeout)
+        method = self._start_method()
+        mp = multiprocessing.get_context(method)
+        if method == "forkserver":
+            mp.set_forkserver_preload(PRELOAD)
+        self._generation += 1
+        n = self.spec.world_size
+        controls = [mp.Pipe(duplex=True) for _ in range(n)]
+        outputs = [mp.Pipe(duplex=False) for _ in range(n)]
+        ifname = rendezvous.loopback_ifname()
+        ranks = self._ranks
+        for rank in range(n):
+            spec = RankSpec(
+                rank=rank,
+                world_size=n,
+                backend=self.backend,
+                device=self._device(rank),
+                store_host=self._store.host,
+                store_port=self._store.port,
+                store_prefix=f"ddparity/gen{self._generation}",
+                pg_timeout_s=self.spec.timeout + 60.0,
+                threads=self.spec.threads_per_rank,
+                loopback_ifname=ifname,
+            )
+            inherited: tuple[int, ...] = ()
+            if method == "fork":
+                mine = {controls[rank][1].fileno(), outputs[rank][1].fileno()}
+                inherited = tuple(
+                    fd
+                    for pair in controls + outputs
+                    for c in pair
+                    if not c.closed and (fd := c.fileno()) not in mine
+                )
+            proc = mp.Process(
+                target=_rank_entry,
+                args=(spec, controls[rank][1], outputs[rank][1], inherited),
+                name=f"ddparity-rank{rank}",
+            )
+            proc.start()
+            ranks.procs.append(proc)
+            ranks.controls.append(controls[rank][0])
+            controls[rank][1].close()
+            outputs[rank][1].close()
+            reader = _OutputReader(rank, outputs[rank][0])
+            reader.start()
+            ranks.readers.append(reader)
+        self._await_ready(started)
+        self._live = True
+        self.start_seconds = time.perf_counter() - started
+
+    def _await_ready(self, started: float) -> None:
+        ranks = self._ranks
+        waiting = set(range(self.spec.world_size))
+        deadline = time.monotonic() + self.spec.start_timeout
+        problem = ""
+        while waiting and not problem:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                problem = f"ranks {sorted(waiting)} did not join within {self.spec.start_timeout:g} s"
+                break
+            watched = {ranks.controls[r]: r for r in waiting}
+            watched.update({ranks.procs[r].sentinel: r for r in waiting})
+            for obj in wait(list(watched), timeout=left):
+                rank = watched[obj]
+                if isinstance(obj, Connection):
+                    try:
+                        msg = obj.recv()
+                    except (EOFError, OSError):
+                        continue
+                    if isinstance(msg, RankReady):
+                        waiting.discard(rank)
+                    elif isinstance(msg, RankStartFailed):
+                        problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
+                elif rank in waiting and not ranks.controls[rank].poll():
+                    proc = ranks.procs[rank]
+                    proc.join(timeout=1)
+                    problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
+        if problem:
+            outputs = {r: rd.take_all(settle=0.5) for r, rd in enumerate(ranks.readers)}
+            ranks.kill()
+            detail = "".join(f"\n--- rank {r} output ---\n{o}" for r, o in outputs.items() if o.strip())
+            raise WorldStartError(
+                f"could not start a {self.spec.backend} world of {self.spec.world_size}: "
+                f"{problem}{detail}"
+            )
+
+    # -- tasks -----------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``fn(ctx, *args, **kwargs)`` on every rank; return the values by rank."""
+        return [o.value for o in self.execute(fn, *args, timeout=timeout, **kwargs)]
+
+    def execute(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[RankOutcome]:
+        """Like :meth:`run`, returning each rank's :class:`RankOutcome` (value and output).
+
+        Raises :class:`TaskFailed` if the task raised on any rank, :class:`TaskTimeout`
+        if ranks did not answer in time, :class:`RankCrashed` if a rank process died.
+        """
+        import cloudpickle
+
+        self.start()
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise UsageError(
+                f"the task {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); pass plain data, functions or classes"
+            ) from None
+        task_id = next(self._task_ids)
+        limit = self.spec.timeout if timeout is None else float(timeout)
+        if limit <= 0:
+            raise UsageError(f"timeout must be positive, got {timeout!r}")
+        ranks = self._ranks
+        msg = RunTask(task_id, payload, tuple(sys.path))
+        for conn in ranks.controls:
+            try:
+                conn.send(msg)
+            except OSError:
+                pass  # the rank died; its sentinel reports it below
+        return self._collect(task_id, limit)
+
+    def _collect(self, task_id: int, limit: float) -> list[RankOutcome]:
+        ranks = self._ranks
+        n = self.spec.world_size
+        outcomes: list[RankOutcome | None] = [None] * n
+        pending = set(range(n))
+        deadline = time.monotonic() + limit
+        first_failure: float | None = None
+        while pending:
+            now = time.monotonic()
+            until = deadline if first_failure is None else min(deadline, first_failure + self.spec.error_grace)
+            if now >= until:
+                break
+            watched: dict[Any, int] = {ranks.controls[r]: r for r in pending}
+            watched.update({ranks.procs[r].sentinel: r for r in pending})
+            for obj in wait(list(watched), timeout=until - now):
+                rank = watched[obj]
+                if rank not in pending:
+                    continue
+                # A message can still be queued behind a rank's death: read it first.
+                while rank in pending and _readable(ranks.controls[rank]):
+                    try:
+                        done = ranks.controls[rank].recv()
+                    except (EOFError, OSError):
+                        break  # it died; its sentinel says how
+                    if isinstance(done, TaskDone) and done.task_id == task_id:
+                        outcomes[rank] = self._decode(done)
+                        pending.discard(rank)
+                        if not done.ok and first_failure is None:
+                            first_failure = time.monotonic()
+                if rank in pending and not isinstance(obj, Connection):
+                    self._crashed(rank, task_id, outcomes)
+        if pending:
+            self._stuck(sorted(pending), task_id, outcomes, limit, timed_out=first_failure is None)
+        final = [o for o in outcomes if o is not None]
+        if not all(o.ok for o in final):
+            bad = [o for o in final if not o.ok]
+            raise TaskFailed(_failure_summary(bad), final)
+        return final
+
+    def _decode(self, done: TaskDone) -> RankOutcome:
+        import cloudpickle
+
+        output = self._ranks.readers[done.rank].take_until(OUTPUT_END_MARK % done.task_id, 5.0)
+        value = cloudpickle.loads(done.payload)
+        if done.ok:
+            return RankOutcome(done.rank, True, value, None, "", output, done.seconds)
+        return RankOutcome(done.rank, False, None, value, done.traceback, output, done.seconds)
+
+    def _dump_stacks(self, ranks_to_dump: list[int]) -> dict[int, str]:
+        """Ask live ranks to print every thread's stack (faulthandler on SIGUSR1)."""
+        for rank in ranks_to_dump:
+            proc = self._ranks.procs[rank]
+            if proc.is_alive() and proc.pid:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(STACK_DUMP_WAIT_S)
+        return {r: self._ranks.readers[r].take_all() for r in ranks_to_dump}
+
+    def _crashed(self, rank: int, task_id: int, outcomes: list[RankOutcome | None]) -> None:
+        proc = self._ranks.procs[rank]
+        proc.join(timeout=1)
+        others = [r for r in range(self.spec.world_size) if r != rank and outcomes[r] is None]
+        output = self._ranks.readers[rank].take_all(settle=1.0)
+        stacks = self._dump_stacks(others)
+        self._ranks.kill()
+        self._live = False
+        how = _signal_name(proc.exitcode)
+        lines = [f"rank {rank} died ({how}) while running task {task_id}; the world will be rebuilt"]
+        if output.strip():
+            lines.append(f"--- rank {rank} output ---\n{output.rstrip()}")
+        for r, text in stacks.items():
+            if text.strip():
+                lines.append(f"--- rank {r} at that moment ---\n{text.rstrip()}")
+        raise RankCrashed("\n".join(lines), rank, proc.exitcode, output)
+
+    def _stuck(
+        self,
+        pending: list[int],
+        task_id: int,
+        outcomes: list[RankOutcome | None],
+        limit: float,
+        timed_out: bool,
+    ) -> None:
+        stacks = self._dump_stacks(pending)
+        self._ranks.kill()
+        self._live = False
+        if timed_out:
+            lines = [f"ranks {pending} did not finish task {task_id} within {limit:g} s; the world was rebuilt"]
+            for r, text in stacks.items():
+                lines.append(f"--- rank {r} stack ---\n{text.rstrip() or '(no stack printed)'}")
+            raise TaskTimeout("\n".join(lines), pending, stacks)
+        failed = [o.rank for o in outcomes if o is not None and not o.ok]
+        for r in pending:
+            outcomes[r] = RankOutcome(
+                r,
+                False,
+                error=RuntimeError(
+                    f"rank {r} was still running {self.spec.error_grace:g} s after rank(s) "
+                    f"{failed} failed (most likely waiting for them in a collective)"
+                ),
+                output=stacks.get(r, ""),
+            )
+
+
+def _readable(conn: Connection) -> bool:
+    try:
+        return conn.poll()
+    except (EOFError, OSError):
+        return False
+
+
+def _failure_summary(bad: list[RankOutcome]) -> str:
+    head = bad[0]
+    ranks = ", ".join(str(o.rank) for o in bad)
+    text = f"task failed on rank(s) {ranks}: {type(head.error).__name__}: {head.error}"
+    if head.traceback:
+        text += f"\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}"
+    return text
+
+
+def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherited: tuple[int, ...]) -> None:
+    from ddparity.harness.rank import rank_main
+
+    rank_main(spec, control, output, inherited)

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
+
+
+def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
+    """The pids still alive (zombies excluded) after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Fails the test if it leaves any child process behind."""
+    before = _children()
+    yield
+    from ddparity.controller import default_pool
+
+    default_pool().close()
+    leftover = wait_gone(_children() - before)
+    # the multiprocessing forkserver (if one was started) is shared and may stay
+    leftover = {p for p in leftover if "forkserver" not in " ".join(psutil.Process(p).cmdline())}
+    assert not leftover, f"processes left behind: {leftover}"

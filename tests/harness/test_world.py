@@ -1,0 +1,203 @@
+"""World: real rank processes, reused; failures become errors that name the rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from ddparity import World
+from ddparity.errors import RankCrashed, TaskFailed, TaskTimeout, UsageError
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+class Doubler:  # a class defined in a test module travels to the ranks
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __call__(self, ctx, x):
+        return self.k * x + ctx.rank
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as world:
+        yield world
+
+
+def test_results_come_back_by_rank_with_real_collectives(world2):
+    def task(ctx):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(t)
+        return ctx.rank, ctx.world_size, float(t)
+
+    assert world2.run(task) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_lambdas_closures_and_test_module_classes_work(world2):
+    offset = 10
+    assert world2.run(lambda ctx: ctx.rank + offset) == [10, 11]
+    assert world2.run(Doubler(3), 5) == [15, 16]
+
+
+def test_output_is_captured_per_rank_including_c_level(world2):
+    def noisy(ctx):
+        print(f"hello from {ctx.rank}")
+        os.write(2, b"raw fd write\n")
+        return None
+
+    outcomes = world2.execute(noisy)
+    for rank, outcome in enumerate(outcomes):
+        assert f"hello from {rank}" in outcome.output
+        assert "raw fd write" in outcome.output
+        assert "ddparity-task-end" not in outcome.output
+
+
+def test_a_raising_task_reports_the_rank_and_leaves_a_usable_world(world2):
+    def fails_on_one(ctx):
+        if ctx.rank == 1:
+            raise ValueError("rank one is broken")
+        return "fine"
+
+    with pytest.raises(TaskFailed) as info:
+        world2.run(fails_on_one)
+    assert info.value.failed_ranks == [1]
+    assert "rank one is broken" in str(info.value)
+    assert "fails_on_one" in info.value.outcomes[1].traceback
+    assert world2.run(lambda ctx: ctx.rank) == [0, 1]
+
+
+def test_unpicklable_exceptions_come_back_as_remote_errors(world2):
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(a)
+
+    def raise_odd(ctx):
+        raise Odd("x", "y")
+
+    with pytest.raises(TaskFailed) as info:
+        world2.run(raise_odd)
+    assert "Odd" in str(info.value)
+
+
+def test_a_rank_stuck_after_a_peer_failed_is_rebuilt_not_waited_for():
+    import torch.distributed as dist  # noqa: F401  (imported in the task)
+
+    with World(2, error_grace=1.0) as world:
+        def one_raises_other_waits(ctx):
+            import torch.distributed as dist
+
+            if ctx.rank == 0:
+                raise RuntimeError("boom")
+            dist.barrier()
+
+        started = time.monotonic()
+        with pytest.raises(TaskFailed) as info:
+            world.run(one_raises_other_waits, timeout=60)
+        assert time.monotonic() - started < 30
+        assert "boom" in str(info.value)
+        assert world.run(lambda ctx: ctx.rank) == [0, 1]
+
+
+def test_timeout_reports_the_stuck_rank_with_its_stack_and_rebuilds():
+    with World(2) as world:
+        gen = world.generation
+
+        def stuck(ctx):
+            if ctx.rank == 1:
+                time.sleep(600)
+            return ctx.rank
+
+        with pytest.raises(TaskTimeout) as info:
+            world.run(stuck, timeout=1.5)
+        assert info.value.pending_ranks == [1]
+        assert "in stuck" in info.value.stacks[1]
+        assert world.run(lambda ctx: ctx.rank) == [0, 1]
+        assert world.generation == gen + 1
+
+
+@pytest.mark.parametrize("how", ["exit", "segfault"])
+def test_a_dying_rank_is_reported_and_the_world_rebuilt(how):
+    with World(2) as world:
+        def dies(ctx):
+            import ctypes
+
+            import torch.distributed as dist
+
+            if ctx.rank == 1:
+                if how == "exit":
+                    os._exit(7)
+                ctypes.string_at(0)  # segfault
+            dist.barrier()
+
+        with pytest.raises(RankCrashed) as info:
+            world.run(dies, timeout=60)
+        assert info.value.rank == 1
+        if how == "exit":
+            assert info.value.exitcode == 7
+        else:
+            assert info.value.exitcode == -signal.SIGSEGV
+            assert "Segmentation fault" in info.value.output
+        assert world.run(lambda ctx: ctx.rank) == [0, 1]
+
+
+def test_close_leaves_no_process():
+    world = World(3).start()
+    pids = set(world.pids)
+    assert len(pids) == 3
+    world.close()
+    assert not wait_gone(pids)
+    with pytest.raises(UsageError):
+        world.run(lambda ctx: 1)
+
+
+def test_store_and_gloo_listen_on_loopback_only(world2):
+    world2.run(lambda ctx: None)
+    me = psutil.Process()
+    procs = [me] + [psutil.Process(p) for p in world2.pids]
+    listening = [c for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening, "expected the store and gloo to listen somewhere"
+    assert all(c.laddr.ip in ("127.0.0.1", "::1") for c in listening), listening
+
+
+def test_world_size_is_validated():
+    with pytest.raises(UsageError, match="world_size must be >= 1"):
+        World(0)
+    with pytest.raises(UsageError, match="unknown backend"):
+        World(1, backend="mpi").start()
+
+
+def test_killing_the_parent_with_sigkill_leaves_no_rank_behind(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys, time
+        from ddparity import World
+        world = World(3).start()
+        world.run(lambda ctx: None)
+        print(" ".join(map(str, world.pids)), flush=True)
+        time.sleep(600)
+        """
+    ))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = {int(p) for p in line.split()}
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert not wait_gone(pids), "ranks outlived their SIGKILLed parent"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
