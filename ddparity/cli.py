@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from ddparity.errors import UsageError
 

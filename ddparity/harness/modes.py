@@ -78,6 +78,11 @@ def shard(obj: Any, rank: int, world_size: int) -> Any:
     return map_tensors(obj, cut)
 
 
+def reverse_samples(obj: Any, size: int) -> Any:
+    """The same batch in reversed sample order (tensors whose dim 0 is the batch)."""
+    return map_tensors(obj, lambda t: t.flip(0) if t.dim() and t.shape[0] == size else t)
+
+
 def _global_batch(case: Case, data: Any, step: int, generator: Any) -> tuple[Any, Any]:
     try:
         batch = data(step, generator)
@@ -154,8 +159,7 @@ def run_single(case: Case, state: dict[str, Any], device: str, permute: bool = F
         size = batch_size(inputs)
         trace.batch_sizes.append(size if size is not None else -1)
         if permute and size:
-            order = torch.arange(size - 1, -1, -1)
-            inputs, targets = (map_tensors(x, lambda t: t[order] if t.dim() else t) for x in (inputs, targets))
+            inputs, targets = reverse_samples(inputs, size), reverse_samples(targets, size)
         inputs, targets = _cast(inputs, case, device), _cast(targets, case, device)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(_forward(model, inputs), targets)

@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from ddparity.errors import (
     RankCrashed,

@@ -1,0 +1,127 @@
+"""The CLI as a user runs it: subprocesses, exit codes, reports, and no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+USER_FILE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from ddparity import Case
+
+    def data(step, generator):
+        return torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+
+    def clean():
+        return Case(model=lambda: nn.Linear(6, 3), data=data, optimizer="adam", lr=1e-2, steps=3)
+
+    def summed():
+        return Case(model=lambda: nn.Linear(6, 3), data=data, steps=3,
+                    loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="sum"))
+
+    def uneven():
+        return Case(model=lambda: nn.Linear(6, 3), data=lambda s, g: data(s, g)[:1] + (torch.zeros(7),))
+
+    def odd_batch():
+        return Case(model=lambda: nn.Linear(6, 3),
+                    data=lambda s, g: (torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)))
+
+    def broken_factory():
+        def model():
+            raise RuntimeError("layer sizes do not match")
+        return Case(model=model, data=data)
+
+    def not_a_case():
+        return 42
+
+    def bad_loss():
+        return Case(model=lambda: nn.Linear(6, 3), data=data, loss="cross_entropyy")
+
+    def bad_optimizer():
+        return Case(model=lambda: nn.Linear(6, 3), data=data, optimizer="sgdd")
+    """
+)
+
+
+def ddparity(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddparity.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "my_cases.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_demo_passes_and_prints_a_table():
+    result = ddparity("check", "--demo", "--world-sizes", "1,2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo: MLP + SGD" in result.stdout
+    assert "transformer block" in result.stdout
+    assert result.stdout.count("OK:") == 3
+
+
+def test_clean_user_file_passes_at_1_2_4_and_writes_json(user_file, tmp_path):
+    out = tmp_path / "report.json"
+    result = ddparity("check", f"{user_file}:clean", "--world-sizes", "1,2,4", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["version"] == 1 and data["ok"] is True
+    assert [(r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
+        ("single", 1, "pass"), ("ddp", 1, "pass"), ("ddp", 2, "pass"), ("ddp", 4, "pass")]
+    for run in data["runs"]:
+        assert set(run) >= {"mode", "world_size", "backend", "simulated", "status", "reason",
+                            "first_divergence", "desync", "hang", "crash", "seconds"}
+        assert run["simulated"] is False and run["backend"] == "gloo"
+
+
+def test_summed_loss_in_a_user_module_exits_1_with_first_divergence_and_repro(user_file, tmp_path):
+    out = tmp_path / "report.json"
+    result = ddparity("check", "my_cases:summed", "--world-sizes", "2", "--json", str(out), cwd=user_file.parent)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "first divergence: step 0, loss 'loss', rank 0" in result.stdout
+    assert "worst offenders" in result.stdout
+    assert "reproduce: ddparity check my_cases:summed --modes ddp --world-sizes 2" in result.stdout
+    run = json.loads(out.read_text())["runs"][1]
+    assert run["status"] == "diverged"
+    assert run["first_divergence"]["step"] == 0 and run["first_divergence"]["kind"] == "loss"
+
+
+def test_known_bug_fixtures_through_the_cli():
+    result = ddparity("check", "ddparity.fixtures.bugs:corrupted_grad_on_one_rank", "--world-sizes", "2")
+    assert result.returncode == 1
+    assert "first divergence: step 2, grad 'net.0.weight', rank 1" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{file}:broken_factory"], "layer sizes do not match"),
+        (["{file}:not_a_case"], "returned int, not a ddparity.Case"),
+        (["{file}:bad_loss"], "unknown loss 'cross_entropyy'"),
+        (["{file}:bad_optimizer"], "unknown optimizer 'sgdd'"),
+        (["{file}:odd_batch", "--world-sizes", "4"], "cannot be split into 4 equal shards"),
+        (["{file}:nothing"], "has no attribute 'nothing'"),
+        (["no_such_module_abc:case"], "cannot import module 'no_such_module_abc'"),
+        (["{file}:clean", "--world-sizes", "0"], "world sizes must be integers >= 1"),
+        (["{file}:clean", "--world-sizes", "two"], "comma-separated list of integers"),
+        (["{file}:clean", "--backend", "nccl"], "nccl"),
+        (["{file}:clean", "--modes", "single,tpu"], "unknown mode 'tpu'"),
+        (["{file}:clean", "--tolerance", "tight"], "tolerance must be 'auto' or a number"),
+        ([], "missing TARGET"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, message):
+    result = ddparity("check", *[a.format(file=user_file) for a in args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    text = result.stdout + result.stderr
+    assert message in text
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,80 @@
+"""Case validation and target loading: every bad input names the problem and the fix."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from ddparity.case import Case, load_case, load_target, resolve_loss
+from ddparity.errors import UsageError
+from ddparity.fixtures.models import MLP, vectors
+
+
+def good(**changes):
+    fields = dict(model=MLP, data=vectors)
+    fields.update(changes)
+    return Case(**fields)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(loss="no_such_loss"), "unknown loss 'no_such_loss'"),
+        (dict(loss="relu"), "unknown loss 'relu'"),
+        (dict(optimizer="lbfgs2"), "unknown optimizer 'lbfgs2'"),
+        (dict(steps=0), "steps must be an int >= 1"),
+        (dict(seed="x"), "seed must be an int"),
+        (dict(lr=-1.0), "lr must be a positive number"),
+        (dict(dtype=torch.int64), "dtype must be a floating torch.dtype"),
+        (dict(ddp_options={"bucket_size": 3}), "unknown DDP option"),
+        (dict(model=3), "Case.model must be a callable"),
+        (dict(data=None), "Case.data must be a callable"),
+    ],
+)
+def test_bad_fields_are_named(changes, message):
+    with pytest.raises(UsageError, match=message):
+        good(**changes).validate()
+
+
+def test_named_losses_resolve():
+    assert resolve_loss("mse_loss") is torch.nn.functional.mse_loss
+    assert resolve_loss("cross_entropy") is torch.nn.functional.cross_entropy
+
+
+def test_module_and_file_targets_load(tmp_path):
+    assert load_target("ddparity.fixtures.models:mlp_sgd")().name == "demo: MLP + SGD"
+    path = tmp_path / "my_case.py"
+    path.write_text(textwrap.dedent(
+        """
+        from ddparity import Case
+        from ddparity.fixtures.models import MLP, vectors
+        def case():
+            return Case(model=MLP, data=vectors)
+        """
+    ))
+    case = load_case(f"{path}:case")
+    assert case.target == f"{path}:case" and case.name == f"{path}:case"
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("no_colon", "must look like"),
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("ddparity.fixtures.models:nothing", "has no attribute 'nothing'"),
+        ("/does/not/exist.py:f", "does not exist"),
+        ("ddparity.fixtures.models:MLP", "returned MLP, not a ddparity.Case"),
+    ],
+)
+def test_bad_targets_are_named(target, message):
+    with pytest.raises(UsageError, match=message):
+        load_case(target)
+
+
+def test_a_target_that_raises_is_a_usage_error(tmp_path):
+    path = tmp_path / "raises.py"
+    path.write_text("def case():\n    raise RuntimeError('nope')\n")
+    with pytest.raises(UsageError, match="raised RuntimeError: nope"):
+        load_case(f"{path}:case")

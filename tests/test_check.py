@@ -1,0 +1,149 @@
+"""check(): real worlds, known bugs flagged at the right step and kind, clean models pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from ddparity import Case, ParityError, check
+from ddparity.errors import UsageError
+from ddparity.fixtures import bugs, models
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+WORLD_SIZES = (1, 2, 4)
+
+
+@pytest.mark.parametrize("factory", [models.mlp_sgd, models.cnn_adam, models.transformer_adamw,
+                                     bugs.clean_regression, bugs.clean_batchnorm_eval])
+def test_clean_models_pass_at_every_world_size(factory):
+    report = check(factory(), world_sizes=WORLD_SIZES)
+    assert report.ok, report.render()
+    assert [(r.mode, r.world_size) for r in report.runs] == [("single", 1), ("ddp", 1), ("ddp", 2), ("ddp", 4)]
+    report.raise_for_failure()
+
+
+@pytest.mark.parametrize(
+    "factory, step, kind, rank",
+    [
+        (bugs.summed_loss, 0, "loss", 0),
+        (bugs.batchnorm_on_shards, 0, "loss", 0),
+        (bugs.corrupted_grad_on_one_rank, bugs.CORRUPT_FROM_STEP, "grad", bugs.CORRUPT_RANK),
+    ],
+)
+def test_known_bugs_are_flagged_at_the_right_step_and_kind(factory, step, kind, rank):
+    report = check(factory(), world_sizes=(2, 4))
+    assert not report.ok
+    assert report.exit_code == 1
+    for run in report.runs[1:]:
+        assert run.status == "diverged", run
+        d = run.first_divergence
+        assert (d.step, d.kind, d.rank) == (step, kind, rank), d
+        assert d.max_abs > 100 * d.tolerance
+    with pytest.raises(ParityError, match="first divergence"):
+        report.raise_for_failure()
+
+
+def test_summed_loss_is_equivalent_at_world_size_one():
+    report = check(bugs.summed_loss(), world_sizes=(1,))
+    assert report.ok, report.render()
+
+
+def test_ddp_options_are_passed_through():
+    case = models.mlp_sgd()
+    case.ddp_options = {"gradient_as_bucket_view": True, "static_graph": True, "bucket_cap_mb": 1,
+                        "broadcast_buffers": False, "find_unused_parameters": False}
+    assert check(case, modes=("ddp",), world_sizes=(2,)).ok
+
+
+def test_an_unused_parameter_needs_find_unused_parameters():
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(16, 4)
+            self.unused = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    case = Case(model=WithUnused, data=models.vectors, steps=2)
+    crashed = check(case, modes=("ddp",), world_sizes=(2,))
+    assert crashed.runs[0].status == "crash"
+    assert "find_unused_parameters" in crashed.runs[0].reason
+    case.ddp_options = {"find_unused_parameters": True}
+    assert check(case, modes=("ddp",), world_sizes=(2,)).ok
+
+
+def test_uneven_batch_is_an_error_that_names_the_fix():
+    case = Case(model=models.MLP, data=lambda step, g: models.vectors(step, g, batch=6))
+    report = check(case, world_sizes=(2, 4))
+    statuses = {r.world_size: r.status for r in report.runs if r.mode == "ddp"}
+    assert statuses == {2: "pass", 4: "error"}
+    bad = report.runs[-1]
+    assert "6 samples" in bad.reason and "divisible" in bad.reason
+    assert report.exit_code == 2
+
+
+def test_a_factory_that_raises_is_an_error_for_every_run():
+    def broken():
+        raise ValueError("bad layer size")
+
+    report = check(Case(model=broken, data=models.vectors), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["error", "error"]
+    assert "bad layer size" in report.runs[0].reason
+    assert report.exit_code == 2
+
+
+def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
+    strict = check(models.mlp_sgd(), modes=("ddp",), world_sizes=(1,), tolerance=0.0)
+    assert strict.ok  # one rank, no reordering: bit-exact
+    loose = check(models.mlp_sgd(), modes=("ddp",), world_sizes=(2,), tolerance=1e-4)
+    assert loose.ok, loose.render()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(modes=("dp",)), "mode 'dp'"),
+        (dict(modes=("nope",)), "unknown mode"),
+        (dict(world_sizes=(0,)), "world size must be an integer >= 1"),
+        (dict(backend="threaded"), "threaded"),
+        (dict(tolerance="loose"), "tolerance must be 'auto'"),
+        (dict(timeout=0), "timeout must be a positive"),
+    ],
+)
+def test_bad_options_are_usage_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        check(models.mlp_sgd(), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_gpus_is_a_usage_error():
+    with pytest.raises(UsageError, match="nccl.*CUDA device"):
+        check(models.mlp_sgd(), backend="nccl")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    hidden=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    features=st.integers(1, 12),
+    classes=st.integers(2, 6),
+    per_rank=st.integers(1, 6),
+    world_size=st.integers(1, 4),
+    optimizer=st.sampled_from(["sgd", "adam", "adamw"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_ddp_matches_single_device_for_generated_mlps(hidden, features, classes, per_rank,
+                                                               world_size, optimizer, seed):
+    sizes = (features, *hidden, classes)
+    batch = per_rank * world_size
+
+    def data(step, generator):
+        return models.vectors(step, generator, features=features, classes=classes, batch=batch)
+
+    case = Case(model=lambda: models.MLP(sizes), data=data, optimizer=optimizer, lr=0.05, steps=3, seed=seed)
+    report = check(case, modes=("ddp",), world_sizes=(world_size,))
+    assert report.ok, report.render()
