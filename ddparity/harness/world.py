@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -306,7 +307,8 @@ class World:
                     for c in pair
                     if not c.closed and (fd := c.fileno()) not in mine
                 )
-            proc = mp.Process(
+            process_class = _ForkserverRank if method == "forkserver" else mp.Process
+            proc = process_class(
                 target=_rank_entry,
                 args=(spec, controls[rank][1], outputs[rank][1], inherited),
                 name=f"ddparity-rank{rank}",
@@ -346,10 +348,18 @@ class World:
                         waiting.discard(rank)
                     elif isinstance(msg, RankStartFailed):
                         problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
-                elif rank in waiting and not ranks.controls[rank].poll():
-                    proc = ranks.procs[rank]
-                    proc.join(timeout=1)
-                    problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
+                elif rank in waiting:
+                    while _readable(ranks.controls[rank]):
+                        try:
+                            msg = ranks.controls[rank].recv()
+                        except (EOFError, OSError):
+                            break
+                        if isinstance(msg, RankStartFailed):
+                            problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
+                    if not problem:
+                        proc = ranks.procs[rank]
+                        proc.join(timeout=1)
+                        problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
         if problem:
             outputs = {r: rd.take_all(settle=0.5) for r, rd in enumerate(ranks.readers)}
             ranks.kill()
@@ -516,6 +526,36 @@ def _failure_summary(bad: list[RankOutcome]) -> str:
     if head.traceback:
         text += f"\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}"
     return text
+
+
+class _NoMainPopen(popen_forkserver.Popen):
+    """Forkserver launch without re-running the user's ``__main__`` in the rank.
+
+    multiprocessing re-imports the parent's main script in every forkserver child, which
+    re-executes an unguarded script (and pays its imports). Ranks need nothing from it:
+    tasks travel by value (cloudpickle).
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        spawn.get_preparation_data = without_main  # the controller is single-threaded here
+        try:
+            super()._launch(process_obj)
+        finally:
+            spawn.get_preparation_data = original
+
+
+class _ForkserverRank(multiprocessing.get_context("forkserver").Process):  # type: ignore[misc]
+    @staticmethod
+    def _Popen(process_obj: Any) -> _NoMainPopen:
+        return _NoMainPopen(process_obj)
 
 
 def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherited: tuple[int, ...]) -> None:
