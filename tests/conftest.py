@@ -30,6 +30,7 @@ def no_leftover_processes():
 
     default_pool().close()
     leftover = wait_gone(_children() - before)
-    # the multiprocessing forkserver (if one was started) is shared and may stay
-    leftover = {p for p in leftover if "forkserver" not in " ".join(psutil.Process(p).cmdline())}
+    # multiprocessing's shared helpers (forkserver, resource tracker) may stay
+    helpers = ("forkserver", "resource_tracker")
+    leftover = {p for p in leftover if not any(h in " ".join(psutil.Process(p).cmdline()) for h in helpers)}
     assert not leftover, f"processes left behind: {leftover}"

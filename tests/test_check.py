@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -11,6 +10,7 @@ from torch import nn
 from ddparity import Case, ParityError, check
 from ddparity.errors import UsageError
 from ddparity.fixtures import bugs, models
+from ddparity.harness.rendezvous import cuda_device_count
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -120,7 +120,7 @@ def test_bad_options_are_usage_errors(kwargs, message):
         check(models.mlp_sgd(), **kwargs)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the no-GPU message")
 def test_nccl_without_gpus_is_a_usage_error():
     with pytest.raises(UsageError, match="nccl.*CUDA device"):
         check(models.mlp_sgd(), backend="nccl")

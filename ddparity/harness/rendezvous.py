@@ -10,7 +10,6 @@ port is never free between choosing and listening.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from dataclasses import dataclass, field
 
@@ -32,20 +31,49 @@ def loopback_ifname() -> str | None:
 
 
 def cuda_device_count() -> int:
-    """Number of CUDA devices, without creating a CUDA context in this process.
-
-    The NVML-based count keeps the controller fork-safe; ``torch.cuda.device_count``
-    honours ``PYTORCH_NVML_BASED_CUDA_CHECK`` for exactly this reason.
-    """
+    """Number of CUDA devices, counted through NVML so that this process stays fork-safe
+    (``torch.cuda.device_count`` may call ``cuInit`` otherwise)."""
     import torch
 
     if not torch.backends.cuda.is_built():
         return 0
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    try:
+        from torch.cuda import _device_count_nvml  # private; present since torch 2.0
+
+        count = int(_device_count_nvml())
+        if count >= 0:
+            return count
+    except Exception:
+        pass
     try:
         return int(torch.cuda.device_count())
     except Exception:  # a broken driver is the same as no GPU for choosing a backend
         return 0
+
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether this process has called ``cuInit`` (so a forked child cannot use CUDA).
+
+    ``torch.cuda.is_initialized()`` is not enough: ``torch.cuda.is_available()`` and
+    friends initialise the driver without creating torch's context, and a child forked
+    after that fails at its first CUDA call ("initialization error", seen on an H200
+    machine). Any driver call made before ``cuInit`` answers CUDA_ERROR_NOT_INITIALIZED
+    without initialising anything, which makes ``cuDeviceGetCount`` an exact probe.
+    """
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False  # no driver: nothing to initialise
+    count = ctypes.c_int(0)
+    try:
+        return int(libcuda.cuDeviceGetCount(ctypes.byref(count))) != _CUDA_ERROR_NOT_INITIALIZED
+    except AttributeError:
+        return True  # an unknown driver library: assume the worst, use the forkserver
 
 
 def resolve_backend(backend: str, world_size: int) -> str:

@@ -260,9 +260,17 @@ class World:
             self._store = None
 
     def _start_method(self) -> str:
-        import torch
+        """Fork from here when it is safe, else from a forkserver that preloaded torch.
 
-        if self.backend == "gloo" and self.spec.threads_per_rank == 1 and not torch.cuda.is_initialized():
+        Unsafe: a CUDA world, a process whose CUDA driver is initialised, and ranks with
+        more than one intra-op thread (libgomp hangs in a child forked after the parent
+        ran a parallel region; with one thread it never enters one).
+        """
+        if (
+            self.backend == "gloo"
+            and self.spec.threads_per_rank == 1
+            and not rendezvous.cuda_driver_initialized()
+        ):
             return "fork"
         return "forkserver"
 

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from ddparity.harness.rendezvous import cuda_device_count
+
 USER_FILE = textwrap.dedent(
     """
     import torch
@@ -113,7 +115,8 @@ def test_known_bug_fixtures_through_the_cli():
         (["no_such_module_abc:case"], "cannot import module 'no_such_module_abc'"),
         (["{file}:clean", "--world-sizes", "0"], "world sizes must be integers >= 1"),
         (["{file}:clean", "--world-sizes", "two"], "comma-separated list of integers"),
-        (["{file}:clean", "--backend", "nccl"], "nccl"),
+        pytest.param(["{file}:clean", "--backend", "nccl"], "nccl", marks=pytest.mark.skipif(
+            cuda_device_count() > 0, reason="nccl is valid where GPUs exist")),
         (["{file}:clean", "--modes", "single,tpu"], "unknown mode 'tpu'"),
         (["{file}:clean", "--tolerance", "tight"], "tolerance must be 'auto' or a number"),
         ([], "missing TARGET"),
