@@ -126,7 +126,7 @@ def test_nccl_without_gpus_is_a_usage_error():
         check(models.mlp_sgd(), backend="nccl")
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     hidden=st.lists(st.integers(1, 24), min_size=1, max_size=3),
     features=st.integers(1, 12),
