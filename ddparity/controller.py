@@ -231,9 +231,10 @@ def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldP
                          reason=f"the global batch of step {step} has {size} samples, which cannot be split "
                                 f"into {ws} equal shards; use a batch size divisible by every world size "
                                 f"(e.g. {_lcm(opts.world_sizes)})")
-    if backend == "nccl" and rendezvous.cuda_device_count() < ws:
+    gpus = rendezvous.cuda_device_count() if backend == "nccl" else 0
+    if backend == "nccl" and gpus < ws:
         return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
-                         reason=f"nccl needs {ws} CUDA devices, {rendezvous.cuda_device_count()} visible")
+                         reason=f"nccl needs {ws} CUDA devices, {gpus} visible")
     try:
         world = pool.get(ws, backend)
         traces = world.run(ddp_task, case, state, timeout=opts.timeout)
