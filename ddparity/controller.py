@@ -24,7 +24,7 @@ from ddparity.errors import (
     WorldStartError,
 )
 from ddparity.harness import rendezvous
-from ddparity.harness.modes import ddp_task, reference_task
+from ddparity.harness.modes import CaseError, ddp_task, reference_task
 from ddparity.harness.world import World
 from ddparity.report import Report, RunResult
 
@@ -119,8 +119,6 @@ def _user_error(exc: BaseException) -> str:
 
 
 def _is_case_error(exc: TaskFailed) -> bool:
-    from ddparity.harness.modes import CaseError
-
     return any(isinstance(o.error, (CaseError, UsageError)) for o in exc.outcomes if not o.ok)
 
 

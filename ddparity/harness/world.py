@@ -329,11 +329,11 @@ class World:
             reader = _OutputReader(rank, outputs[rank][0])
             reader.start()
             ranks.readers.append(reader)
-        self._await_ready(started)
+        self._await_ready()
         self._live = True
         self.start_seconds = time.perf_counter() - started
 
-    def _await_ready(self, started: float) -> None:
+    def _await_ready(self) -> None:
         ranks = self._ranks
         waiting = set(range(self.spec.world_size))
         deadline = time.monotonic() + self.spec.start_timeout
@@ -347,27 +347,17 @@ class World:
             watched.update({ranks.procs[r].sentinel: r for r in waiting})
             for obj in wait(list(watched), timeout=left):
                 rank = watched[obj]
-                if isinstance(obj, Connection):
-                    try:
-                        msg = obj.recv()
-                    except (EOFError, OSError):
-                        continue
+                if rank not in waiting:
+                    continue
+                for msg in _queued(ranks.controls[rank]):
                     if isinstance(msg, RankReady):
                         waiting.discard(rank)
                     elif isinstance(msg, RankStartFailed):
                         problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
-                elif rank in waiting:
-                    while _readable(ranks.controls[rank]):
-                        try:
-                            msg = ranks.controls[rank].recv()
-                        except (EOFError, OSError):
-                            break
-                        if isinstance(msg, RankStartFailed):
-                            problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
-                    if not problem:
-                        proc = ranks.procs[rank]
-                        proc.join(timeout=1)
-                        problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
+                if rank in waiting and not problem and not isinstance(obj, Connection):
+                    proc = ranks.procs[rank]
+                    proc.join(timeout=1)
+                    problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
         if problem:
             outputs = {r: rd.take_all(settle=0.5) for r, rd in enumerate(ranks.readers)}
             ranks.kill()
@@ -433,12 +423,8 @@ class World:
                 if rank not in pending:
                     continue
                 # A message can still be queued behind a rank's death: read it first.
-                while rank in pending and _readable(ranks.controls[rank]):
-                    try:
-                        done = ranks.controls[rank].recv()
-                    except (EOFError, OSError):
-                        break  # it died; its sentinel says how
-                    if isinstance(done, TaskDone) and done.task_id == task_id:
+                for done in _queued(ranks.controls[rank]):
+                    if isinstance(done, TaskDone) and done.task_id == task_id and rank in pending:
                         outcomes[rank] = self._decode(done)
                         pending.discard(rank)
                         if not done.ok and first_failure is None:
@@ -520,11 +506,16 @@ class World:
             )
 
 
-def _readable(conn: Connection) -> bool:
-    try:
-        return conn.poll()
-    except (EOFError, OSError):
-        return False
+def _queued(conn: Connection) -> list[Any]:
+    """Every message already waiting on ``conn``; stops at EOF (a dead rank)."""
+    messages = []
+    while True:
+        try:
+            if not conn.poll():
+                return messages
+            messages.append(conn.recv())
+        except (EOFError, OSError):
+            return messages
 
 
 def _failure_summary(bad: list[RankOutcome]) -> str:
