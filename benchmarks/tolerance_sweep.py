@@ -23,9 +23,9 @@ from ddparity.trace import KINDS
 
 
 def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
-    [(state, reference, permuted)] = pool.get(1, "gloo").run(reference_task, case)
+    [(state, reference, twin)] = pool.get(1, "gloo").run(reference_task, case, (ws,))
     traces = pool.get(ws, "gloo").run(ddp_task, case, state)
-    tol = auto_tolerance(reference, permuted, ws, case.torch_dtype)
+    tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     ratio = 0.0
     for step, ref in enumerate(reference.steps):
         for kind in KINDS:

@@ -183,7 +183,9 @@ def check(
     started = time.perf_counter()
     try:
         ref_world = pool.get(1, chosen)
-        [(state, reference, permuted)] = ref_world.run(reference_task, case, timeout=opts.timeout)
+        [(state, reference, twin)] = ref_world.run(
+            reference_task, case, opts.world_sizes if "ddp" in opts.modes else (), timeout=opts.timeout
+        )
     except UsageError:
         raise
     except WorldFailure as exc:
@@ -202,7 +204,7 @@ def check(
         )
     if "ddp" in opts.modes:
         for ws in opts.world_sizes:
-            report.runs.append(_run_ddp(case, opts, chosen, ws, pool, state, reference, permuted))
+            report.runs.append(_run_ddp(case, opts, chosen, ws, pool, state, reference, twin))
     return report
 
 
@@ -214,7 +216,7 @@ def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
 
 
 def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
-             state: Any, reference: Any, permuted: Any) -> RunResult:
+             state: Any, reference: Any, twin: Any) -> RunResult:
     repro = _repro(case, "ddp", ws, backend, opts.tolerance)
     started = time.perf_counter()
     sizes = reference.batch_sizes
@@ -242,7 +244,7 @@ def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldP
     except WorldFailure as exc:
         return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
     if opts.tolerance == "auto":
-        tol = auto_tolerance(reference, permuted, ws, case.torch_dtype)
+        tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     else:
         tol = fixed_tolerance(reference, float(opts.tolerance))
     found = divergences(reference, traces, tol)

@@ -19,6 +19,18 @@ class StepRecord:
     grads: dict[str, Any] = field(default_factory=dict)  # name -> tensor or None
     params: dict[str, Any] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
+    # Calibration twin only: mean |loss| and |gradient| of the samples (or shards) DDP sums (the terms'
+    # size bounds the rounding of their sum; see checks/tolerance.py). None when unknown.
+    loss_scale: Any = None
+    grad_scales: dict[str, Any] = field(default_factory=dict)
+
+    def scale(self, kind: str, name: str) -> Any:
+        """What rounding of this record scales with: its summands where known, else itself."""
+        if kind == "loss" and self.loss_scale is not None:
+            return self.loss_scale
+        if kind == "grad" and name in self.grad_scales:
+            return self.grad_scales[name]
+        return self.tensors(kind).get(name)
 
     def tensors(self, kind: str) -> dict[str, Any]:
         if kind == "loss":

@@ -3,14 +3,22 @@
 ``auto`` calibrates a noise floor from the reference itself. Data parallelism changes
 *where* the batch is summed (per-shard partial sums, then an all-reduce), never *what* is
 computed, so a correct DDP run differs from the reference only by floating-point
-reordering. The reference is therefore run a second time on every global batch in
-reversed sample order: the same mathematics for any model that treats the batch as a set
-(BatchNorm and mean or sum losses included, so their misuse is *not* absorbed into the
-floor), summed in another order. Its distance to the reference, step by step and tensor
-by tensor, is the reordering noise of this model, dtype and trajectory, including how
-the optimizer amplifies it over steps.
+rounding. The reference is therefore run a second time, as a *calibration twin*:
 
-The per-tensor tolerance is ``HEADROOM * max(calibrated noise, all-reduce floor)``.
+* on every global batch in reversed sample order — the same mathematics for any model
+  that treats the batch as a set (BatchNorm and mean or sum losses included, so their
+  misuse is *not* absorbed into the floor), summed in another order;
+* with every gradient nudged towards zero, before each optimizer step, by the rounding a
+  W-rank run may add: W ulps of the size of its summands (per-sample gradients through
+  ``torch.func``, or per-shard ones where those are not defined). Rounding a sum scales
+  with its terms, which can be far larger than a cancelling result; and Adam-like
+  optimizers turn ulps of a near-zero gradient into visible update differences that
+  later steps carry on.
+
+The twin's distance to the reference, step by step and tensor by tensor, is then the
+noise a correct run may show, including what the optimizer and later steps make of it.
+The per-tensor tolerance is ``HEADROOM * max(twin distance, floor)``, the floor being W
+ulps of the summands' size (losses, gradients) or of the tensor (params, buffers).
 """
 
 from __future__ import annotations
@@ -21,14 +29,12 @@ from typing import Any
 from ddparity.trace import KINDS, Trace
 
 HEADROOM = 32.0
-"""The calibration run samples *one* reordering; DDP is another. Across our sweep
+"""The twin samples *one* reordering; DDP is another. Across our sweep
 (``benchmarks/tolerance_sweep.py``: the demo MLP, CNN and transformer block, and MLPs of
 three shapes with SGD/Adam/AdamW in float32 and float64, at world sizes 2, 3, 4 and 8)
-a correct DDP run came at most 6.1x the calibrated noise (Adam, which divides by the
-root of tiny second moments, amplifies reordering most). 32x leaves a 5x margin above
-that and stays four to five orders of magnitude below the error of real bugs (a summed
-loss is off by a factor of W, a sharded BatchNorm by O(1), a corrupted gradient by its
-corruption: measured 1e4 to 5e5 tolerances away)."""
+a correct DDP run came at most 4.1x the twin's distance (Adam). 32x leaves an 8x margin
+above that and stays far below the error of real bugs: the bug fixtures land 270
+(BatchNorm on 4 shards, first divergence) to 1.6e6 (summed loss) tolerances away."""
 
 
 def max_abs(t: Any) -> float:
@@ -64,21 +70,23 @@ class Tolerance:
         return self.table.get((step, kind, name), 0.0)
 
 
-def auto_tolerance(reference: Trace, permuted: Trace, world_size: int, dtype: Any) -> Tolerance:
+def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -> Tolerance:
     """Calibrated tolerance for a run of ``world_size`` ranks against ``reference``."""
     import torch
 
     eps = torch.finfo(dtype).eps
     table: dict[tuple[int, str, str], float] = {}
-    for step, (ref, cal) in enumerate(zip(reference.steps, permuted.steps)):
+    for step, (ref, cal) in enumerate(zip(reference.steps, twin.steps)):
         for kind in KINDS:
             ref_t, cal_t = ref.tensors(kind), cal.tensors(kind)
             for name, tensor in ref_t.items():
                 noise = distance(tensor, cal_t.get(name))
                 if noise == float("inf"):
                     noise = 0.0  # shape/None mismatches are not noise
-                # Summing W partial results of this size rounds by up to ~W ulps of it.
-                floor = world_size * eps * max_abs(tensor)
+                # Summing W partial results rounds by up to ~W ulps of the partials' size
+                # (not of the result's: partial gradients can cancel).
+                scale = cal.scale(kind, name) if kind in ("loss", "grad") else tensor
+                floor = world_size * eps * max_abs(scale)
                 table[(step, kind, name)] = HEADROOM * max(noise, floor)
     return Tolerance(f"auto (calibrated noise floor x{HEADROOM:g}, {dtype})", table)
 

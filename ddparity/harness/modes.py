@@ -2,8 +2,8 @@
 
 * ``reference_task`` builds the initial state once (from the case's factory and seed),
   then trains on one device with the whole global batch (mode ``single``), and once more
-  with every global batch permuted: the same mathematics in another summation order,
-  whose distance to the reference calibrates the floating-point noise floor.
+  as the calibration twin (reversed sample order, gradients nudged by the rounding DDP
+  may add), whose distance to the reference calibrates the floating-point noise floor.
 * ``ddp_task`` loads that initial state into every rank and trains under
   ``DistributedDataParallel``, each rank on its contiguous shard of the same batch.
 """
@@ -144,8 +144,98 @@ def _cast(batch: Any, case: Case, device: str) -> Any:
     return map_tensors(batch, move)
 
 
-def run_single(case: Case, state: dict[str, Any], device: str, permute: bool = False) -> Trace:
-    """Mode ``single``: one device, the whole global batch (``permute``: reversed order)."""
+def _shard_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any, shards: int) -> tuple[Any, dict]:
+    """Mean over ``shards`` contiguous shards of |shard loss| and |shard gradient|.
+
+    DDP sums the shards' gradients; the rounding of that sum is bounded by the size of its
+    terms, not of its result, which can be far smaller when the terms cancel. These are
+    the terms' sizes. The model's gradients, buffers (BatchNorm statistics) and RNG
+    state are restored, so the reference trajectory is untouched.
+    """
+    import torch
+
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    loss_scale = torch.zeros((), dtype=torch.float64)
+    grad_scale: dict[str, Any] = {}
+    for rank in range(shards):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(_forward(model, shard(inputs, rank, shards)), shard(targets, rank, shards))
+        loss.backward()
+        loss_scale += loss.detach().abs().double().cpu() / shards
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                term = p.grad.detach().abs().double().cpu() / shards
+                grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return loss_scale, grad_scale
+
+
+def _sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tuple[Any, dict] | None:
+    """Mean over samples of |sample loss| and |per-sample gradient|, in one vmapped pass.
+
+    Every reordering of the batch sum (by shards, by all-reduce) rounds in proportion to
+    the size of these terms. Returns None where per-sample gradients are not defined or
+    not computable by ``torch.func`` (BatchNorm in training, randomness, exotic inputs);
+    the caller then falls back to shard magnitudes.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+
+    def one(params: dict, x: Any, y: Any) -> Any:
+        batch = map_tensors(x, lambda t: t.unsqueeze(0))
+        args = batch if isinstance(batch, tuple) else (batch,)
+        loss = loss_fn(functional_call(model, (params, buffers), args), map_tensors(y, lambda t: t.unsqueeze(0)))
+        return loss, loss
+
+    try:
+        if isinstance(inputs, dict):
+            return None
+        per_grad, per_loss = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))(params, inputs, targets)
+    except Exception:  # not expressible per sample: use shards instead
+        return None
+    loss_scale = per_loss.detach().abs().double().mean().cpu()
+    grad_scales = {n: g.detach().abs().double().mean(dim=0).cpu() for n, g in per_grad.items()}
+    return loss_scale, grad_scales
+
+
+def _nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
+    """Move every gradient towards zero by the rounding a correct W-rank run may add:
+    ``world_size`` ulps of the size of its summands (of itself where that is unknown)."""
+    import torch
+
+    eps = torch.finfo(dtype).eps
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            scale = grad_scales.get(n)
+            size = scale.to(p.grad.device, p.grad.dtype) if scale is not None else p.grad.abs()
+            p.grad.sub_(world_size * eps * size * torch.sign(p.grad))
+
+
+def run_single(case: Case, state: dict[str, Any], device: str, twin_world_size: int = 0) -> Trace:
+    """Mode ``single``: one device, the whole global batch.
+
+    With ``twin_world_size`` W > 0 this is the calibration twin instead: every global
+    batch in reversed sample order (the same mathematics, summed in another order), and
+    every gradient nudged towards zero by the rounding a W-rank run may add, before the
+    optimizer step. The twin's distance to the reference therefore contains both the
+    reordering noise and what the optimizer and later steps make of worst-case rounding
+    (Adam turns ulps of a near-zero gradient into visible update differences). It also
+    records the size of the summands (per-sample, or per-shard) for the tolerance floor.
+    """
     import torch
 
     model = _prepared(case, state, device)
@@ -158,25 +248,36 @@ def run_single(case: Case, state: dict[str, Any], device: str, permute: bool = F
         inputs, targets = _global_batch(case, data, step, generator)
         size = batch_size(inputs)
         trace.batch_sizes.append(size if size is not None else -1)
-        if permute and size:
+        if twin_world_size and size:
             inputs, targets = reverse_samples(inputs, size), reverse_samples(targets, size)
         inputs, targets = _cast(inputs, case, device), _cast(targets, case, device)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(_forward(model, inputs), targets)
         loss.backward()
+        scales = None
+        if twin_world_size > 1:
+            scales = _sample_magnitudes(model, loss_fn, inputs, targets)
+            if scales is None and size and size % twin_world_size == 0:
+                scales = _shard_magnitudes(model, loss_fn, inputs, targets, twin_world_size)
+            _nudge_towards_zero(model, scales[1] if scales else {}, twin_world_size, case.torch_dtype)
         record = _snapshot(model, loss)
+        if scales is not None:
+            record.loss_scale, record.grad_scales = scales
         optimizer.step()
         _finish_step(record, model)
         trace.steps.append(record)
     return trace
 
 
-def reference_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], Trace, Trace]:
-    """Initial state, the single-device reference, and its permuted twin (calibration)."""
+def reference_task(
+    ctx: RankContext, case: Case, world_sizes: tuple[int, ...] = ()
+) -> tuple[dict[str, Any], Trace, Trace]:
+    """Initial state, the single-device reference, and its calibration twin for the
+    largest world size to be compared."""
     state = initial_state(case)
     reference = run_single(case, state, ctx.device)
-    permuted = run_single(case, state, ctx.device, permute=True)
-    return state, reference, permuted
+    twin = run_single(case, state, ctx.device, twin_world_size=max(world_sizes, default=1))
+    return state, reference, twin
 
 
 def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any]) -> Trace:
