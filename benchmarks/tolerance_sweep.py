@@ -18,12 +18,13 @@ from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance
 from ddparity.controller import WorldPool
 from ddparity.fixtures import models
-from ddparity.harness.modes import ddp_task, reference_task
+from ddparity.harness.modes import ddp_task, prepare_task, reference_task
 from ddparity.trace import KINDS
 
 
 def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
-    [(state, reference, twin)] = pool.get(1, "gloo").run(reference_task, case, (ws,))
+    [(state, _)] = pool.get(1, "gloo").run(prepare_task, case)
+    [(reference, twin)] = pool.get(1, "gloo").run(reference_task, case, state, (ws,))
     traces = pool.get(ws, "gloo").run(ddp_task, case, state)
     tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     ratio = 0.0

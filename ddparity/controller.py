@@ -24,8 +24,8 @@ from ddparity.errors import (
     WorldStartError,
 )
 from ddparity.harness import rendezvous
-from ddparity.harness.modes import CaseError, ddp_task, reference_task
-from ddparity.harness.world import World
+from ddparity.harness.modes import CaseError, ddp_task, prepare_task, reference_task
+from ddparity.harness.world import PendingTask, World
 from ddparity.report import Report, RunResult
 
 MODES = ("single", "ddp")
@@ -70,13 +70,15 @@ class CheckOptions:
 
 
 class WorldPool:
-    """Warm worlds, one per (world size, backend), reused across checks."""
+    """Warm worlds, one per (world size, backend, role), reused across checks."""
 
     def __init__(self) -> None:
-        self._worlds: dict[tuple[int, str], World] = {}
+        self._worlds: dict[tuple[int, str, str], World] = {}
 
-    def get(self, world_size: int, backend: str) -> World:
-        key = (world_size, backend)
+    def get(self, world_size: int, backend: str, role: str = "ddp") -> World:
+        """The warm world for ``role``: the reference has its own 1-rank world, so that it
+        can train while the DDP worlds (a 1-rank one included) run."""
+        key = (world_size, backend, role)
         world = self._worlds.get(key)
         if world is None:
             world = World(world_size, backend)
@@ -181,30 +183,48 @@ def check(
     report = Report(case.label)
 
     started = time.perf_counter()
+    ddp_sizes = opts.world_sizes if "ddp" in opts.modes else ()
     try:
-        ref_world = pool.get(1, chosen)
-        [(state, reference, twin)] = ref_world.run(
-            reference_task, case, opts.world_sizes if "ddp" in opts.modes else (), timeout=opts.timeout
-        )
-    except UsageError:
-        raise
+        ref_world = pool.get(1, chosen, role="reference")
+        [(state, batch_sizes)] = ref_world.run(prepare_task, case, timeout=opts.timeout)
+        ref_pending = ref_world.submit(reference_task, case, state, ddp_sizes, timeout=opts.timeout)
     except WorldFailure as exc:
-        # The case cannot even run on one device: every requested run shares that fate.
-        elapsed = time.perf_counter() - started
-        for mode, ws in _planned(opts):
-            run = _failure_run(mode, ws, chosen, exc, elapsed, _repro(case, mode, ws, chosen, opts.tolerance))
-            if run.status == "crash" and not isinstance(exc, RankCrashed):
-                run.status = "error"  # raised by the user's code on a single device: bad input
-            report.runs.append(run)
-        return report
+        return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
+    # The first runnable DDP run trains alongside the reference; the others follow.
+    plan = {ws: _unrunnable(case, opts, chosen, ws, batch_sizes) for ws in ddp_sizes}
+    first = next((ws for ws, reason in plan.items() if reason is None), None)
+    early = _start_ddp(case, opts, chosen, first, pool, state) if first is not None else None
+    try:
+        [(reference, twin)] = [o.value for o in ref_pending.result()]
+    except WorldFailure as exc:
+        if early is not None and not isinstance(early[1], RunResult):
+            try:
+                early[1].result()
+            except WorldFailure:
+                pass
+        return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     if "single" in opts.modes:
         report.runs.append(
             RunResult(mode="single", world_size=1, backend=chosen, status="pass",
                       seconds=time.perf_counter() - started, tolerance="reference")
         )
-    if "ddp" in opts.modes:
-        for ws in opts.world_sizes:
-            report.runs.append(_run_ddp(case, opts, chosen, ws, pool, state, reference, twin))
+    for ws, unrunnable in plan.items():
+        if unrunnable is not None:
+            report.runs.append(unrunnable)
+            continue
+        launched = early if ws == first and early is not None else _start_ddp(case, opts, chosen, ws, pool, state)
+        report.runs.append(_finish_ddp(case, opts, chosen, ws, launched, reference, twin))
+    return report
+
+
+def _case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, exc: WorldFailure,
+                 elapsed: float) -> Report:
+    """The case cannot even run on one device: every requested run shares that fate."""
+    for mode, ws in _planned(opts):
+        run = _failure_run(mode, ws, backend, exc, elapsed, _repro(case, mode, ws, backend, opts.tolerance))
+        if run.status == "crash" and not isinstance(exc, RankCrashed):
+            run.status = "error"  # raised by the user's code on a single device: bad input
+        report.runs.append(run)
     return report
 
 
@@ -215,11 +235,9 @@ def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
     return plan
 
 
-def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
-             state: Any, reference: Any, twin: Any) -> RunResult:
+def _unrunnable(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: list[int]) -> RunResult | None:
+    """Why a DDP run at ``ws`` cannot happen here (an ``error`` or ``skipped`` run), or None."""
     repro = _repro(case, "ddp", ws, backend, opts.tolerance)
-    started = time.perf_counter()
-    sizes = reference.batch_sizes
     if any(size < 1 for size in sizes):
         return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
                          reason="cannot find the batch dimension: the data function's inputs hold no tensor "
@@ -235,12 +253,28 @@ def _run_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldP
     if backend == "nccl" and gpus < ws:
         return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
                          reason=f"nccl needs {ws} CUDA devices, {gpus} visible")
+    return None
+
+
+def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
+               state: Any) -> tuple[float, PendingTask | RunResult]:
+    started = time.perf_counter()
     try:
-        world = pool.get(ws, backend)
-        traces = world.run(ddp_task, case, state, timeout=opts.timeout)
+        return started, pool.get(ws, backend).submit(ddp_task, case, state, timeout=opts.timeout)
     except WorldStartError as exc:
-        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
-                         seconds=time.perf_counter() - started, repro=repro)
+        return started, RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
+                                  seconds=time.perf_counter() - started,
+                                  repro=_repro(case, "ddp", ws, backend, opts.tolerance))
+
+
+def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
+                launched: tuple[float, PendingTask | RunResult], reference: Any, twin: Any) -> RunResult:
+    started, pending = launched
+    if isinstance(pending, RunResult):
+        return pending
+    repro = _repro(case, "ddp", ws, backend, opts.tolerance)
+    try:
+        traces = [o.value for o in pending.result()]
     except WorldFailure as exc:
         return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
     if opts.tolerance == "auto":

@@ -269,15 +269,30 @@ def run_single(case: Case, state: dict[str, Any], device: str, twin_world_size: 
     return trace
 
 
-def reference_task(
-    ctx: RankContext, case: Case, world_sizes: tuple[int, ...] = ()
-) -> tuple[dict[str, Any], Trace, Trace]:
-    """Initial state, the single-device reference, and its calibration twin for the
-    largest world size to be compared."""
+def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int]]:
+    """The initial state (built once, from the factory and the seed) and the global batch
+    size of every step, so the controller can validate shards before anything trains."""
+    import torch
+
     state = initial_state(case)
+    data = _data_fn(case)
+    generator = torch.Generator().manual_seed(case.seed)
+    sizes = []
+    for step in range(case.steps):
+        inputs, _ = _global_batch(case, data, step, generator)
+        size = batch_size(inputs)
+        sizes.append(size if size is not None else -1)
+    return state, sizes
+
+
+def reference_task(
+    ctx: RankContext, case: Case, state: dict[str, Any], world_sizes: tuple[int, ...] = ()
+) -> tuple[Trace, Trace]:
+    """The single-device reference and its calibration twin for the largest world size
+    to be compared."""
     reference = run_single(case, state, ctx.device)
     twin = run_single(case, state, ctx.device, twin_world_size=max(world_sizes, default=1))
-    return state, reference, twin
+    return reference, twin
 
 
 def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any]) -> Trace:

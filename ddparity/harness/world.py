@@ -177,6 +177,27 @@ def _signal_name(exitcode: int | None) -> str:
         return f"signal {-exitcode}"
 
 
+class PendingTask:
+    """A task submitted to a :class:`World`; ``result()`` waits for every rank."""
+
+    def __init__(self, world: World, task_id: int, limit: float, deadline: float) -> None:
+        self._world = world
+        self._task_id = task_id
+        self._limit = limit
+        self._deadline = deadline
+        self._collected = False
+
+    def result(self) -> list[RankOutcome]:
+        """Every rank's outcome; raises as :meth:`World.execute` does."""
+        if self._collected:
+            raise UsageError("this task's result was already collected")
+        self._collected = True
+        try:
+            return self._world._collect(self._task_id, self._limit, self._deadline)
+        finally:
+            self._world._pending = None
+
+
 class World:
     """A warm world of ``world_size`` rank processes with a process group.
 
@@ -196,6 +217,7 @@ class World:
         self._generation = 0
         self._live = False
         self._closed = False
+        self._pending: PendingTask | None = None
         self._finalizer = weakref.finalize(self, _Ranks.kill, self._ranks)
         self.start_seconds: float | None = None
 
@@ -236,6 +258,7 @@ class World:
 
     def restart(self) -> None:
         """Kill the ranks and start a fresh generation on the same store."""
+        self._pending = None
         self._ranks.kill()
         self._live = False
         self._launch()
@@ -245,6 +268,7 @@ class World:
         if self._closed:
             return
         self._closed = True
+        self._pending = None
         for conn in self._ranks.controls:
             try:
                 conn.send(Shutdown())
@@ -381,8 +405,18 @@ class World:
         Raises :class:`TaskFailed` if the task raised on any rank, :class:`TaskTimeout`
         if ranks did not answer in time, :class:`RankCrashed` if a rank process died.
         """
+        return self.submit(fn, *args, timeout=timeout, **kwargs).result()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> PendingTask:
+        """Start ``fn(ctx, *args, **kwargs)`` on every rank and return at once.
+
+        The world runs one task at a time; other worlds can run theirs meanwhile. The
+        timeout counts from submission. ``PendingTask.result()`` collects the outcomes.
+        """
         import cloudpickle
 
+        if self._pending is not None:
+            raise UsageError("this World is already running a task; call result() on it before submitting another")
         self.start()
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
@@ -397,19 +431,20 @@ class World:
             raise UsageError(f"timeout must be positive, got {timeout!r}")
         ranks = self._ranks
         msg = RunTask(task_id, payload, tuple(sys.path))
+        deadline = time.monotonic() + limit
         for conn in ranks.controls:
             try:
                 conn.send(msg)
             except OSError:
                 pass  # the rank died; its sentinel reports it below
-        return self._collect(task_id, limit)
+        self._pending = PendingTask(self, task_id, limit, deadline)
+        return self._pending
 
-    def _collect(self, task_id: int, limit: float) -> list[RankOutcome]:
+    def _collect(self, task_id: int, limit: float, deadline: float) -> list[RankOutcome]:
         ranks = self._ranks
         n = self.spec.world_size
         outcomes: list[RankOutcome | None] = [None] * n
         pending = set(range(n))
-        deadline = time.monotonic() + limit
         first_failure: float | None = None
         while pending:
             now = time.monotonic()

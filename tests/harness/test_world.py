@@ -201,3 +201,22 @@ def test_killing_the_parent_with_sigkill_leaves_no_rank_behind(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_submit_runs_worlds_side_by_side_one_task_per_world():
+    with World(1) as one, World(2) as two:
+        def slow(ctx, seconds):
+            time.sleep(seconds)
+            return ctx.world_size
+
+        started = time.monotonic()
+        a = one.submit(slow, 2.0)
+        b = two.submit(slow, 2.0)
+        with pytest.raises(UsageError, match="already running a task"):
+            one.submit(slow, 0.0)
+        assert [o.value for o in a.result()] == [1]
+        assert [o.value for o in b.result()] == [2, 2]
+        assert time.monotonic() - started < 3.5  # both slept at once (in turn: 4 s)
+        with pytest.raises(UsageError, match="already collected"):
+            a.result()
+        assert one.run(lambda ctx: ctx.rank) == [0]
