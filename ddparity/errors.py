@@ -25,7 +25,14 @@ class ParityError(DdparityError):
 
 
 class WorldFailure(DdparityError):
-    """A World could not run a task to completion on every rank."""
+    """A World could not run a task to completion on every rank.
+
+    ``signals`` holds what each rank left in the side channel (progress, collective
+    ledger, fingerprints) and ``stacks`` the stacks taken before ranks were stopped.
+    """
+
+    signals: dict = {}  # noqa: RUF012 - replaced per instance by the World
+    stacks: dict = {}  # noqa: RUF012
 
 
 class WorldStartError(WorldFailure):
@@ -41,14 +48,27 @@ class TaskTimeout(WorldFailure):
         self.stacks = stacks or {}
 
 
+class TaskStopped(WorldFailure):
+    """A watcher stopped the task before it could deadlock (e.g. ranks issued different
+    collectives at the same place in the sequence); the world was rebuilt."""
+
+    def __init__(self, message: str, reason: str, pending_ranks: list[int], stacks: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.pending_ranks = pending_ranks
+        self.stacks = stacks or {}
+
+
 class RankCrashed(WorldFailure):
     """A rank process died (exit, signal) while running a task."""
 
-    def __init__(self, message: str, rank: int, exitcode: int | None, output: str = "") -> None:
+    def __init__(self, message: str, rank: int, exitcode: int | None, output: str = "",
+                 stacks: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
         self.output = output
+        self.stacks = stacks or {}
 
 
 class TaskFailed(WorldFailure):

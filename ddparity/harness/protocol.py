@@ -24,6 +24,7 @@ class RankSpec:
     pg_timeout_s: float
     threads: int
     loopback_ifname: str | None
+    controller_pid: int = 0  # allowed to ptrace the rank (py-spy stacks) where ptrace is restricted
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from ddparity.harness.protocol import (
 )
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_PTRACER = 0x59616D61
 
 
 def _die_with_parent() -> None:
@@ -49,6 +50,16 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _allow_stack_dumps(controller_pid: int) -> None:
+    """Let the controller (and py-spy, its child) read our stack where Yama restricts
+    ptrace to ancestors (``kernel.yama.ptrace_scope = 1``)."""
+    if controller_pid and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, controller_pid, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
 def _route_output(output: Connection) -> None:
     """Send fd 1 and 2 (Python and C-level output alike) to the controller's pipe."""
     fd = output.fileno()
@@ -62,7 +73,7 @@ def _route_output(output: Connection) -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
 
 
-def _join_process_group(spec: RankSpec) -> None:
+def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
     import torch
     import torch.distributed as dist
 
@@ -84,6 +95,15 @@ def _join_process_group(spec: RankSpec) -> None:
         timeout=timeout,
         device_id=device_id,
     )
+    return client
+
+
+def _install_recorder(spec: RankSpec, client) -> object:  # noqa: ANN001
+    """The collective ledger and progress heartbeat, written to the controller's store."""
+    from ddparity.checks.ledger import install_recorder
+    from ddparity.harness.sidechannel import RankChannel
+
+    return install_recorder(RankChannel(client, spec.store_prefix, spec.rank))
 
 
 def _encode_exception(exc: BaseException) -> bytes:
@@ -134,9 +154,11 @@ def rank_main(
         except OSError:
             pass
     _route_output(output)
+    _allow_stack_dumps(spec.controller_pid)
     started = time.perf_counter()
     try:
-        _join_process_group(spec)
+        client = _join_process_group(spec)
+        recorder = _install_recorder(spec, client)
     except BaseException as exc:
         control.send(RankStartFailed(spec.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         os._exit(1)
@@ -150,7 +172,9 @@ def rank_main(
         if isinstance(msg, Shutdown):
             break
         if isinstance(msg, RunTask):
+            recorder.begin_task(msg.task_id)
             done = _run_task(msg, ctx)
+            recorder.end_task()
             sys.stdout.flush()
             sys.stderr.flush()
             os.write(1, OUTPUT_END_MARK % msg.task_id)

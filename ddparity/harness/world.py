@@ -11,11 +11,15 @@ no process behind; every wait here has a deadline.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
 import multiprocessing
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -29,11 +33,14 @@ from typing import Any
 from ddparity.errors import (
     RankCrashed,
     TaskFailed,
+    TaskStopped,
     TaskTimeout,
     UsageError,
+    WorldFailure,
     WorldStartError,
 )
 from ddparity.harness import rendezvous
+from ddparity.harness.sidechannel import RankSignals, TaskChannel
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
     RankReady,
@@ -54,6 +61,15 @@ _END_MARK_RE = re.compile(re.escape(OUTPUT_END_MARK).replace(b"%d", rb"\d+"))
 STACK_DUMP_WAIT_S = 1.0
 """How long to wait for ranks to print their stacks (SIGUSR1) before they are killed."""
 
+PY_SPY_TIMEOUT_S = 5.0
+"""The most a py-spy stack dump of all ranks (run side by side) may take."""
+
+POLL_S = 0.1
+"""How often the controller reads the ranks' progress while a task runs."""
+
+HARD_LIMIT_FACTOR = 10
+"""A task that keeps making progress is still stopped after this many timeouts."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorldSpec:
@@ -64,7 +80,7 @@ class WorldSpec:
     timeout: float = 300.0
     start_timeout: float = 60.0
     threads_per_rank: int = 1
-    error_grace: float = 5.0
+    error_grace: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -90,6 +106,7 @@ class RankOutcome:
     traceback: str = ""
     output: str = ""
     seconds: float = 0.0
+    signals: RankSignals | None = None  # what the rank left in the side channel
 
 
 class _OutputReader(threading.Thread):
@@ -180,11 +197,14 @@ def _signal_name(exitcode: int | None) -> str:
 class PendingTask:
     """A task submitted to a :class:`World`; ``result()`` waits for every rank."""
 
-    def __init__(self, world: World, task_id: int, limit: float, deadline: float) -> None:
+    def __init__(self, world: World, task_id: int, limit: float, channel: TaskChannel | None,
+                 watch: Callable[[list[str]], str | None] | None) -> None:
         self._world = world
         self._task_id = task_id
         self._limit = limit
-        self._deadline = deadline
+        self._channel = channel
+        self._watch = watch
+        self._submitted = time.monotonic()
         self._collected = False
 
     def result(self) -> list[RankOutcome]:
@@ -193,7 +213,7 @@ class PendingTask:
             raise UsageError("this task's result was already collected")
         self._collected = True
         try:
-            return self._world._collect(self._task_id, self._limit, self._deadline)
+            return self._world._collect(self)
         finally:
             self._world._pending = None
 
@@ -283,6 +303,10 @@ class World:
             self._store.close()
             self._store = None
 
+    @property
+    def _store_prefix(self) -> str:
+        return f"ddparity/gen{self._generation}"
+
     def _start_method(self) -> str:
         """Fork from here when it is safe, else from a forkserver that preloaded torch.
 
@@ -325,10 +349,11 @@ class World:
                 device=self._device(rank),
                 store_host=self._store.host,
                 store_port=self._store.port,
-                store_prefix=f"ddparity/gen{self._generation}",
+                store_prefix=self._store_prefix,
                 pg_timeout_s=self.spec.timeout + 60.0,
                 threads=self.spec.threads_per_rank,
                 loopback_ifname=ifname,
+                controller_pid=os.getpid(),
             )
             inherited: tuple[int, ...] = ()
             if method == "fork":
@@ -345,7 +370,17 @@ class World:
                 args=(spec, controls[rank][1], outputs[rank][1], inherited),
                 name=f"ddparity-rank{rank}",
             )
-            proc.start()
+            if method == "fork":
+                # The child must never run the finalizers of objects it inherited: a
+                # collected copy of an old TCPStore server would join a thread that does
+                # not exist there and hang the rank. Frozen objects are never collected.
+                gc.freeze()
+                try:
+                    proc.start()
+                finally:
+                    gc.unfreeze()
+            else:
+                proc.start()
             ranks.procs.append(proc)
             ranks.controls.append(controls[rank][0])
             controls[rank][1].close()
@@ -407,11 +442,22 @@ class World:
         """
         return self.submit(fn, *args, timeout=timeout, **kwargs).result()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> PendingTask:
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        watch: Callable[[list[str]], str | None] | None = None,
+        **kwargs: Any,
+    ) -> PendingTask:
         """Start ``fn(ctx, *args, **kwargs)`` on every rank and return at once.
 
-        The world runs one task at a time; other worlds can run theirs meanwhile. The
-        timeout counts from submission. ``PendingTask.result()`` collects the outcomes.
+        The world runs one task at a time; other worlds can run theirs meanwhile.
+        ``timeout``: the task is declared hung when no rank has made progress (a step,
+        a phase, a collective, a finished rank) for that long; a task that keeps
+        progressing is stopped after ``HARD_LIMIT_FACTOR`` timeouts. ``watch`` is called
+        with the ranks' progress records while the task runs; a string it returns stops
+        the task (:class:`TaskStopped`). ``PendingTask.result()`` collects the outcomes.
         """
         import cloudpickle
 
@@ -430,30 +476,69 @@ class World:
         if limit <= 0:
             raise UsageError(f"timeout must be positive, got {timeout!r}")
         ranks = self._ranks
+        channel = None
+        if self._store is not None:
+            channel = TaskChannel(self._store.store, self._store_prefix, task_id, self.spec.world_size)
+            channel.prepare()
         msg = RunTask(task_id, payload, tuple(sys.path))
-        deadline = time.monotonic() + limit
         for conn in ranks.controls:
             try:
                 conn.send(msg)
             except OSError:
                 pass  # the rank died; its sentinel reports it below
-        self._pending = PendingTask(self, task_id, limit, deadline)
+        self._pending = PendingTask(self, task_id, limit, channel, watch)
         return self._pending
 
-    def _collect(self, task_id: int, limit: float, deadline: float) -> list[RankOutcome]:
+    def _collect(self, task: PendingTask) -> list[RankOutcome]:
+        try:
+            outcomes = self._wait_for(task)
+        except WorldFailure as exc:
+            exc.signals = self._signals(task)
+            raise
+        signals = self._signals(task)
+        return [dataclasses.replace(o, signals=signals.get(o.rank)) for o in outcomes]
+
+    def _signals(self, task: PendingTask) -> dict[int, RankSignals]:
+        """Read (then drop) what the ranks left in the side channel for this task."""
+        if task._channel is None:
+            return {}
+        try:
+            signals = task._channel.read()
+            task._channel.clear()
+        except Exception:  # the store is gone (world closed meanwhile): nothing to read
+            return {}
+        finally:
+            task._channel = None  # holds the store; a failed task's traceback may live on
+        return signals
+
+    def _wait_for(self, task: PendingTask) -> list[RankOutcome]:
         ranks = self._ranks
         n = self.spec.world_size
+        task_id, limit = task._task_id, task._limit
         outcomes: list[RankOutcome | None] = [None] * n
         pending = set(range(n))
         first_failure: float | None = None
+        last_progress = time.monotonic()
+        hard_deadline = task._submitted + HARD_LIMIT_FACTOR * limit
+        seen: list[str] | None = None
+        stop_reason: str | None = None
         while pending:
             now = time.monotonic()
-            until = deadline if first_failure is None else min(deadline, first_failure + self.spec.error_grace)
+            progress = self._progress(task)
+            if progress is not None and progress != seen:
+                seen, last_progress = progress, now
+                if task._watch is not None and first_failure is None:
+                    stop_reason = task._watch(progress)
+                    if stop_reason:
+                        break
+            until = min(last_progress + limit, hard_deadline)
+            if first_failure is not None:
+                until = min(until, first_failure + self.spec.error_grace)
             if now >= until:
                 break
             watched: dict[Any, int] = {ranks.controls[r]: r for r in pending}
             watched.update({ranks.procs[r].sentinel: r for r in pending})
-            for obj in wait(list(watched), timeout=until - now):
+            for obj in wait(list(watched), timeout=min(POLL_S, until - now)):
                 rank = watched[obj]
                 if rank not in pending:
                     continue
@@ -462,10 +547,13 @@ class World:
                     if isinstance(done, TaskDone) and done.task_id == task_id and rank in pending:
                         outcomes[rank] = self._decode(done)
                         pending.discard(rank)
+                        last_progress = time.monotonic()
                         if not done.ok and first_failure is None:
                             first_failure = time.monotonic()
                 if rank in pending and not isinstance(obj, Connection):
                     self._crashed(rank, task_id, outcomes)
+        if stop_reason:
+            self._stopped(sorted(pending), task_id, stop_reason)
         if pending:
             self._stuck(sorted(pending), task_id, outcomes, limit, timed_out=first_failure is None)
         final = [o for o in outcomes if o is not None]
@@ -473,6 +561,14 @@ class World:
             bad = [o for o in final if not o.ok]
             raise TaskFailed(_failure_summary(bad), final)
         return final
+
+    def _progress(self, task: PendingTask) -> list[str] | None:
+        if task._channel is None:
+            return None
+        try:
+            return task._channel.progress()
+        except Exception:
+            return None
 
     def _decode(self, done: TaskDone) -> RankOutcome:
         import cloudpickle
@@ -484,16 +580,33 @@ class World:
         return RankOutcome(done.rank, False, None, value, done.traceback, output, done.seconds)
 
     def _dump_stacks(self, ranks_to_dump: list[int]) -> dict[int, str]:
-        """Ask live ranks to print every thread's stack (faulthandler on SIGUSR1)."""
-        for rank in ranks_to_dump:
-            proc = self._ranks.procs[rank]
-            if proc.is_alive() and proc.pid:
-                try:
-                    os.kill(proc.pid, signal.SIGUSR1)
-                except OSError:
-                    pass
-        time.sleep(STACK_DUMP_WAIT_S)
-        return {r: self._ranks.readers[r].take_all() for r in ranks_to_dump}
+        """Every thread's stack of each live rank: py-spy (native frames included) where
+        it can attach, else the rank's own faulthandler dump on SIGUSR1."""
+        pids = {r: p.pid for r in ranks_to_dump if (p := self._ranks.procs[r]).is_alive() and p.pid}
+        stacks = py_spy_stacks(pids)
+        fallback = [r for r in ranks_to_dump if not stacks.get(r)]
+        if fallback:
+            for rank in fallback:
+                pid = pids.get(rank)
+                if pid:
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except OSError:
+                        pass
+            time.sleep(STACK_DUMP_WAIT_S)
+            for rank in fallback:
+                text = self._ranks.readers[rank].take_all()
+                stacks[rank] = f"(py-spy unavailable; faulthandler dump)\n{text}" if text.strip() else ""
+        return stacks
+
+    def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
+        stacks = self._dump_stacks(pending)
+        self._ranks.kill()
+        self._live = False
+        lines = [f"task {task_id} was stopped: {reason}; the world was rebuilt"]
+        for r, text in stacks.items():
+            lines.append(f"--- rank {r} stack ---\n{text.rstrip() or '(no stack printed)'}")
+        raise TaskStopped("\n".join(lines), reason, pending, stacks)
 
     def _crashed(self, rank: int, task_id: int, outcomes: list[RankOutcome | None]) -> None:
         proc = self._ranks.procs[rank]
@@ -510,7 +623,7 @@ class World:
         for r, text in stacks.items():
             if text.strip():
                 lines.append(f"--- rank {r} at that moment ---\n{text.rstrip()}")
-        raise RankCrashed("\n".join(lines), rank, proc.exitcode, output)
+        raise RankCrashed("\n".join(lines), rank, proc.exitcode, output, stacks)
 
     def _stuck(
         self,
@@ -524,7 +637,7 @@ class World:
         self._ranks.kill()
         self._live = False
         if timed_out:
-            lines = [f"ranks {pending} did not finish task {task_id} within {limit:g} s; the world was rebuilt"]
+            lines = [f"ranks {pending} made no progress on task {task_id} for {limit:g} s; the world was rebuilt"]
             for r, text in stacks.items():
                 lines.append(f"--- rank {r} stack ---\n{text.rstrip() or '(no stack printed)'}")
             raise TaskTimeout("\n".join(lines), pending, stacks)
@@ -539,6 +652,43 @@ class World:
                 ),
                 output=stacks.get(r, ""),
             )
+
+
+def _py_spy() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S) -> dict[int, str]:
+    """``py-spy dump --native`` of every pid, side by side; {} for those it cannot read
+    (no py-spy, ptrace not permitted). Native frames show where C++ code (gloo, NCCL)
+    waits; without them a rank inside a collective looks idle."""
+    exe = _py_spy()
+    if exe is None or not pids:
+        return {}
+
+    def launch(pid: int, native: bool) -> subprocess.Popen[str]:
+        cmd = [exe, "dump", "--pid", str(pid)] + (["--native"] if native else [])
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+
+    deadline = time.monotonic() + timeout
+    out: dict[int, str] = {}
+    for native in (True, False):
+        todo = {r: pid for r, pid in pids.items() if r not in out}
+        procs = {r: launch(pid, native) for r, pid in todo.items()}
+        for rank, proc in procs.items():
+            try:
+                text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                continue
+            if proc.returncode == 0 and text.strip():
+                out[rank] = text
+        if len(out) == len(pids) or time.monotonic() >= deadline:
+            break
+    return out
 
 
 def _queued(conn: Connection) -> list[Any]:

@@ -1,0 +1,119 @@
+"""Hang verdicts: who is stuck, where each rank is, and who arrives late.
+
+Input is what the ranks left in the side channel (progress and ledger, readable while
+they are wedged) plus their stacks, taken by the World before it killed them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.checks.ledger import Entry, Position, parse_ledger, parse_progress
+
+
+def positions(signals: dict[int, Any]) -> dict[int, Position | None]:
+    return {r: parse_progress(s.progress) for r, s in signals.items()}
+
+
+def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list[int]:
+    """The ranks most likely to cause a hang, in this order of evidence:
+
+    1. pending ranks behind the others (earlier step, phase or collective);
+    2. ranks that finished the task while others still wait in a collective;
+    3. pending ranks not inside a blocking collective;
+    4. every pending rank (all sit in the same collective: the transport is stuck).
+    """
+    if not pending:
+        return []
+    order = {r: (where[r].order() if where.get(r) is not None else (-2, -1, -1)) for r in pending}
+    ahead = max(order.values())
+    behind = sorted(r for r in pending if order[r] < ahead)
+    if behind:
+        return behind
+    finished = sorted(r for r in where if r not in pending)
+    if finished:
+        return finished
+    outside = sorted(r for r in pending if where.get(r) is None or where[r].inflight is None)
+    if outside and len(outside) < len(pending):
+        return outside
+    return sorted(pending)
+
+
+def _collective_text(pos: Position | None) -> tuple[int, str]:
+    if pos is None:
+        return -1, "none (the rank had not started the task)"
+    last = pos.last
+    if last is None:
+        return -1, "none issued yet"
+    state = "inside" if pos.inflight == last.seq else "last issued"
+    return last.seq, f"{state}: {last.render()}"
+
+
+def rank_report(signals: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, dict[str, Any]]:
+    """Per rank: collective sequence position, the collective, step, phase and stack."""
+    out: dict[str, dict[str, Any]] = {}
+    for rank, pos in sorted(positions(signals).items()):
+        seq, text = _collective_text(pos)
+        out[str(rank)] = {
+            "collective_seq": seq,
+            "collective": text,
+            "step": pos.step if pos else -1,
+            "phase": (pos.phase or "") if pos else "",
+            "finished": rank not in pending,
+            "stack": stacks.get(rank, "") if rank in pending else "(finished the task)",
+        }
+    return out
+
+
+def hang_report(signals: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, Any]:
+    """SPEC ``hang`` field: suspect ranks and every rank's position and stack."""
+    return {
+        "suspect_ranks": suspect_ranks(positions(signals), pending),
+        "ranks": rank_report(signals, stacks, pending),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Lateness:
+    """How late each rank arrives at the collectives every rank issued."""
+
+    rank: int
+    last_count: int  # collectives at which it arrived last
+    collectives: int
+    mean_late_s: float  # mean delay behind the first rank to arrive
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "arrived_last": self.last_count, "collectives": self.collectives,
+                "mean_late_s": round(self.mean_late_s, 4)}
+
+
+STRAGGLER_MIN_LATE_S = 0.05
+"""A rank is called a straggler when it arrives last at most collectives and on average
+this much later than the first rank: smaller delays are ordinary scheduling noise."""
+
+
+def stragglers(signals: dict[int, Any]) -> list[Lateness]:
+    """Ranks that arrive last at most shared collectives, by a margin worth reporting."""
+    ledgers = {r: parse_ledger(s.ledger) for r, s in signals.items()}
+    if len(ledgers) < 2:
+        return []
+    slots: dict[tuple[str, int], dict[int, Entry]] = {}
+    for rank, entries in ledgers.items():
+        for e in entries:
+            if e.comparable:
+                slots.setdefault((e.group, e.seq), {})[rank] = e
+    shared = [by_rank for by_rank in slots.values() if len(by_rank) == len(ledgers)]
+    if not shared:
+        return []
+    late = {r: 0.0 for r in ledgers}
+    last = {r: 0 for r in ledgers}
+    for by_rank in shared:
+        first = min(e.t for e in by_rank.values())
+        latest = max(by_rank, key=lambda r: by_rank[r].t)
+        last[latest] += 1
+        for r, e in by_rank.items():
+            late[r] += e.t - first
+    n = len(shared)
+    found = [Lateness(r, last[r], n, late[r] / n) for r in ledgers]
+    return [x for x in found if x.last_count * 2 > n and x.mean_late_s >= STRAGGLER_MIN_LATE_S]

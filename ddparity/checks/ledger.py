@@ -1,0 +1,448 @@
+"""The collective ledger: every collective of every rank, in order, readable while wedged.
+
+Rank side (:class:`Recorder`): while a task runs, each ``torch.distributed`` collective —
+called directly, or by DDP's gradient buckets through :func:`ddp_comm_hook` — is recorded
+in Python, identically on every backend, *before* it is issued: its per-group sequence
+number, op, reduce op, root, split sizes, tensor shapes and dtypes, group, and the
+caller's source line. Entries go to the side channel (one line each, appended) and the
+rank's latest position (step, phase, recent entries, whether it is inside a blocking
+collective) overwrites its progress key. Both live in the controller's store, so they
+survive a rank stuck in the collective or killed in it.
+
+Controller side: :func:`parse_ledger`, :func:`parse_progress`, and
+:func:`collective_mismatch` — the first sequence slot where ranks issued different
+collectives, with the minority ranks.
+
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is not used: its wrapper skips reduce-op and root
+mismatches and costs an extra collective per collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+RECENT = 8
+"""Entries repeated in the progress key, so the watchdog can compare ranks at a common
+sequence number even when some have moved on."""
+
+EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+         "reduce_scatter_tensor", "barrier", "monitored_barrier")
+"""Collectives whose every argument (shapes, dtypes, reduce op, root) must agree on all ranks."""
+ROOTED = ("gather", "scatter")  # only the root passes the list: compare the own tensor
+SPLIT = ("all_to_all", "all_to_all_single")  # per-rank split sizes may differ: compare dtypes
+OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+P2P = ("send", "recv", "isend", "irecv")  # pairwise, not part of the group's sequence
+RECORDED = EXACT + ROOTED + SPLIT + OBJECT + P2P
+
+PHASES = ("", "build", "ddp", "forward", "backward", "optimizer", "fingerprint", "done")
+"""Phases of a training step in the order a rank passes them (for who is behind)."""
+
+
+# -- rank side ---------------------------------------------------------------------------
+
+
+def _short(obj: Any) -> str:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        dtype = str(obj.dtype).removeprefix("torch.")
+        return f"{dtype}{list(obj.shape)}"
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        parts = [_short(t) for t in obj]
+        return f"{len(parts)}x{parts[0]}" if len(set(parts)) == 1 else "[" + ", ".join(parts) + "]"
+    return ""
+
+
+def _group_name(group: Any) -> str:
+    if group is None:
+        return "world"
+    import torch.distributed as dist
+
+    if group is dist.GroupMember.WORLD:
+        return "world"
+    return str(getattr(group, "group_name", None) or id(group))
+
+
+_TORCH_DIR = ""
+_THIS_FILE = os.path.abspath(__file__)
+
+
+def _call_site(depth: int) -> str:
+    """The first frame outside torch and this module: where the user issued it."""
+    global _TORCH_DIR
+    if not _TORCH_DIR:
+        import torch
+
+        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    frame = sys._getframe(depth)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
+            try:
+                shown = os.path.relpath(path)
+                if shown.startswith(".."):
+                    shown = os.sep.join(path.split(os.sep)[-2:])
+            except ValueError:
+                shown = path
+            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def _describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:
+    """(comparison key, human description, root) of one collective call."""
+    reduce_op = args.get("op")
+    rop = getattr(reduce_op, "name", None) or (str(reduce_op) if reduce_op is not None else "")
+    root = next((args[k] for k in ("src", "dst", "group_src", "group_dst") if args.get(k) is not None), None)
+    tensors = [f"{k}={s}" for k, v in args.items() if (s := _short(v))]
+    splits = [f"{k}={list(args[k])}" for k in ("output_split_sizes", "input_split_sizes") if args.get(k) is not None]
+    parts = tensors + ([rop] if rop else []) + ([f"root={root}"] if root is not None else []) + splits
+    desc = f"{op}({', '.join(parts)})"
+    if op in EXACT:
+        key = "|".join([op, rop, str(root), *tensors])
+    elif op in ROOTED:
+        key = "|".join([op, str(root), _short(args.get("tensor"))])
+    elif op in SPLIT:
+        dtypes = sorted({t.split("[")[0].split("x")[-1] for t in (_short(v) for v in args.values()) if t})
+        key = "|".join([op, *dtypes])
+    else:
+        key = "|".join([op, str(root)])
+    return key, desc, root
+
+
+class Recorder:
+    """Records this rank's collectives and progress into the side channel."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seq: dict[str, int] = {}
+        self.step = -1
+        self.phase = ""
+        self.events = 0
+        self.inflight: int | None = None
+        self.recent: deque[str] = deque(maxlen=RECENT)
+
+    # task lifecycle (called by the rank loop)
+
+    def begin_task(self, task_id: int) -> None:
+        with self._lock:
+            self.channel.begin(task_id)
+            self._reset()
+            self._publish()
+
+    def end_task(self) -> None:
+        with self._lock:
+            self.channel.end()
+
+    # what tasks call
+
+    def set_phase(self, step: int, phase: str) -> None:
+        with self._lock:
+            self.step, self.phase = step, phase
+            self._publish()
+
+    @contextmanager
+    def via(self, label: str) -> Iterator[None]:
+        """Label the collectives issued inside (e.g. ``DDP gradient bucket 0``)."""
+        previous = getattr(self._local, "via", "")
+        self._local.via = label
+        try:
+            yield
+        finally:
+            self._local.via = previous
+
+    def fingerprints(self, step: int, values: dict[str, int]) -> None:
+        self.channel.append_fingerprint(json.dumps({"step": step, "fp": values}, separators=(",", ":")))
+
+    # called by the patched collectives
+
+    def enter(self, op: str, args: dict[str, Any], blocking: bool) -> None:
+        key, desc, _ = _describe(op, args)
+        group = "p2p" if op in P2P else _group_name(args.get("group"))
+        with self._lock:
+            seq = self.seq[group] = self.seq.get(group, -1) + 1
+            entry = json.dumps(
+                {"g": group, "s": seq, "op": op, "k": key, "d": desc, "site": _call_site(3),
+                 "via": getattr(self._local, "via", ""), "step": self.step, "phase": self.phase,
+                 "t": round(time.time(), 6), "async": not blocking},
+                separators=(",", ":"),
+            )
+            self.recent.append(entry)
+            self.inflight = seq if blocking and group == "world" else None
+            self.channel.append_ledger(entry)
+            self._publish()
+
+    def leave(self) -> None:
+        with self._lock:
+            if self.inflight is not None:
+                self.inflight = None
+                self._publish()
+
+    def _publish(self) -> None:
+        self.events += 1
+        inflight = "null" if self.inflight is None else str(self.inflight)
+        self.channel.set_progress(
+            f'{{"n":{self.events},"step":{self.step},"phase":{json.dumps(self.phase)},'
+            f'"inflight":{inflight},"recent":[{",".join(self.recent)}]}}'
+        )
+
+
+class _Disabled:
+    """Stands in for the recorder outside a rank (e.g. a task run in-process)."""
+
+    def set_phase(self, step: int, phase: str) -> None:
+        pass
+
+    @contextmanager
+    def via(self, label: str) -> Iterator[None]:
+        yield
+
+    def fingerprints(self, step: int, values: dict[str, int]) -> None:
+        pass
+
+
+_active: Recorder | None = None
+_DISABLED = _Disabled()
+
+
+def active() -> Recorder | _Disabled:
+    """This rank's recorder (a no-op outside a ddparity rank)."""
+    return _active if _active is not None else _DISABLED
+
+
+def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        rec = _active
+        if rec is None or not rec.channel.active or getattr(rec._local, "depth", 0):
+            return fn(*args, **kwargs)  # not in a task, or nested (all_gather_object -> all_gather)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return fn(*args, **kwargs)  # let torch raise its own error for bad arguments
+        blocking = not bound.arguments.get("async_op", False) and op not in ("isend", "irecv")
+        rec.enter(op, bound.arguments, blocking)
+        rec._local.depth = 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec._local.depth = 0
+            rec.leave()
+
+    recorded.__ddparity_recorded__ = True  # type: ignore[attr-defined]
+    return recorded
+
+
+def install_recorder(channel: Any) -> Recorder:
+    """Patch ``torch.distributed``'s collectives in this process to record into
+    ``channel``. Called once by the rank loop; recording happens only while a task runs."""
+    global _active
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for op in RECORDED:
+        original = getattr(c10d, op, None)
+        if original is None or getattr(original, "__ddparity_recorded__", False):
+            continue
+        wrapped = _recorded(op, original)
+        setattr(c10d, op, wrapped)
+        if getattr(dist, op, None) is original:
+            setattr(dist, op, wrapped)
+    _active = Recorder(channel)
+    return _active
+
+
+@dataclass(frozen=True, slots=True)
+class _HookState:
+    hook: Callable[..., Any] | None
+    state: Any
+
+
+def ddp_comm_hook(hook: Callable[..., Any] | None = None, state: Any = None) -> tuple[Any, Callable[..., Any]]:
+    """``(state, hook)`` to register on a DDP model so that its bucket all-reduces are
+    recorded (labelled with the bucket). Wraps the user's hook, or DDP's default
+    averaging all-reduce when there is none."""
+    return _HookState(hook, state), _ledger_hook
+
+
+def _ledger_hook(state: _HookState, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with active().via(f"DDP gradient bucket {bucket.index()}"):
+        if state.hook is None:
+            return default_hooks.allreduce_hook(None, bucket)
+        return state.hook(state.state, bucket)
+
+
+# -- controller side ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One recorded collective."""
+
+    group: str
+    seq: int
+    op: str
+    key: str
+    desc: str
+    site: str
+    via: str
+    step: int
+    phase: str
+    t: float
+    is_async: bool
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Entry:
+        return cls(d["g"], d["s"], d["op"], d["k"], d["d"], d["site"], d.get("via", ""), d.get("step", -1),
+                   d.get("phase", ""), d.get("t", 0.0), d.get("async", False))
+
+    @property
+    def comparable(self) -> bool:
+        return self.group != "p2p"
+
+    def render(self) -> str:
+        via = f" [{self.via}]" if self.via else ""
+        return f"#{self.seq} {self.desc}{via} at {self.site}"
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a rank is: its step and phase, the blocking collective it is inside (if
+    any), and its most recent collectives."""
+
+    step: int = -1
+    phase: str = ""
+    inflight: int | None = None
+    recent: tuple[Entry, ...] = ()
+    events: int = 0
+
+    @property
+    def last(self) -> Entry | None:
+        world = [e for e in self.recent if e.group == "world"]
+        return world[-1] if world else None
+
+    @property
+    def seq(self) -> int:
+        last = self.last
+        return last.seq if last is not None else -1
+
+    def order(self) -> tuple[int, int, int]:
+        """Sortable progress: step, then phase, then collectives issued."""
+        phase = PHASES.index(self.phase) if self.phase in PHASES else 0
+        return (self.step, phase, self.seq)
+
+
+def parse_progress(text: str) -> Position | None:
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+        return Position(d["step"], d["phase"], d["inflight"], tuple(Entry.from_json(e) for e in d["recent"]), d["n"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def parse_ledger(text: str) -> list[Entry]:
+    entries = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                entries.append(Entry.from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a dying rank
+    return entries
+
+
+def minority(groups: dict[str, list[int]], prefer_wrong: tuple[int, ...] = ()) -> list[int]:
+    """The ranks outside the largest agreeing group. On a tie (two ranks that disagree),
+    the group holding a rank known to be wrong loses, else the group of the lowest rank
+    is taken as the reference."""
+    ranked = sorted(groups.values(), key=len, reverse=True)
+    top = [g for g in ranked if len(g) == len(ranked[0])]
+    if len(top) > 1:
+        clean = [g for g in top if not set(g) & set(prefer_wrong)] or top
+        majority = min(clean, key=min)
+    else:
+        majority = top[0]
+    return sorted(r for g in groups.values() if g is not majority for r in g)
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """Ranks issued different collectives at the same place in a group's sequence."""
+
+    group: str
+    seq: int
+    entries: dict[int, Entry]
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return max(e.step for e in self.entries.values())
+
+    def what(self) -> str:
+        return f"collective #{self.seq} differs across ranks: " + "; ".join(
+            f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r in self.ranks
+        ) + " vs " + "; ".join(f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks)
+
+
+def collective_mismatch(sequences: dict[int, list[Entry] | tuple[Entry, ...]]) -> Mismatch | None:
+    """The first slot (per group) where the ranks holding it issued different collectives."""
+    slots: dict[tuple[str, int], dict[int, Entry]] = {}
+    for rank, entries in sequences.items():
+        for e in entries:
+            if e.comparable:
+                slots.setdefault((e.group, e.seq), {})[rank] = e
+    for (group, seq), by_rank in sorted(slots.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        keys: dict[str, list[int]] = {}
+        for rank, e in sorted(by_rank.items()):
+            keys.setdefault(e.key, []).append(rank)
+        if len(keys) > 1:
+            return Mismatch(group, seq, by_rank, minority(keys))
+    return None
+
+
+class LiveWatch:
+    """Called by the World with the ranks' progress while a task runs: returns a reason to
+    stop the task when ranks issued different collectives at the same slot. Waits until
+    every rank reached the slot (or ``settle`` seconds) so the minority is the right one."""
+
+    def __init__(self, settle: float = 1.0) -> None:
+        self.settle = settle
+        self.found: Mismatch | None = None
+        self._since: float | None = None
+
+    def __call__(self, progress: list[str]) -> str | None:
+        positions = {r: p for r, text in enumerate(progress) if (p := parse_progress(text)) is not None}
+        mismatch = collective_mismatch({r: p.recent for r, p in positions.items()})
+        if mismatch is None:
+            self._since = None
+            return None
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        everyone = len(mismatch.entries) == len(progress)
+        if not everyone and now - self._since < self.settle:
+            return None
+        self.found = mismatch
+        return "ranks issued different collectives: " + mismatch.what()
