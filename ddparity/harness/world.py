@@ -40,7 +40,6 @@ from ddparity.errors import (
     WorldStartError,
 )
 from ddparity.harness import rendezvous
-from ddparity.harness.sidechannel import RankSignals, TaskChannel
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
     RankReady,
@@ -50,6 +49,7 @@ from ddparity.harness.protocol import (
     Shutdown,
     TaskDone,
 )
+from ddparity.harness.sidechannel import RankSignals, TaskChannel
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
            "ddparity.harness.rank"]
