@@ -14,11 +14,12 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.equivalence import divergences, worst
+from ddparity.checks.ledger import LiveWatch
 from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
+from ddparity.checks.verdict import judge_completed, judge_failure
 from ddparity.errors import (
     RankCrashed,
     TaskFailed,
-    TaskTimeout,
     UsageError,
     WorldFailure,
     WorldStartError,
@@ -126,24 +127,12 @@ def _is_case_error(exc: TaskFailed) -> bool:
 
 def _failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
-    if isinstance(exc, TaskTimeout):
-        run.status = "hang"
-        run.hang = {
-            "suspect_ranks": exc.pending_ranks,
-            "ranks": {str(r): {"collective_seq": None, "collective": None, "stack": s} for r, s in exc.stacks.items()},
-        }
-        run.reason = str(exc).splitlines()[0]
-    elif isinstance(exc, RankCrashed):
-        run.status = "crash"
-        run.crash = {"rank": exc.rank, "exitcode": exc.exitcode, "error": str(exc).splitlines()[0]}
-        run.reason = str(exc)
-    elif isinstance(exc, TaskFailed) and not _is_case_error(exc):
-        run.status = "crash"
-        bad = [o for o in exc.outcomes if not o.ok]
-        run.crash = {"rank": bad[0].rank, "exitcode": None, "error": f"{type(bad[0].error).__name__}: {bad[0].error}"}
+    if isinstance(exc, TaskFailed) and _is_case_error(exc):
         run.reason = _user_error(exc)
-    else:
-        run.reason = _user_error(exc)
+        return run
+    if isinstance(exc, WorldFailure) and not isinstance(exc, WorldStartError):
+        return judge_failure(run, exc)
+    run.reason = _user_error(exc)
     return run
 
 
@@ -260,7 +249,8 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
                state: Any) -> tuple[float, PendingTask | RunResult]:
     started = time.perf_counter()
     try:
-        return started, pool.get(ws, backend).submit(ddp_task, case, state, timeout=opts.timeout)
+        world = pool.get(ws, backend)
+        return started, world.submit(ddp_task, case, state, timeout=opts.timeout, watch=LiveWatch())
     except WorldStartError as exc:
         return started, RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
                                   seconds=time.perf_counter() - started,
@@ -274,20 +264,19 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
         return pending
     repro = _repro(case, "ddp", ws, backend, opts.tolerance)
     try:
-        traces = [o.value for o in pending.result()]
+        outcomes = pending.result()
     except WorldFailure as exc:
         return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
     if opts.tolerance == "auto":
         tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     else:
         tol = fixed_tolerance(reference, float(opts.tolerance))
-    found = divergences(reference, traces, tol)
-    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="diverged" if found else "pass",
+    found = divergences(reference, [o.value for o in outcomes], tol)
+    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass",
                     seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
-    if found:
-        run.first_divergence = found[0]
-        run.worst = worst(found)
-    return run
+    run.worst = worst(found)
+    signals = {o.rank: o.signals for o in outcomes if o.signals is not None}
+    return judge_completed(run, signals, found)
 
 
 def _lcm(values: tuple[int, ...]) -> int:

@@ -83,6 +83,11 @@ class TaskFailed(WorldFailure):
         return [o.rank for o in self.outcomes if o is not None and not o.ok]
 
 
+class StillRunning(DdparityError):
+    """Stands in for the outcome of a rank that was still running (most likely waiting
+    for a failed peer in a collective) when the World stopped it."""
+
+
 class RemoteError(Exception):
     """Stands in for an exception raised in a rank that could not be pickled back."""
 

@@ -58,6 +58,7 @@ class RunResult:
     desync: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None
     crash: dict[str, Any] | None = None
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     tolerance: str = ""
     repro: str = ""
@@ -78,6 +79,7 @@ class RunResult:
             "desync": self.desync,
             "hang": self.hang,
             "crash": self.crash,
+            "stragglers": self.stragglers,
             "seconds": round(self.seconds, 4),
             "worst": [d.to_json() for d in self.worst],
             "tolerance": self.tolerance,

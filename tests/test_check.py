@@ -27,19 +27,23 @@ def test_clean_models_pass_at_every_world_size(factory):
 
 
 @pytest.mark.parametrize(
-    "factory, step, kind, rank",
+    "factory, step, kind, rank, status",
     [
-        (bugs.summed_loss, 0, "loss", 0),
-        (bugs.batchnorm_on_shards, 0, "loss", 0),
-        (bugs.corrupted_grad_on_one_rank, bugs.CORRUPT_FROM_STEP, "grad", bugs.CORRUPT_RANK),
+        (bugs.summed_loss, 0, "loss", 0, "diverged"),
+        (bugs.batchnorm_on_shards, 0, "loss", 0, "diverged"),
+        # rank 1's replica drifts from the others: a desync, found by fingerprints
+        (bugs.corrupted_grad_on_one_rank, bugs.CORRUPT_FROM_STEP, "grad", bugs.CORRUPT_RANK, "desync"),
     ],
 )
-def test_known_bugs_are_flagged_at_the_right_step_and_kind(factory, step, kind, rank):
+def test_known_bugs_are_flagged_at_the_right_step_and_kind(factory, step, kind, rank, status):
     report = check(factory(), world_sizes=(2, 4))
     assert not report.ok
     assert report.exit_code == 1
     for run in report.runs[1:]:
-        assert run.status == "diverged", run
+        assert run.status == status, run
+        if status == "desync":
+            assert run.desync["step"] == step and run.desync["ranks"] == [rank], run.desync
+            assert run.desync["what"].startswith("param "), run.desync
         d = run.first_divergence
         assert (d.step, d.kind, d.rank) == (step, kind, rank), d
         assert d.max_abs > 100 * d.tolerance

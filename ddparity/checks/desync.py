@@ -49,8 +49,14 @@ def _bit_sums(tensors: list[Any]) -> list[int]:
     return out
 
 
-def fingerprint(model: Any, optimizer: Any = None) -> dict[str, int]:
-    """Fingerprints of everything that must be identical on every rank after a step."""
+def fingerprint(model: Any, optimizer: Any = None, buffers: bool = True) -> dict[str, int]:
+    """Fingerprints of everything that must be identical on every rank after a step.
+
+    ``buffers=False`` leaves buffers out: under DDP's ``broadcast_buffers=True`` (its
+    default) rank 0's buffers overwrite the others' at the next forward, so buffers that
+    differ after a step (BatchNorm statistics of each shard) are DDP's contract, not a
+    desync. Whether those statistics match one device is the equivalence check's job.
+    """
     import torch
 
     names: list[str] = []
@@ -60,7 +66,7 @@ def fingerprint(model: Any, optimizer: Any = None) -> dict[str, int]:
         names.append(f"param {name}")
         tensors.append(p)
         param_names[id(p)] = name
-    for name, b in model.named_buffers():
+    for name, b in model.named_buffers() if buffers else ():
         names.append(f"buffer {name}")
         tensors.append(b)
     if optimizer is not None:

@@ -137,6 +137,7 @@ class Recorder:
         self.events = 0
         self.inflight: int | None = None
         self.recent: deque[str] = deque(maxlen=RECENT)
+        self.enabled = True
 
     # task lifecycle (called by the rank loop)
 
@@ -151,6 +152,10 @@ class Recorder:
             self.channel.end()
 
     # what tasks call
+
+    def pause(self) -> None:
+        """Stop recording until the next task (a task run without detection)."""
+        self.enabled = False
 
     def set_phase(self, step: int, phase: str) -> None:
         with self._lock:
@@ -206,6 +211,9 @@ class Recorder:
 class _Disabled:
     """Stands in for the recorder outside a rank (e.g. a task run in-process)."""
 
+    def pause(self) -> None:
+        pass
+
     def set_phase(self, step: int, phase: str) -> None:
         pass
 
@@ -218,12 +226,12 @@ class _Disabled:
 
 
 _active: Recorder | None = None
-_DISABLED = _Disabled()
+DISABLED = _Disabled()
 
 
 def active() -> Recorder | _Disabled:
     """This rank's recorder (a no-op outside a ddparity rank)."""
-    return _active if _active is not None else _DISABLED
+    return _active if _active is not None else DISABLED
 
 
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,7 +240,7 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         rec = _active
-        if rec is None or not rec.channel.active or getattr(rec._local, "depth", 0):
+        if rec is None or not rec.enabled or not rec.channel.active or getattr(rec._local, "depth", 0):
             return fn(*args, **kwargs)  # not in a task, or nested (all_gather_object -> all_gather)
         try:
             bound = signature.bind(*args, **kwargs)

@@ -295,16 +295,32 @@ def reference_task(
     return reference, twin
 
 
-def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any]) -> Trace:
-    """Mode ``ddp``: this rank's shard of every global batch under DDP."""
+def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool = True) -> Trace:
+    """Mode ``ddp``: this rank's shard of every global batch under DDP.
+
+    With ``detect`` (the default) the rank reports its phase at every stage of a step,
+    its DDP bucket all-reduces go through the ledger's comm hook (wrapping the case's
+    own hook, if any), and the fingerprints of its replica are published after every
+    optimizer step, so the controller can judge hangs and desync.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from ddparity.checks import ledger
+    from ddparity.checks.desync import fingerprint
+
+    rec = ledger.active() if detect else ledger.DISABLED
+    if not detect:
+        ledger.active().pause()
+    rec.set_phase(-1, "build")
     model = _prepared(case, state, ctx.device)
     device_ids = [torch.device(ctx.device).index] if ctx.device.startswith("cuda") else None
+    rec.set_phase(-1, "ddp")
     ddp = DistributedDataParallel(model, device_ids=device_ids, **case.ddp_options)
-    if case.comm_hook is not None:
+    if detect:
+        ddp.register_comm_hook(*ledger.ddp_comm_hook(case.comm_hook, case.comm_hook_state))
+    elif case.comm_hook is not None:
         ddp.register_comm_hook(case.comm_hook_state, case.comm_hook)
     optimizer = make_optimizer(case, ddp.parameters())
     loss_fn = resolve_loss(case.loss)
@@ -312,19 +328,26 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any]) -> Trace:
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode="ddp", rank=ctx.rank, world_size=ctx.world_size)
     for step in range(case.steps):
+        rec.set_phase(step, "forward")
         inputs, targets = _global_batch(case, data, step, generator)
         trace.batch_sizes.append(batch_size(inputs) or -1)
         inputs = _cast(shard(inputs, ctx.rank, ctx.world_size), case, ctx.device)
         targets = _cast(shard(targets, ctx.rank, ctx.world_size), case, ctx.device)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(_forward(ddp, inputs), targets)
+        rec.set_phase(step, "backward")
         loss.backward()  # returns after DDP's gradient all-reduce has finished
         # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss /= ctx.world_size
         record = _snapshot(model, global_loss)
+        rec.set_phase(step, "optimizer")
         optimizer.step()
         _finish_step(record, model)
         trace.steps.append(record)
+        if detect:
+            rec.set_phase(step, "fingerprint")
+            rec.fingerprints(step, fingerprint(model, optimizer, buffers=not ddp.broadcast_buffers))
+    rec.set_phase(case.steps, "done")
     return trace

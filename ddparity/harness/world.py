@@ -32,6 +32,7 @@ from typing import Any
 
 from ddparity.errors import (
     RankCrashed,
+    StillRunning,
     TaskFailed,
     TaskStopped,
     TaskTimeout,
@@ -646,7 +647,7 @@ class World:
             outcomes[r] = RankOutcome(
                 r,
                 False,
-                error=RuntimeError(
+                error=StillRunning(
                     f"rank {r} was still running {self.spec.error_grace:g} s after rank(s) "
                     f"{failed} failed (most likely waiting for them in a collective)"
                 ),

@@ -1,0 +1,121 @@
+"""From what a DDP run left behind (traces, side-channel signals, a world failure) to the
+verdict of its :class:`RunResult`: pass, diverged, desync, hang or crash.
+
+Evidence is weighed root cause first: ranks that issued different collectives (desync)
+explain a later hang or a gloo error; replicas that drifted apart (desync) explain a
+divergence from the reference; a dead or raising rank is a crash; ranks that stopped
+making progress are a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddparity.checks.desync import Desync, first_desync, parse_fingerprints
+from ddparity.checks.hang import hang_report, rank_report, stragglers
+from ddparity.checks.ledger import Mismatch, collective_mismatch, parse_ledger
+from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.report import Divergence, RunResult
+
+
+def mismatch_desync(mismatch: Mismatch) -> dict[str, Any]:
+    """SPEC ``desync`` for ranks that issued different collectives at one slot."""
+    return {
+        "step": mismatch.step,
+        "what": mismatch.what(),
+        "ranks": mismatch.ranks,
+        "collective": {
+            "group": mismatch.group,
+            "seq": mismatch.seq,
+            "ranks": {
+                str(r): {"collective": e.desc, "site": e.site, "via": e.via, "step": e.step}
+                for r, e in sorted(mismatch.entries.items())
+            },
+        },
+    }
+
+
+def state_desync(found: Desync) -> dict[str, Any]:
+    """SPEC ``desync`` for replicas whose fingerprints differ after a step."""
+    return {
+        "step": found.step,
+        "what": f"{found.what()} differ across ranks after step {found.step}",
+        "ranks": found.ranks,
+        "differs": found.names,
+        "agreeing_ranks": found.agreeing,
+    }
+
+
+def _ledgers(signals: dict[int, Any]) -> dict[int, list[Any]]:
+    return {r: parse_ledger(s.ledger) for r, s in signals.items()}
+
+
+def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Divergence]) -> RunResult:
+    """A run where every rank finished: collectives, then replica state, then numbers."""
+    if found:
+        run.status = "diverged"
+        run.first_divergence = found[0]
+    mismatch = collective_mismatch(_ledgers(signals))
+    if mismatch is not None:
+        run.status = "desync"
+        run.desync = mismatch_desync(mismatch)
+    else:
+        first_step = found[0].step if found else None
+        wrong = tuple(sorted({d.rank for d in found if d.step == first_step}))
+        drift = first_desync({r: parse_fingerprints(s.fingerprints) for r, s in signals.items()}, wrong)
+        if drift is not None:
+            run.status = "desync"
+            run.desync = state_desync(drift)
+    late = stragglers(signals)
+    if late:
+        run.stragglers = [x.to_json() for x in late]
+    return run
+
+
+def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
+    """A run the World could not finish: desync if the ranks' collectives disagree (the
+    likely cause of the hang or error), else hang or crash, with every rank's place."""
+    signals = exc.signals or {}
+    mismatch = collective_mismatch(_ledgers(signals)) if signals else None
+    if isinstance(exc, TaskStopped) or mismatch is not None:
+        if mismatch is not None:
+            run.status = "desync"
+            run.desync = mismatch_desync(mismatch)
+            pending = getattr(exc, "pending_ranks", [])
+            run.hang = hang_report(signals, exc.stacks, pending) if exc.stacks else None
+            run.reason = _first_line(exc)
+            return run
+    if isinstance(exc, (TaskTimeout, TaskStopped)):
+        run.status = "hang"
+        run.hang = hang_report(signals, exc.stacks, exc.pending_ranks)
+        run.reason = _first_line(exc)
+    elif isinstance(exc, RankCrashed):
+        run.status = "crash"
+        run.crash = {
+            "rank": exc.rank,
+            "exitcode": exc.exitcode,
+            "error": _first_line(exc),
+            "output": exc.output.strip()[-4000:],
+            "ranks": rank_report(signals, exc.stacks, sorted(exc.stacks)) if signals else {},
+        }
+        run.reason = str(exc)
+    elif isinstance(exc, TaskFailed):
+        bad = [o for o in exc.outcomes if not o.ok]
+        raised = [o for o in bad if not isinstance(o.error, StillRunning)] or bad
+        head = raised[0]
+        stuck = [o.rank for o in bad if o not in raised]
+        run.status = "crash"
+        run.crash = {
+            "rank": head.rank,
+            "exitcode": None,
+            "error": f"{type(head.error).__name__}: {head.error}",
+            "traceback": head.traceback,
+            "ranks": rank_report(signals, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
+            if signals else {},
+        }
+        run.reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+    return run
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
