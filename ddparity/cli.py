@@ -77,13 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="run a Case as single-device and DDP and compare them step by step")
     chk.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
     chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
+    chk.add_argument("--demo-faults", action="store_true",
+                     help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
     chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,ddp")
-    chk.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4), help="comma-separated, e.g. 1,2,4")
+    chk.add_argument("--world-sizes", type=_world_sizes, default=None,
+                     help="comma-separated, e.g. 1,2,4 (default 1,2,4; 2 with --demo-faults)")
     chk.add_argument("--backend", default="auto", help="auto | gloo | nccl")
     chk.add_argument("--steps", type=_positive_int, default=None, help="override the Case's number of steps")
     chk.add_argument("--tolerance", type=_tolerance, default="auto",
                      help="auto (calibrated noise floor) or a relative tolerance (0 = bit-exact)")
-    chk.add_argument("--timeout", type=_seconds, default=60.0, help="seconds per run before it counts as a hang")
+    chk.add_argument("--timeout", type=_seconds, default=None,
+                     help="seconds without progress before a run counts as a hang (default 60; 5 with --demo-faults)")
     chk.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) here")
     return parser
 
@@ -93,10 +97,16 @@ def _check(args: argparse.Namespace) -> int:
     from ddparity.controller import check, default_pool
     from ddparity.report import Report
 
-    if args.demo and args.target:
-        raise UsageError("give either a TARGET or --demo, not both")
-    if not args.demo and not args.target:
+    if sum(map(bool, (args.demo, args.demo_faults, args.target))) > 1:
+        raise UsageError("give one of TARGET, --demo or --demo-faults")
+    if not (args.demo or args.demo_faults or args.target):
         raise UsageError("missing TARGET (module:function or file.py:function returning a Case), or use --demo")
+    if args.demo_faults:
+        return _demo_faults(args)
+    if args.timeout is None:
+        args.timeout = 60.0
+    if args.world_sizes is None:
+        args.world_sizes = (1, 2, 4)
     if args.demo:
         from ddparity.fixtures.models import DEMO_CASES
 
@@ -121,6 +131,43 @@ def _check(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, reports)
     return max(r.exit_code for r in reports)
+
+
+def _demo_faults(args: argparse.Namespace) -> int:
+    """Every fault injection, with its report, then whether each got the right verdict."""
+    from ddparity.controller import check, default_pool
+    from ddparity.fixtures.faults import FAULTS, reported_ranks
+
+    sizes = args.world_sizes or (2,)
+    if any(ws < 2 for ws in sizes):
+        raise UsageError("fault injections need world sizes >= 2 (a fault fires on rank 1), e.g. --world-sizes 2,4")
+    timeout = args.timeout if args.timeout is not None else 5.0
+    rows, reports = [], []
+    try:
+        for fault in FAULTS.values():
+            report = check(fault.case(), modes=args.modes, world_sizes=sizes, backend=args.backend,
+                           timeout=timeout, tolerance=args.tolerance, steps=args.steps)
+            reports.append(report)
+            print(f"=== fault {fault.name}: {fault.description}", flush=True)
+            print(report.render(), flush=True)
+            print(flush=True)
+            for run in report.runs:
+                if run.mode == "ddp":
+                    as_expected = run.status == fault.status and reported_ranks(run) == fault.suspects(run.world_size)
+                    rows.append((fault.name, str(run.world_size), fault.status, run.status,
+                                 str(reported_ranks(run)), f"{run.seconds:.2f}", "yes" if as_expected else "NO"))
+    finally:
+        default_pool().close()
+    header = ("fault", "world", "expected", "got", "ranks named", "seconds", "as expected")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print("fault injection summary")
+    for row in [header, *rows]:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    good = sum(r[-1] == "yes" for r in rows)
+    print(f"{'OK' if good == len(rows) else 'FAILED'}: {good} of {len(rows)} fault runs reported as expected")
+    if args.json:
+        _write_json(args.json, reports)
+    return 0 if good == len(rows) else 1
 
 
 def _write_json(path: str, reports: list) -> None:

@@ -17,12 +17,87 @@ def _where(d: Divergence) -> str:
     return f"step {d.step}, {d.kind} {d.name!r}, rank {d.rank}"
 
 
+def _indent(text: str, pad: str = "    ") -> list[str]:
+    return [pad + line for line in (text or "(none)").rstrip().splitlines()]
+
+
+def _position(rank: str, info: dict) -> str:
+    step = info.get("step", -1)
+    where = f"step {step}, {info.get('phase') or 'no phase'}" if step is not None and step >= 0 else (
+        info.get("phase") or "before the first step")
+    if info.get("finished"):
+        where = "finished the task"
+    return f"    rank {rank}: {where}; collective {info.get('collective')}"
+
+
+def _render_desync(desync: dict) -> list[str]:
+    lines = [f"  desync at step {desync['step']}: ranks {desync['ranks']} differ from the others"]
+    coll = desync.get("collective")
+    if coll:
+        lines.append(f"    collective #{coll['seq']} of group {coll['group']!r} is not the same on every rank:")
+        for rank, info in sorted(coll["ranks"].items(), key=lambda kv: int(kv[0])):
+            via = f" [{info['via']}]" if info.get("via") else ""
+            mark = "  <-" if int(rank) in desync["ranks"] else ""
+            lines.append(f"      rank {rank}: {info['collective']}{via}  at {info['site']}{mark}")
+    else:
+        lines.append(f"    {desync['what']}")
+        if desync.get("agreeing_ranks"):
+            lines.append(f"    the other ranks ({desync['agreeing_ranks']}) agree")
+    for rank, stack in sorted((desync.get("stacks") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"  --- rank {rank} stack when stopped ---")
+        lines.extend(_indent(stack))
+    return lines
+
+
+def _render_hang(hang: dict) -> list[str]:
+    lines = [f"  suspect ranks: {hang['suspect_ranks']}"]
+    ranks = sorted(hang["ranks"].items(), key=lambda kv: int(kv[0]))
+    lines.extend(_position(rank, info) for rank, info in ranks)
+    for rank, info in ranks:
+        if not info.get("finished"):
+            lines.append(f"  --- rank {rank} stack ---")
+            lines.extend(_indent(info.get("stack") or ""))
+    return lines
+
+
+def _render_crash(crash: dict) -> list[str]:
+    if crash.get("exitcode") is None:
+        lines = [f"  rank {crash['rank']} raised: {crash['error']}"]
+    else:
+        lines = [f"  {crash['error']}"]
+    if crash.get("traceback"):
+        lines.extend(_indent(crash["traceback"]))
+    if crash.get("output"):
+        lines.append(f"  --- rank {crash['rank']} output ---")
+        lines.extend(_indent(crash["output"]))
+    others = sorted((crash.get("ranks") or {}).items(), key=lambda kv: int(kv[0]))
+    others = [(r, i) for r, i in others if int(r) != crash["rank"]]
+    if others:
+        lines.append("  the other ranks at that moment:")
+        lines.extend(_position(rank, info) for rank, info in others)
+        for rank, info in others:
+            if info.get("stack") and not info.get("finished"):
+                lines.append(f"  --- rank {rank} stack ---")
+                lines.extend(_indent(info["stack"]))
+    return lines
+
+
+def render_stragglers(run: RunResult) -> list[str]:
+    return [
+        f"  straggler: rank {s['rank']} arrived last at {s['arrived_last']} of {s['collectives']} collectives, "
+        f"{s['mean_late_s']:.3g} s after the first rank on average"
+        for s in run.stragglers
+    ]
+
+
 def render_run_failure(run: RunResult) -> list[str]:
     head = f"{run.mode} world_size={run.world_size} ({run.backend}): {run.status.upper()}"
     lines = [head]
+    if run.desync:
+        lines.extend(_render_desync(run.desync))
     if run.first_divergence is not None:
         d = run.first_divergence
-        lines.append(f"  first divergence: {_where(d)}")
+        lines.append(f"  first divergence from the reference: {_where(d)}")
         lines.append(
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"
@@ -36,14 +111,13 @@ def render_run_failure(run: RunResult) -> list[str]:
                     f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}"
                 )
     if run.crash:
-        lines.append(f"  rank {run.crash['rank']} failed (exit code {run.crash.get('exitcode')}): {run.crash['error']}")
-    if run.hang:
-        lines.append(f"  suspect ranks: {run.hang['suspect_ranks']}")
-        for rank, info in sorted(run.hang["ranks"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"  --- rank {rank} stack ---")
-            lines.extend("    " + s for s in (info.get("stack") or "(none)").rstrip().splitlines())
-    if run.reason:
+        lines.extend(_render_crash(run.crash))
+    elif run.hang:
+        lines.append(f"  {(run.reason or 'hang').splitlines()[0]}")
+        lines.extend(_render_hang(run.hang))
+    elif run.reason and not run.desync:
         lines.extend("  " + s for s in run.reason.rstrip().splitlines())
+    lines.extend(render_stragglers(run))
     if run.repro:
         lines.append(f"  reproduce: {run.repro}")
     return lines
@@ -64,6 +138,10 @@ def render_report(report: Report) -> str:
     for run in failures:
         out.append("")
         out.extend(render_run_failure(run))
+    notes = [line for r in report.runs if r.ok for line in render_stragglers(r)]
+    if notes:
+        out.append("")
+        out.extend(line.strip() for line in notes)
     passed = sum(r.status == "pass" for r in report.runs)
     skipped = sum(r.status == "skipped" for r in report.runs)
     verdict = "OK" if report.ok else "FAILED"

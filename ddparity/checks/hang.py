@@ -116,4 +116,4 @@ def stragglers(signals: dict[int, Any]) -> list[Lateness]:
             late[r] += e.t - first
     n = len(shared)
     found = [Lateness(r, last[r], n, late[r] / n) for r in ledgers]
-    return [x for x in found if x.last_count * 2 > n and x.mean_late_s >= STRAGGLER_MIN_LATE_S]
+    return [x for x in found if x.last_count * 2 >= n and x.mean_late_s >= STRAGGLER_MIN_LATE_S]

@@ -382,17 +382,29 @@ def parse_ledger(text: str) -> list[Entry]:
 
 
 def minority(groups: dict[str, list[int]], prefer_wrong: tuple[int, ...] = ()) -> list[int]:
-    """The ranks outside the largest agreeing group. On a tie (two ranks that disagree),
-    the group holding a rank known to be wrong loses, else the group of the lowest rank
-    is taken as the reference."""
+    """The ranks outside the group that agrees, given ranks grouped by what they hold.
+
+    A unique largest group of two or more ranks is the majority. Otherwise the ranks
+    known to be wrong (``prefer_wrong``: they diverge from the single-device reference)
+    decide: the one top group without such a rank is the majority; if every group has
+    one, every rank is reported. Without that evidence, two ranks that disagree are
+    judged against the lowest rank, and three or more that all disagree are all reported.
+    """
+    everyone = sorted(r for g in groups.values() for r in g)
     ranked = sorted(groups.values(), key=len, reverse=True)
     top = [g for g in ranked if len(g) == len(ranked[0])]
-    if len(top) > 1:
-        clean = [g for g in top if not set(g) & set(prefer_wrong)] or top
-        majority = min(clean, key=min)
-    else:
+    if len(top) == 1 and len(top[0]) > 1:
         majority = top[0]
-    return sorted(r for g in groups.values() if g is not majority for r in g)
+    elif prefer_wrong:
+        clean = [g for g in top if not set(g) & set(prefer_wrong)]
+        if len(clean) != 1:
+            return everyone
+        majority = clean[0]
+    elif len(top[0]) == 1 and len(everyone) > 2:
+        return everyone
+    else:
+        majority = min(top, key=min)
+    return [r for r in everyone if r not in majority]
 
 
 @dataclass(frozen=True, slots=True)

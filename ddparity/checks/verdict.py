@@ -77,14 +77,12 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
     likely cause of the hang or error), else hang or crash, with every rank's place."""
     signals = exc.signals or {}
     mismatch = collective_mismatch(_ledgers(signals)) if signals else None
-    if isinstance(exc, TaskStopped) or mismatch is not None:
-        if mismatch is not None:
-            run.status = "desync"
-            run.desync = mismatch_desync(mismatch)
-            pending = getattr(exc, "pending_ranks", [])
-            run.hang = hang_report(signals, exc.stacks, pending) if exc.stacks else None
-            run.reason = _first_line(exc)
-            return run
+    if mismatch is not None:
+        run.status = "desync"
+        run.desync = mismatch_desync(mismatch)
+        run.desync["stacks"] = {str(r): text for r, text in sorted(exc.stacks.items())}
+        run.reason = _first_line(exc)
+        return run
     if isinstance(exc, (TaskTimeout, TaskStopped)):
         run.status = "hang"
         run.hang = hang_report(signals, exc.stacks, exc.pending_ranks)

@@ -68,6 +68,10 @@ PY_SPY_TIMEOUT_S = 5.0
 POLL_S = 0.1
 """How often the controller reads the ranks' progress while a task runs."""
 
+FAILURE_QUIET_S = 0.5
+"""After a rank failed, the others are stopped once they made no progress for this long
+(they are most likely waiting for the failed rank), or after ``error_grace`` at most."""
+
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
 
@@ -534,7 +538,8 @@ class World:
                         break
             until = min(last_progress + limit, hard_deadline)
             if first_failure is not None:
-                until = min(until, first_failure + self.spec.error_grace)
+                quiet_since = max(first_failure, last_progress)
+                until = min(until, first_failure + self.spec.error_grace, quiet_since + FAILURE_QUIET_S)
             if now >= until:
                 break
             watched: dict[Any, int] = {ranks.controls[r]: r for r in pending}
@@ -660,6 +665,38 @@ def _py_spy() -> str | None:
     return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
 
 
+_TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
+_LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
+_NATIVE_ARGS = re.compile(r"\((?:[^()]*)\)(?= \(lib)")
+
+
+def tidy_stack(text: str) -> str:
+    """py-spy's dump without its header or the rank's bootstrap frames, C++ frames
+    without template arguments."""
+    skipping = False
+    lines = []
+    for line in text.splitlines():
+        if line.startswith(("Process ", "Python v")) or not line.strip():
+            continue
+        if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
+            lines.append(line)
+            skipping = True
+            continue
+        if line.startswith("Thread "):
+            skipping = False
+        elif skipping:
+            continue
+        if line.rstrip().endswith(".so)") or ".so." in line:
+            previous = None
+            while previous != line:
+                previous, line = line, _TEMPLATE_ARGS.sub("", line)
+            line = _NATIVE_ARGS.sub("", _LAMBDA.sub("{lambda}", line))
+            if len(line) > 160:
+                line = line[:157] + "..."
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S) -> dict[int, str]:
     """``py-spy dump --native`` of every pid, side by side; {} for those it cannot read
     (no py-spy, ptrace not permitted). Native frames show where C++ code (gloo, NCCL)
@@ -686,7 +723,7 @@ def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S) -> di
                 proc.communicate()
                 continue
             if proc.returncode == 0 and text.strip():
-                out[rank] = text
+                out[rank] = tidy_stack(text)
         if len(out) == len(pids) or time.monotonic() >= deadline:
             break
     return out
