@@ -86,6 +86,11 @@ class WorldPool:
             self._worlds[key] = world
         return world.start()
 
+    @property
+    def pids(self) -> set[int]:
+        """The rank processes of every live world in the pool."""
+        return {pid for world in self._worlds.values() for pid in world.pids}
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()

@@ -97,7 +97,7 @@ def render_run_failure(run: RunResult) -> list[str]:
         lines.extend(_render_desync(run.desync))
     if run.first_divergence is not None:
         d = run.first_divergence
-        lines.append(f"  first divergence from the reference: {_where(d)}")
+        lines.append(f"  first divergence: {_where(d)}")
         lines.append(
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"

@@ -21,6 +21,15 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     return alive
 
 
+HELPERS = ("forkserver", "resource_tracker")
+
+
+def stray_processes(expected: set[int]) -> set[int]:
+    """Our child processes that are neither ``expected`` nor multiprocessing helpers."""
+    stray = wait_gone(_children() - expected)
+    return {p for p in stray if not any(h in " ".join(psutil.Process(p).cmdline()) for h in HELPERS)}
+
+
 @pytest.fixture
 def no_leftover_processes():
     """Fails the test if it leaves any child process behind."""

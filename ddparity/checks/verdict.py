@@ -15,6 +15,7 @@ from ddparity.checks.desync import Desync, first_desync, parse_fingerprints
 from ddparity.checks.hang import hang_report, rank_report, stragglers
 from ddparity.checks.ledger import Mismatch, collective_mismatch, parse_ledger
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.harness.world import tidy_traceback_dump
 from ddparity.report import Divergence, RunResult
 
 
@@ -93,7 +94,7 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
             "rank": exc.rank,
             "exitcode": exc.exitcode,
             "error": _first_line(exc),
-            "output": exc.output.strip()[-4000:],
+            "output": tidy_traceback_dump(exc.output.strip())[-8000:],
             "ranks": rank_report(signals, exc.stacks, sorted(exc.stacks)) if signals else {},
         }
         run.reason = str(exc)

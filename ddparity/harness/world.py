@@ -72,6 +72,10 @@ FAILURE_QUIET_S = 0.5
 """After a rank failed, the others are stopped once they made no progress for this long
 (they are most likely waiting for the failed rank), or after ``error_grace`` at most."""
 
+FORK_JOIN_S = 15.0
+"""Forked gloo ranks join in about a second; after this long they are started again from
+the forkserver (see ``World._launch``)."""
+
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
 
@@ -164,6 +168,10 @@ class _OutputReader(threading.Thread):
         with self._cond:
             data, self._buffer = bytes(self._buffer), bytearray()
         return _END_MARK_RE.sub(b"", data).decode("utf-8", "replace")
+
+
+class _JoinTimeout(Exception):
+    """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
 
 
 class _Ranks:
@@ -337,6 +345,21 @@ class World:
         if self._store is None:
             self._store = rendezvous.LoopbackStore(timeout_s=self.spec.start_timeout)
         method = self._start_method()
+        if method == "fork":
+            try:
+                self._start_ranks("fork", min(self.spec.start_timeout, FORK_JOIN_S))
+            except _JoinTimeout:
+                # A forked child can inherit a lock held by one of this process's threads
+                # (C++ runtimes, the store server) and wait on it forever. Rare, but a
+                # forkserver child cannot: start this generation from there instead.
+                self._ranks.kill()
+                self._start_ranks("forkserver", self.spec.start_timeout)
+        else:
+            self._start_ranks(method, self.spec.start_timeout)
+        self._live = True
+        self.start_seconds = time.perf_counter() - started
+
+    def _start_ranks(self, method: str, join_timeout: float) -> None:
         mp = multiprocessing.get_context(method)
         if method == "forkserver":
             mp.set_forkserver_preload(PRELOAD)
@@ -393,19 +416,19 @@ class World:
             reader = _OutputReader(rank, outputs[rank][0])
             reader.start()
             ranks.readers.append(reader)
-        self._await_ready()
-        self._live = True
-        self.start_seconds = time.perf_counter() - started
+        self._await_ready(join_timeout, retry_possible=method == "fork")
 
-    def _await_ready(self) -> None:
+    def _await_ready(self, join_timeout: float, retry_possible: bool = False) -> None:
         ranks = self._ranks
         waiting = set(range(self.spec.world_size))
-        deadline = time.monotonic() + self.spec.start_timeout
+        deadline = time.monotonic() + join_timeout
         problem = ""
         while waiting and not problem:
             left = deadline - time.monotonic()
             if left <= 0:
-                problem = f"ranks {sorted(waiting)} did not join within {self.spec.start_timeout:g} s"
+                if retry_possible:
+                    raise _JoinTimeout(sorted(waiting))
+                problem = f"ranks {sorted(waiting)} did not join within {join_timeout:g} s"
                 break
             watched = {ranks.controls[r]: r for r in waiting}
             watched.update({ranks.procs[r].sentinel: r for r in waiting})
@@ -667,7 +690,7 @@ def _py_spy() -> str | None:
 
 _TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
 _LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
-_NATIVE_ARGS = re.compile(r"\((?:[^()]*)\)(?= \(lib)")
+_PARENS = re.compile(r"\([^()]*\)")
 
 
 def tidy_stack(text: str) -> str:
@@ -687,14 +710,30 @@ def tidy_stack(text: str) -> str:
         elif skipping:
             continue
         if line.rstrip().endswith(".so)") or ".so." in line:
+            head, sep, lib = line.rpartition(" (")
             previous = None
-            while previous != line:
-                previous, line = line, _TEMPLATE_ARGS.sub("", line)
-            line = _NATIVE_ARGS.sub("", _LAMBDA.sub("{lambda}", line))
+            while previous != head:
+                previous, head = head, _PARENS.sub("", _TEMPLATE_ARGS.sub("", _LAMBDA.sub("{lambda}", head)))
+            line = head + sep + lib
             if len(line) > 160:
                 line = line[:157] + "..."
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def tidy_traceback_dump(text: str) -> str:
+    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
+    in a forked rank repeats the controller's whole stack)."""
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if skipping and (not line.strip() or not line.startswith("  ")):
+            skipping = False
+        if skipping:
+            continue
+        lines.append(line)
+        if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
+            skipping = True
+    return "\n".join(lines)
 
 
 def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S) -> dict[int, str]:

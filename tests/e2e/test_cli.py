@@ -100,7 +100,44 @@ def test_summed_loss_in_a_user_module_exits_1_with_first_divergence_and_repro(us
 def test_known_bug_fixtures_through_the_cli():
     result = ddparity("check", "ddparity.fixtures.bugs:corrupted_grad_on_one_rank", "--world-sizes", "2")
     assert result.returncode == 1
+    assert "desync at step 2: ranks [1] differ from the others" in result.stdout
     assert "first divergence: step 2, grad 'net.0.weight', rank 1" in result.stdout
+
+
+def test_a_hanging_rank_exits_3_with_suspect_positions_and_stacks_in_time(tmp_path):
+    out = tmp_path / "hang.json"
+    result = ddparity("check", "ddparity.fixtures.faults:stuck_rank", "--world-sizes", "2", "--timeout", "2",
+                      "--json", str(out))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "suspect ranks: [1]" in result.stdout
+    assert "rank 1: step 1, forward" in result.stdout and "FaultyMLP._inject" in result.stdout
+    assert "reproduce: ddparity check ddparity.fixtures.faults:stuck_rank --modes ddp --world-sizes 2" in result.stdout
+    [_, run] = json.loads(out.read_text())["runs"]
+    assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [1]
+    ranks = run["hang"]["ranks"]
+    assert ranks["0"]["collective_seq"] > ranks["1"]["collective_seq"] >= 0
+    assert "DDP gradient bucket 0" in ranks["0"]["collective"]
+    assert "time_sleep" in ranks["1"]["stack"] or "sleep" in ranks["1"]["stack"]
+    assert run["seconds"] < 2 + 5  # the timeout, plus stacks and teardown
+
+
+def test_a_mismatched_collective_exits_1_with_each_ranks_call_site(tmp_path):
+    out = tmp_path / "desync.json"
+    result = ddparity("check", "ddparity.fixtures.faults:mismatched_shape", "--world-sizes", "2", "--json", str(out))
+    assert result.returncode == 1, result.stdout + result.stderr
+    [_, run] = json.loads(out.read_text())["runs"]
+    assert run["status"] == "desync" and run["desync"]["ranks"] == [1] and run["desync"]["step"] == 1
+    sites = run["desync"]["collective"]["ranks"]
+    assert "float32[1]" in sites["0"]["collective"] and "float32[2]" in sites["1"]["collective"]
+    assert "faults.py" in sites["1"]["site"] and "_inject" in sites["1"]["site"]
+
+
+def test_demo_faults_reports_every_fault_as_expected():
+    result = ddparity("check", "--demo-faults", "--world-sizes", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert "OK: 9 of 9 fault runs reported as expected" in result.stdout
+    for status in ("HANG", "CRASH", "DESYNC"):
+        assert f"ddp world_size=2 (gloo): {status}" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -120,6 +157,8 @@ def test_known_bug_fixtures_through_the_cli():
         (["{file}:clean", "--modes", "single,tpu"], "unknown mode 'tpu'"),
         (["{file}:clean", "--tolerance", "tight"], "tolerance must be 'auto' or a number"),
         ([], "missing TARGET"),
+        (["--demo-faults", "--world-sizes", "1,2"], "fault injections need world sizes >= 2"),
+        (["--demo", "--demo-faults"], "give one of TARGET, --demo or --demo-faults"),
     ],
 )
 def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, message):

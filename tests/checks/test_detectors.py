@@ -1,0 +1,136 @@
+"""The detectors' decisions on hand-made evidence: minority, collective mismatch,
+fingerprint desync, hang suspects, stragglers, stack tidying."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddparity.checks.desync import fingerprint, first_desync, parse_fingerprints
+from ddparity.checks.hang import stragglers, suspect_ranks
+from ddparity.checks.ledger import Entry, LiveWatch, Position, collective_mismatch, minority
+from ddparity.harness.sidechannel import RankSignals
+from ddparity.harness.world import tidy_stack
+
+
+def entry(seq: int, key: str = "all_reduce|SUM|None|tensor=float32[4]", t: float = 0.0, step: int = 0,
+          group: str = "world") -> Entry:
+    return Entry(group, seq, key.split("|")[0], key, key, "train.py:1 in step", "", step, "backward", t, False)
+
+
+@pytest.mark.parametrize(
+    "groups, wrong, expected",
+    [
+        ({"a": [0, 2, 3], "b": [1]}, (), [1]),  # a clear majority
+        ({"a": [0], "b": [1]}, (), [1]),  # two ranks, no evidence: judged against rank 0
+        ({"a": [0], "b": [1]}, (1,), [1]),  # rank 1 diverges from the reference
+        ({"a": [0], "b": [1]}, (0,), [0]),  # rank 0 does
+        ({"a": [0], "b": [1]}, (0, 1), [0, 1]),  # both do: every rank is reported
+        ({"a": [0], "b": [1], "c": [2], "d": [3]}, (), [0, 1, 2, 3]),  # nobody agrees
+        ({"a": [0, 1], "b": [2, 3]}, (2,), [2, 3]),
+    ],
+)
+def test_minority(groups, wrong, expected):
+    assert minority(groups, wrong) == expected
+
+
+def test_collective_mismatch_finds_the_first_differing_slot_and_the_odd_rank():
+    same = [entry(0), entry(1)]
+    odd = [entry(0), entry(1, "all_reduce|SUM|None|tensor=float32[2]")]
+    found = collective_mismatch({0: same, 1: odd, 2: same, 3: same})
+    assert (found.seq, found.ranks) == (1, [1])
+    assert "float32[2]" in found.what()
+    assert collective_mismatch({0: same, 1: same}) is None
+    # p2p entries are pairwise: never compared across the group
+    p2p = {0: [entry(0, "send|None", group="p2p")], 1: [entry(0, "recv|None", group="p2p")]}
+    assert collective_mismatch(p2p) is None
+
+
+def _progress(entries: list[Entry], inflight: int | None = None) -> str:
+    recent = [{"g": e.group, "s": e.seq, "op": e.op, "k": e.key, "d": e.desc, "site": e.site,
+               "step": e.step, "phase": e.phase, "t": e.t} for e in entries]
+    return json.dumps({"n": 1, "step": 0, "phase": "backward", "inflight": inflight, "recent": recent})
+
+
+def test_live_watch_waits_for_every_rank_before_naming_the_minority():
+    watch = LiveWatch(settle=60)
+    good, bad = [entry(0)], [entry(0, "broadcast|None|0|tensor=float32[4]")]
+    assert watch([_progress(good), _progress(bad), _progress([])]) is None  # rank 2 not there yet
+    reason = watch([_progress(good), _progress(bad), _progress(good)])
+    assert reason and watch.found.ranks == [1]
+
+
+def test_first_desync_names_the_step_tensors_and_ranks():
+    same = {"param w": 1, "param b": 2, "rng cpu": 5}
+    prints = {r: {0: dict(same), 1: dict(same)} for r in range(4)}
+    prints[3][1] = {"param w": 9, "param b": 2, "rng cpu": 6}
+    found = first_desync(prints)
+    assert (found.step, found.ranks, found.names) == (1, [3], ["param w", "rng cpu"])
+    assert first_desync({r: {0: dict(same)} for r in range(2)}) is None
+
+
+def test_fingerprints_change_with_any_single_bit_and_only_then():
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    before = fingerprint(model, opt)
+    assert fingerprint(model, opt) == before
+    assert {"optimizer weight.exp_avg", "optimizer weight.exp_avg_sq", "rng cpu"} <= set(before)
+    with torch.no_grad():
+        bits = model.weight.view(torch.int32)
+        bits[7, 3] ^= 1  # one bit of one element
+    after = fingerprint(model, opt)
+    assert [k for k in before if before[k] != after[k]] == ["param weight"]
+    torch.rand(1)
+    assert fingerprint(model, opt)["rng cpu"] != after["rng cpu"]
+    line = json.dumps({"step": 0, "fp": after})
+    assert parse_fingerprints(line + "\nnot json\n") == {0: after}
+
+
+def test_hang_suspects():
+    def pos(step, phase, seq, inflight=None):
+        return Position(step, phase, inflight, (entry(seq),) if seq >= 0 else ())
+
+    behind = {0: pos(1, "backward", 4), 1: pos(1, "forward", 3), 2: pos(1, "backward", 4)}
+    assert suspect_ranks(behind, [0, 1, 2]) == [1]
+    # rank 2 finished while the others wait in collective 4
+    left = {0: pos(1, "backward", 4, 4), 1: pos(1, "backward", 4, 4), 2: pos(2, "done", 4)}
+    assert suspect_ranks(left, [0, 1]) == [2]
+    # all inside the same collective: the transport itself
+    stuck = {0: pos(0, "backward", 1, 1), 1: pos(0, "backward", 1, 1)}
+    assert suspect_ranks(stuck, [0, 1]) == [0, 1]
+    # a rank that never started the task is the furthest behind
+    assert suspect_ranks({0: pos(0, "forward", 0), 1: None}, [0, 1]) == [1]
+
+
+def test_stragglers_need_a_rank_that_is_late_most_of_the_time():
+    def ledger(times):
+        return "\n".join(json.dumps({"g": "world", "s": i, "op": "all_reduce", "k": "x", "d": "x", "site": "s",
+                                     "t": t}) for i, t in enumerate(times))
+
+    late = {0: RankSignals(ledger=ledger([0.0, 1.0, 2.0])), 1: RankSignals(ledger=ledger([0.3, 1.3, 2.01]))}
+    [s] = stragglers(late)
+    assert s.rank == 1 and s.last_count == 3 and s.mean_late_s > 0.2
+    close = {0: RankSignals(ledger=ledger([0.0, 1.0])), 1: RankSignals(ledger=ledger([0.001, 0.999]))}
+    assert stragglers(close) == []
+
+
+def test_tidy_stack_drops_headers_bootstrap_frames_and_template_noise():
+    raw = """Process 12: python x.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 12 (idle): "MainThread"
+    c10d::Work::wait (libtorch_cpu.so)
+    pybind11::cpp_function::initialize<std::vector<at::Tensor, std::allocator<at::Tensor> >, bool>(foo<int>)::{lambda(int)#1}::_FUN (libtorch_python.so)
+    train (model.py:10)
+    _run_task (ddparity/harness/rank.py:130)
+    rank_main (ddparity/harness/rank.py:176)
+    BaseProcess._bootstrap (multiprocessing/process.py:314)
+"""
+    text = tidy_stack(raw)
+    assert "Process 12" not in text and "_bootstrap" not in text
+    assert "pybind11::cpp_function::initialize::{lambda}::_FUN (libtorch_python.so)" in text
+    assert "train (model.py:10)" in text and "_run_task" in text

@@ -1,0 +1,90 @@
+"""The fault matrix: every injected fault, at world sizes 2 and 4, gets the right verdict
+and names the right ranks; nothing is left behind; the next check passes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from ddparity import check
+from ddparity.controller import WorldPool
+from ddparity.fixtures import models
+from ddparity.fixtures.faults import FAULT_RANK, FAULTS, reported_ranks
+from tests.conftest import stray_processes
+
+TIMEOUT = 3.0  # seconds without progress before a run counts as a hang
+
+
+def _temp_entries() -> set[str]:
+    places = [tempfile.gettempdir(), "/dev/shm"]
+    return {os.path.join(p, e) for p in places if os.path.isdir(p) for e in os.listdir(p)
+            if not e.startswith("pytest-of-")}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = WorldPool()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size, pool):
+    fault = FAULTS[name]
+    before = _temp_entries()
+    report = check(fault.case(), world_sizes=(world_size,), timeout=TIMEOUT, pool=pool)
+    single, run = report.runs
+    assert single.status == "pass"
+    assert run.status == fault.status, report.render()
+    assert reported_ranks(run) == fault.suspects(world_size), report.render()
+    assert report.exit_code == {"pass": 0, "desync": 1, "hang": 3, "crash": 3}[fault.status]
+    data = report.to_json()["runs"][1]
+    if fault.status == "hang":
+        hang = data["hang"]
+        assert sorted(hang["ranks"]) == [str(r) for r in range(world_size)]
+        stuck = hang["ranks"][str(FAULT_RANK)]
+        assert "_inject" in stuck["stack"] and "time_sleep" in stuck["stack"] or "sleep" in stuck["stack"]
+        assert stuck["phase"] == "forward" and stuck["step"] == 1
+        for rank, info in hang["ranks"].items():
+            assert isinstance(info["collective_seq"], int) and info["collective"]
+            if rank != str(FAULT_RANK):  # the others wait for it in a collective
+                assert info["collective_seq"] > stuck["collective_seq"], hang
+    if fault.status == "crash":
+        crash = data["crash"]
+        assert crash["rank"] == FAULT_RANK
+        expected_code = {"raising_rank": None, "exiting_rank": 7, "segfault": -11}[name]
+        assert crash["exitcode"] == expected_code
+        if name == "raising_rank":
+            assert "injected fault" in crash["error"] and "_inject" in crash["traceback"]
+        if name == "segfault":
+            assert "SIGSEGV" in crash["error"] and "_inject" in crash["output"]  # faulthandler's dump
+        # the surviving ranks' places and stacks at that moment
+        assert set(crash["ranks"]) >= {str(r) for r in range(world_size) if r != FAULT_RANK}
+    if fault.status == "desync":
+        desync = data["desync"]
+        assert isinstance(desync["step"], int) and desync["what"]
+        if name in ("skipped_collective", "mismatched_shape"):
+            assert desync["step"] == 1
+            sites = {info["site"] for info in desync["collective"]["ranks"].values()}
+            assert any("faults.py" in site for site in sites), desync
+        else:
+            assert desync["what"].startswith("param"), desync
+    if fault.status == "pass":
+        assert data["stragglers"][0]["rank"] == FAULT_RANK
+    # Only the pool's live (rebuilt) worlds remain: every killed rank is gone, and
+    # nothing is left in the temp dirs. The same pool runs a clean check next.
+    assert stray_processes(pool.pids) == set()
+    assert _temp_entries() - before == set()
+    after = check(models.mlp_sgd(), modes=("ddp",), world_sizes=(world_size,), pool=pool)
+    assert after.ok, after.render()
+    assert not any(r.desync for r in after.runs)
+
+
+def test_clean_models_raise_no_false_desync_or_straggler(pool):
+    for factory in models.DEMO_CASES.values():
+        report = check(factory(), modes=("ddp",), world_sizes=(2, 4), pool=pool)
+        assert report.ok, report.render()
+        assert all(r.desync is None and not r.stragglers for r in report.runs)
