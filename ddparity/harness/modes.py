@@ -318,8 +318,12 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
     device_ids = [torch.device(ctx.device).index] if ctx.device.startswith("cuda") else None
     rec.set_phase(-1, "ddp")
     ddp = DistributedDataParallel(model, device_ids=device_ids, **case.ddp_options)
-    if detect:
+    buckets = None
+    if detect and (case.comm_hook is not None or not ledger.BucketLayout.available(ddp)):
+        # the case's own hook (or DDP's default one) wrapped to record each bucket
         ddp.register_comm_hook(*ledger.ddp_comm_hook(case.comm_hook, case.comm_hook_state))
+    elif detect:
+        buckets = ledger.BucketLayout(ddp)
     elif case.comm_hook is not None:
         ddp.register_comm_hook(case.comm_hook_state, case.comm_hook)
     optimizer = make_optimizer(case, ddp.parameters())
@@ -336,6 +340,8 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(_forward(ddp, inputs), targets)
         rec.set_phase(step, "backward")
+        if buckets is not None:
+            rec.ddp_buckets(buckets.current())
         loss.backward()  # returns after DDP's gradient all-reduce has finished
         # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
         global_loss = loss.detach().clone()
@@ -348,6 +354,7 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
         trace.steps.append(record)
         if detect:
             rec.set_phase(step, "fingerprint")
-            rec.fingerprints(step, fingerprint(model, optimizer, buffers=not ddp.broadcast_buffers))
+            part = None if step == case.steps - 1 else step  # everything at the last step
+            rec.fingerprints(step, fingerprint(model, optimizer, buffers=not ddp.broadcast_buffers, part=part))
     rec.set_phase(case.steps, "done")
     return trace
