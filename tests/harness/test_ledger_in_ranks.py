@@ -1,0 +1,65 @@
+"""The collective ledger as ranks write it: direct calls, DDP buckets, nesting, call sites."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity import World
+from ddparity.checks.ledger import parse_ledger, parse_progress
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as world:
+        yield world
+
+
+def collectives(ctx):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddparity.checks import ledger
+
+    t = torch.ones(3)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.broadcast(t, src=1)
+    out = [None, None]
+    dist.all_gather_object(out, {"rank": ctx.rank})  # uses all_gather inside: one entry
+    work = dist.all_reduce(torch.ones(2, dtype=torch.float64), async_op=True)
+    work.wait()
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    model.register_comm_hook(*ledger.ddp_comm_hook())
+    model(torch.randn(3, 4)).sum().backward()
+    dist.barrier()
+    return out
+
+
+def test_every_collective_is_recorded_in_order_with_its_call_site(world2):
+    outcomes = world2.execute(collectives)
+    for o in outcomes:
+        entries = parse_ledger(o.signals.ledger)
+        ops = [(e.seq, e.op) for e in entries]
+        assert ops == [(0, "all_reduce"), (1, "broadcast"), (2, "all_gather_object"), (3, "all_reduce"),
+                       (4, "all_reduce"), (5, "barrier")], ops
+        first, bcast, _, async_, bucket, _ = entries
+        assert "MAX" in first.desc and "float32[3]" in first.desc and not first.is_async
+        assert "root=1" in bcast.desc
+        assert async_.is_async and "float64[2]" in async_.desc
+        assert bucket.via == "DDP gradient bucket 0" and "float32[10]" in bucket.desc
+        assert all("test_ledger_in_ranks.py" in e.site and "in collectives" in e.site for e in entries[:5])
+        progress = parse_progress(o.signals.progress)
+        assert progress.seq == 5 and progress.inflight is None
+
+
+def test_nothing_is_recorded_outside_tasks_and_the_next_task_starts_afresh(world2):
+    def one(ctx):
+        import torch
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(1))
+
+    first = world2.execute(one)
+    second = world2.execute(one)
+    for o in first + second:
+        assert [e.seq for e in parse_ledger(o.signals.ledger)] == [0]
