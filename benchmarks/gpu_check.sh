@@ -7,14 +7,17 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 {
   nvidia-smi -L
   python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count())"
-  echo "== demo on nccl (world size = GPUs)"
+  python3 -c "import shutil; print('py-spy:', shutil.which('py-spy'))"
+  echo "== demo on nccl (world size = GPUs), detection on: CUDA fingerprints, CUDA RNG, bucket layout"
   timeout 180 python3 -m ddparity.cli check --demo --backend nccl --world-sizes 1 --json "$OUT/demo_nccl.json"; echo "exit $?"
-  echo "== nccl asked for more ranks than GPUs: that run is skipped"
-  timeout 120 python3 -m ddparity.cli check ddparity.fixtures.bugs:batchnorm_on_shards --backend nccl --world-sizes 1,2; echo "exit $?"
-  echo "== auto on a CUDA build of torch with 1 GPU: gloo for world sizes 1,2,4"
-  timeout 180 python3 -m ddparity.cli check ddparity.fixtures.bugs:summed_loss --world-sizes 1,2,4; echo "exit $?"
-  echo "== probe"
-  timeout 240 python3 benchmarks/gpu_probe.py > "$OUT/gpu_probe.json"; echo "exit $?"; cat "$OUT/gpu_probe.json"
+  echo "== detection on CUDA tensors in a 1-rank nccl world"
+  timeout 120 python3 benchmarks/gpu_detection.py; echo "exit $?"
+  echo "== fault injections (gloo ranks on a CUDA build of torch)"
+  timeout 150 python3 -m ddparity.cli check --demo-faults --world-sizes 2,4 > "$OUT/demo_faults.log" 2>&1; echo "exit $?"
+  tail -22 "$OUT/demo_faults.log"
+  echo "== detection latency (gloo), timeout 5 s"
+  timeout 120 python3 benchmarks/bench_detection_latency.py --world-sizes 2,8; echo "exit $?"
 } 2>&1 | tee "$OUT/gpu_check.log"
 echo "== test suite on the GPU machine's torch"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider -n 4 tests 2>&1 | tee "$OUT/pytest.log" | tail -15 \
+  || timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -15
