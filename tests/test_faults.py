@@ -46,7 +46,7 @@ def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size
         hang = data["hang"]
         assert sorted(hang["ranks"]) == [str(r) for r in range(world_size)]
         stuck = hang["ranks"][str(FAULT_RANK)]
-        assert "_inject" in stuck["stack"] and "time_sleep" in stuck["stack"] or "sleep" in stuck["stack"]
+        assert "_inject" in stuck["stack"]  # py-spy or, without it, faulthandler
         assert stuck["phase"] == "forward" and stuck["step"] == 1
         for rank, info in hang["ranks"].items():
             assert isinstance(info["collective_seq"], int) and info["collective"]

@@ -161,6 +161,11 @@ class _OutputReader(threading.Thread):
                 del self._buffer[: cut + len(mark)]
         return data.decode("utf-8", "replace")
 
+    @property
+    def buffered(self) -> int:
+        with self._cond:
+            return len(self._buffer)
+
     def take_all(self, settle: float = 0.0) -> str:
         """Everything buffered (task-end marks dropped), after up to ``settle`` s for EOF."""
         if settle:
@@ -625,11 +630,23 @@ class World:
                         os.kill(pid, signal.SIGUSR1)
                     except OSError:
                         pass
-            time.sleep(STACK_DUMP_WAIT_S)
+            self._await_quiet_output(fallback, STACK_DUMP_WAIT_S)
             for rank in fallback:
                 text = self._ranks.readers[rank].take_all()
                 stacks[rank] = f"(py-spy unavailable; faulthandler dump)\n{text}" if text.strip() else ""
         return stacks
+
+    def _await_quiet_output(self, ranks: list[int], limit: float) -> None:
+        """Until every rank printed something and then nothing more for 0.1 s (a
+        faulthandler dump is written at once), or ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        sizes: list[int] = []
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = [self._ranks.readers[r].buffered for r in ranks]
+            if all(now) and now == sizes:
+                return
+            sizes = now
 
     def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
         stacks = self._dump_stacks(pending, native=False)

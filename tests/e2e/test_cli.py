@@ -110,14 +110,14 @@ def test_a_hanging_rank_exits_3_with_suspect_positions_and_stacks_in_time(tmp_pa
                       "--json", str(out))
     assert result.returncode == 3, result.stdout + result.stderr
     assert "suspect ranks: [1]" in result.stdout
-    assert "rank 1: step 1, forward" in result.stdout and "FaultyMLP._inject" in result.stdout
+    assert "rank 1: step 1, forward" in result.stdout and "_inject" in result.stdout
     assert "reproduce: ddparity check ddparity.fixtures.faults:stuck_rank --modes ddp --world-sizes 2" in result.stdout
     [_, run] = json.loads(out.read_text())["runs"]
     assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [1]
     ranks = run["hang"]["ranks"]
     assert ranks["0"]["collective_seq"] > ranks["1"]["collective_seq"] >= 0
     assert "DDP gradient bucket 0" in ranks["0"]["collective"]
-    assert "time_sleep" in ranks["1"]["stack"] or "sleep" in ranks["1"]["stack"]
+    assert "_inject" in ranks["1"]["stack"]  # py-spy or, without it, faulthandler
     assert run["seconds"] < 2 + 5  # the timeout, plus stacks and teardown
 
 
