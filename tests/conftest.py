@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -24,10 +25,20 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
 HELPERS = ("forkserver", "resource_tracker")
 
 
+def _is_helper(pid: int) -> bool:
+    """The forkserver or resource tracker itself (our direct child), not a rank the
+    forkserver forked (same command line, but the forkserver's child)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.ppid() == os.getpid() and any(h in " ".join(proc.cmdline()) for h in HELPERS)
+    except psutil.Error:
+        return False
+
+
 def stray_processes(expected: set[int]) -> set[int]:
-    """Our child processes that are neither ``expected`` nor multiprocessing helpers."""
-    stray = wait_gone(_children() - expected)
-    return {p for p in stray if not any(h in " ".join(psutil.Process(p).cmdline()) for h in HELPERS)}
+    """Our child processes that are neither ``expected`` nor multiprocessing helpers
+    (those live as long as the session: they are not waited for)."""
+    return wait_gone({p for p in _children() - expected if not _is_helper(p)})
 
 
 @pytest.fixture
@@ -38,8 +49,5 @@ def no_leftover_processes():
     from ddparity.controller import default_pool
 
     default_pool().close()
-    leftover = wait_gone(_children() - before)
-    # multiprocessing's shared helpers (forkserver, resource tracker) may stay
-    helpers = ("forkserver", "resource_tracker")
-    leftover = {p for p in leftover if not any(h in " ".join(psutil.Process(p).cmdline()) for h in helpers)}
+    leftover = stray_processes(before)  # multiprocessing's shared helpers may stay
     assert not leftover, f"processes left behind: {leftover}"
