@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import logging
 import multiprocessing
 import os
 import re
@@ -51,6 +52,8 @@ from ddparity.harness.protocol import (
     TaskDone,
 )
 from ddparity.harness.sidechannel import RankSignals, TaskChannel
+
+log = logging.getLogger("ddparity")
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
            "ddparity.harness.rank"]
@@ -177,6 +180,10 @@ class _OutputReader(threading.Thread):
 
 class _JoinTimeout(Exception):
     """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"ranks {ranks} did not join")
+        self.ranks = ranks
 
 
 class _Ranks:
@@ -353,10 +360,15 @@ class World:
         if method == "fork":
             try:
                 self._start_ranks("fork", min(self.spec.start_timeout, FORK_JOIN_S))
-            except _JoinTimeout:
+            except _JoinTimeout as stuck:
                 # A forked child can inherit a lock held by one of this process's threads
                 # (C++ runtimes, the store server) and wait on it forever. Rare, but a
                 # forkserver child cannot: start this generation from there instead.
+                stacks = self._dump_stacks(stuck.ranks)
+                log.warning(
+                    "forked ranks %s of a %d-rank world did not join within %g s; starting them "
+                    "from the forkserver instead. Their stacks:\n%s", stuck.ranks, self.spec.world_size,
+                    FORK_JOIN_S, "\n".join(f"--- rank {r} ---\n{t}" for r, t in stacks.items()))
                 self._ranks.kill()
                 self._start_ranks("forkserver", self.spec.start_timeout)
         else:
@@ -497,6 +509,7 @@ class World:
         if self._pending is not None:
             raise UsageError("this World is already running a task; call result() on it before submitting another")
         self.start()
+        self._replace_dead_ranks()
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as exc:
@@ -647,6 +660,18 @@ class World:
             if all(now) and now == sizes:
                 return
             sizes = now
+
+    def _replace_dead_ranks(self) -> None:
+        """A rank that died after its last task finished (a crash in teardown, a
+        background thread, the OOM killer) is reported and the world rebuilt: every rank
+        is judged, not only rank 0, and never handed a task it cannot run."""
+        dead = [(r, p.exitcode) for r, p in enumerate(self._ranks.procs) if not p.is_alive()]
+        if dead:
+            rank, code = dead[0]
+            output = self._ranks.readers[rank].take_all(settle=0.5)
+            log.warning("rank %d died after its last task finished (%s); the world is rebuilt.%s", rank,
+                        _signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
+            self.restart()
 
     def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
         stacks = self._dump_stacks(pending, native=False)

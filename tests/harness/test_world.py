@@ -241,3 +241,23 @@ def test_forked_ranks_that_do_not_join_are_started_again_from_the_forkserver(mon
         assert methods == ["fork", "forkserver"]
         assert world.run(lambda ctx: ctx.rank) == [0, 1]
         assert world.generation == 2
+
+
+def test_a_rank_that_dies_after_its_task_is_noticed_and_replaced(caplog):
+    with World(2) as world:
+        def die_soon_after(ctx):
+            import os
+            import threading
+            import time
+
+            if ctx.rank == 1:  # e.g. a crash in a background thread once the work is done
+                threading.Thread(target=lambda: (time.sleep(0.2), os._exit(9)), daemon=True).start()
+            return ctx.rank
+
+        assert world.run(die_soon_after) == [0, 1]
+        time.sleep(1.0)
+        gen = world.generation
+        with caplog.at_level("WARNING", logger="ddparity"):
+            assert world.run(lambda ctx: ctx.rank) == [0, 1]
+        assert world.generation == gen + 1
+        assert "rank 1 died after its last task finished (exit code 9)" in caplog.text
