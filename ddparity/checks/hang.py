@@ -26,7 +26,8 @@ def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list
     """
     if not pending:
         return []
-    order = {r: (where[r].order() if where.get(r) is not None else (-2, -1, -1)) for r in pending}
+    never = (-2, -1, -1)  # a rank that never started the task is the furthest behind
+    order = {r: (p.order() if (p := where.get(r)) is not None else never) for r in pending}
     ahead = max(order.values())
     behind = sorted(r for r in pending if order[r] < ahead)
     if behind:
@@ -34,7 +35,7 @@ def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list
     finished = sorted(r for r in where if r not in pending)
     if finished:
         return finished
-    outside = sorted(r for r in pending if where.get(r) is None or where[r].inflight is None)
+    outside = sorted(r for r in pending if (p := where.get(r)) is None or p.inflight is None)
     if outside and len(outside) < len(pending):
         return outside
     return sorted(pending)

@@ -27,9 +27,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 RECENT = 8
@@ -85,7 +86,7 @@ def _call_site(depth: int) -> str:
         import torch
 
         _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    frame = sys._getframe(depth)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
@@ -253,7 +254,7 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         rec = _active
-        if rec is None or not rec.enabled or not rec.channel.active or getattr(rec._local, "depth", 0):
+        if rec is None or not rec.enabled or not rec.channel.active or getattr(rec._local, "depth", False):
             return fn(*args, **kwargs)  # not in a task, or nested (all_gather_object -> all_gather)
         try:
             bound = signature.bind(*args, **kwargs)
@@ -261,11 +262,11 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)  # let torch raise its own error for bad arguments
         blocking = not bound.arguments.get("async_op", False) and op not in ("isend", "irecv")
         rec.enter(op, bound.arguments, blocking)
-        rec._local.depth = 1
+        rec._local.depth = True
         try:
             return fn(*args, **kwargs)
         finally:
-            rec._local.depth = 0
+            rec._local.depth = False
             rec.leave()
 
     recorded.__ddparity_recorded__ = True  # type: ignore[attr-defined]
@@ -336,7 +337,7 @@ def _ledger_hook(state: _HookState, bucket):  # noqa: ANN001, ANN202 - DDP check
 
     with active().via(f"DDP gradient bucket {bucket.index()}"):
         if state.hook is None:
-            return default_hooks.allreduce_hook(None, bucket)
+            return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
         return state.hook(state.state, bucket)
 
 
@@ -466,7 +467,7 @@ class Mismatch:
         ) + " vs " + "; ".join(f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks)
 
 
-def collective_mismatch(sequences: dict[int, list[Entry] | tuple[Entry, ...]]) -> Mismatch | None:
+def collective_mismatch(sequences: Mapping[int, Sequence[Entry]]) -> Mismatch | None:
     """The first slot (per group) where the ranks holding it issued different collectives."""
     slots: dict[tuple[str, int], dict[int, Entry]] = {}
     for rank, entries in sequences.items():

@@ -17,6 +17,10 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddparity.checks.ledger import Recorder
 
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
@@ -98,7 +102,7 @@ def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
     return client
 
 
-def _install_recorder(spec: RankSpec, client) -> object:  # noqa: ANN001
+def _install_recorder(spec: RankSpec, client) -> Recorder:  # noqa: ANN001
     """The collective ledger and progress heartbeat, written to the controller's store."""
     from ddparity.checks.ledger import install_recorder
     from ddparity.harness.sidechannel import RankChannel

@@ -377,7 +377,9 @@ class World:
         self.start_seconds = time.perf_counter() - started
 
     def _start_ranks(self, method: str, join_timeout: float) -> None:
-        mp = multiprocessing.get_context(method)
+        mp: Any = multiprocessing.get_context(method)
+        store = self._store
+        assert store is not None  # created by _launch
         if method == "forkserver":
             mp.set_forkserver_preload(PRELOAD)
         self._generation += 1
@@ -392,8 +394,8 @@ class World:
                 world_size=n,
                 backend=self.backend,
                 device=self._device(rank),
-                store_host=self._store.host,
-                store_port=self._store.port,
+                store_host=store.host,
+                store_port=store.port,
                 store_prefix=self._store_prefix,
                 pg_timeout_s=self.spec.timeout + 60.0,
                 threads=self.spec.threads_per_rank,
@@ -447,7 +449,7 @@ class World:
                     raise _JoinTimeout(sorted(waiting))
                 problem = f"ranks {sorted(waiting)} did not join within {join_timeout:g} s"
                 break
-            watched = {ranks.controls[r]: r for r in waiting}
+            watched: dict[Any, int] = {ranks.controls[r]: r for r in waiting}
             watched.update({ranks.procs[r].sentinel: r for r in waiting})
             for obj in wait(list(watched), timeout=left):
                 rank = watched[obj]
@@ -815,7 +817,7 @@ def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S, nativ
 
 def _queued(conn: Connection) -> list[Any]:
     """Every message already waiting on ``conn``; stops at EOF (a dead rank)."""
-    messages = []
+    messages: list[Any] = []
     while True:
         try:
             if not conn.poll():
@@ -853,7 +855,7 @@ class _NoMainPopen(popen_forkserver.Popen):
 
         spawn.get_preparation_data = without_main  # the controller is single-threaded here
         try:
-            super()._launch(process_obj)
+            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
         finally:
             spawn.get_preparation_data = original
 
