@@ -1,0 +1,258 @@
+"""The pytest plugin: parity checks as ordinary tests (auto-loaded via ``pytest11``).
+
+An adapter over the library: markers, options and fixtures map onto :func:`ddparity.check`
+and :class:`ddparity.World`. Importing it imports neither torch nor the harness; a session
+without ddparity tests pays nothing.
+
+Settings are resolved once per session, per setting, in this order (first wins):
+command-line option, environment variable (``DDPARITY_WORLD_SIZES``, ``DDPARITY_BACKEND``,
+``DDPARITY_TIMEOUT``, ``DDPARITY_REPORT``), ini setting (``ddparity_world_sizes`` ...),
+default. ``@pytest.mark.world_size(2, 4)`` lays the test's own world sizes over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from ddparity.errors import UsageError
+
+DEFAULT_WORLD_SIZES = (2,)
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PluginSettings:
+    """The session's ddparity settings, each with where it came from (for errors)."""
+
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    backend: str = "auto"
+    timeout: float = 60.0
+    report: str | None = None
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> PluginSettings:
+        def pick(name: str) -> tuple[str | None, str]:
+            option = config.getoption(f"ddparity_{name}", None)
+            if option not in (None, ""):
+                return str(option), f"--ddparity-{name.replace('_', '-')}"
+            env = os.environ.get(f"DDPARITY_{name.upper()}")
+            if env:
+                return env, f"${'DDPARITY_' + name.upper()}"
+            ini = config.getini(f"ddparity_{name}")
+            if ini:
+                return str(ini), f"ini ddparity_{name}"
+            return None, "default"
+
+        values: dict[str, Any] = {}
+        text, source = pick("world_sizes")
+        if text is not None:
+            values["world_sizes"] = parse_world_sizes(text, source)
+        text, source = pick("backend")
+        if text is not None:
+            if text not in BACKENDS:
+                raise pytest.UsageError(f"{source}: unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
+            values["backend"] = text
+        text, source = pick("timeout")
+        if text is not None:
+            try:
+                timeout = float(text)
+            except ValueError:
+                timeout = -1.0
+            if not timeout > 0:
+                raise pytest.UsageError(f"{source}: timeout must be a positive number of seconds, got {text!r}")
+            values["timeout"] = timeout
+        text, _ = pick("report")
+        if text is not None:
+            values["report"] = text
+        return cls(**values)
+
+
+def parse_world_sizes(text: str, source: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.replace(" ", ",").split(",") if part)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s < 1 for s in sizes):
+        raise pytest.UsageError(f"{source}: world sizes must be integers >= 1 separated by commas, got {text!r}")
+    return sizes
+
+
+SETTINGS = pytest.StashKey[PluginSettings]()
+RUNS = pytest.StashKey[list]()  # JSON runs of every check in this process's session
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ddparity", "data-parallel parity checks")
+    group.addoption("--ddparity-world-sizes", dest="ddparity_world_sizes", metavar="N,N",
+                    help="world sizes for @pytest.mark.world_size without arguments and for the "
+                         "parity fixture in unmarked tests (default 2)")
+    group.addoption("--ddparity-backend", dest="ddparity_backend", metavar="NAME",
+                    help="auto | gloo | nccl (default auto)")
+    group.addoption("--ddparity-timeout", dest="ddparity_timeout", metavar="SECONDS",
+                    help="seconds without progress before a check counts as a hang (default 60)")
+    group.addoption("--ddparity-report", dest="ddparity_report", metavar="PATH",
+                    help="write the JSON report of every check in the session here")
+    parser.addini("ddparity_world_sizes", "default world sizes, e.g. 2,4")
+    parser.addini("ddparity_backend", "auto | gloo | nccl")
+    parser.addini("ddparity_timeout", "seconds without progress before a check counts as a hang")
+    parser.addini("ddparity_report", "path of the session's JSON report")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "world_size(*sizes): run the test once per world size (ids ws2, ws4); without arguments, "
+        "the --ddparity-world-sizes setting",
+    )
+    config.stash[SETTINGS] = PluginSettings.from_config(config)
+    config.stash[RUNS] = []
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistReport(config), "ddparity-xdist")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("world_size")
+    if marker is None:
+        return
+    if marker.args:
+        where = f"@pytest.mark.world_size on {metafunc.definition.nodeid}"
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in marker.args):
+            raise pytest.UsageError(f"{where}: world sizes must be integers >= 1, got {marker.args!r}")
+        sizes = tuple(marker.args)
+    else:
+        sizes = metafunc.config.stash[SETTINGS].world_sizes
+    if "world_size" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("world_size")
+    metafunc.parametrize("world_size", sizes, ids=[f"ws{s}" for s in sizes], indirect=True)
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest) -> int:
+    """This test's world size (from ``@pytest.mark.world_size``), else the first of the
+    session's world sizes."""
+    if hasattr(request, "param"):
+        return int(request.param)
+    return request.config.stash[SETTINGS].world_sizes[0]
+
+
+@pytest.fixture(scope="session")
+def ddparity_pool(request: pytest.FixtureRequest) -> Any:
+    """The session's warm worlds (one pool per process; under xdist, per worker)."""
+    from ddparity.controller import WorldPool
+
+    pool = WorldPool()
+    request.addfinalizer(pool.close)
+    return pool
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, world_size: int, ddparity_pool: Any) -> Any:
+    """A warm :class:`ddparity.World` of the test's world size, shared across tests; a
+    world whose ranks died or hung is rebuilt before the next task."""
+    settings = request.config.stash[SETTINGS]
+    from ddparity.controller import _choose_backend
+
+    try:
+        backend = _choose_backend(settings.backend, (world_size,))
+        return ddparity_pool.get(world_size, backend)
+    except UsageError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
+    """``parity(case, modes=("single", "ddp"), **check_options)``: run :func:`ddparity.check`
+    at this test's world size (or the session's world sizes in an unmarked test) and
+    fail the test with the readable report if any run is not equivalent."""
+    settings = request.config.stash[SETTINGS]
+    marked = request.node.get_closest_marker("world_size") is not None
+    sizes = (request.getfixturevalue("world_size"),) if marked else settings.world_sizes
+
+    def run(case: Any, modes: tuple[str, ...] | list[str] = ("single", "ddp"), **options: Any) -> Any:
+        from ddparity.controller import check
+
+        options.setdefault("backend", settings.backend)
+        options.setdefault("timeout", settings.timeout)
+        options.setdefault("world_sizes", sizes)
+        if getattr(case, "name", "?") is None:  # name the report after the test
+            case = dataclasses.replace(case, name=request.node.name)
+        try:
+            report = check(case, modes=modes, pool=ddparity_pool, **options)
+        except UsageError as exc:
+            pytest.fail(f"ddparity: {exc}", pytrace=False)
+        _record(request, report)
+        if not report.ok:
+            pytest.fail(_failure_text(request, report), pytrace=False)
+        return report
+
+    return run
+
+
+def _record(request: pytest.FixtureRequest, report: Any) -> None:
+    """Every run into the session report; the ddp runs' verdicts as JUnit properties."""
+    runs = request.config.stash[RUNS]
+    for run in report.runs:
+        runs.append(dict(run.to_json(), case=report.case, test=request.node.nodeid))
+    props = request.node.user_properties
+    for run in report.runs:
+        if run.mode == "single":
+            continue
+        tag = f"ddparity[{run.mode} ws{run.world_size}]"
+        props.append((f"{tag} status", run.status))
+        props.append((f"{tag} world_size", run.world_size))
+        if run.first_divergence is not None:
+            d = run.first_divergence
+            props.append((f"{tag} first_divergence", f"step {d.step} {d.kind} {d.name} rank {d.rank}"))
+        if run.desync:
+            props.append((f"{tag} desync", f"step {run.desync['step']} ranks {run.desync['ranks']}"))
+        if run.hang:
+            props.append((f"{tag} hang suspects", str(run.hang["suspect_ranks"])))
+        if run.crash:
+            props.append((f"{tag} crash", f"rank {run.crash['rank']}: {run.crash['error']}"))
+
+
+def _failure_text(request: pytest.FixtureRequest, report: Any) -> str:
+    settings = request.config.stash[SETTINGS]
+    rerun = f"pytest {request.node.nodeid!r} --ddparity-backend {settings.backend} --ddparity-timeout {settings.timeout:g}"
+    return f"{report.render()}\nreproduce: {rerun}"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    runs = config.stash.get(RUNS, [])
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the runs to the controller
+        workeroutput["ddparity_runs"] = json.dumps(runs)
+        return
+    path = config.stash[SETTINGS].report if SETTINGS in config.stash else None
+    if path:
+        write_report(path, runs)
+
+
+def write_report(path: str, runs: list[dict[str, Any]]) -> None:
+    data = {"version": 1, "ok": all(r["status"] not in ("diverged", "desync", "hang", "crash", "error") for r in runs),
+            "case": "pytest session", "runs": runs}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+
+
+class _XdistReport:
+    """On the xdist controller: gathers each worker's runs as the worker finishes."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        text = getattr(node, "workeroutput", {}).get("ddparity_runs")
+        if text:
+            self.config.stash[RUNS].extend(json.loads(text))

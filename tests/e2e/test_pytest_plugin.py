@@ -1,0 +1,184 @@
+"""The pytest plugin as users meet it: real pytest subprocesses (pytester)."""
+
+from __future__ import annotations
+
+import json
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HEADER = '''
+import time
+import pytest
+import torch
+from torch import nn
+from ddparity import Case
+
+def data(step, generator):
+    return torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+
+class Net(nn.Module):          # a class defined in the test module
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+    def forward(self, x):
+        return self.fc(x)
+'''
+
+TESTS = HEADER + '''
+@pytest.mark.world_size(2, 4)
+def test_clean(parity):
+    parity(Case(model=Net, data=data, steps=2))
+
+@pytest.mark.world_size(2)
+def test_summed_loss(parity):
+    width = 6                    # a closure and a lambda
+    parity(Case(model=lambda: nn.Linear(width, 3), data=data, steps=2,
+                loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="sum")))
+
+@pytest.mark.world_size(2)
+def test_world(world, world_size):
+    assert world.run(lambda ctx: (ctx.rank, ctx.world_size)) == [(0, 2), (1, 2)]
+'''
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=300)
+
+
+def test_passes_fails_and_parametrizes_like_pytest(pytester):
+    pytester.makepyfile(test_user=TESTS)
+    result = run(pytester, "-v", "--strict-markers")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines([
+        "*test_clean?ws2? PASSED*", "*test_clean?ws4? PASSED*", "*test_summed_loss?ws2? FAILED*",
+        "*test_world?ws2? PASSED*",
+    ])
+    out = result.stdout.str()
+    # the failure: the report's table, the first divergence, and a last line that reproduces it
+    assert "ddparity check: test_summed_loss[ws2]" in out
+    assert "ddp world_size=2 (gloo): DIVERGED" in out
+    assert "first divergence: step 0, loss 'loss', rank 0" in out
+    assert "reproduce: pytest 'test_user.py::test_summed_loss[ws2]' --ddparity-backend auto" in out
+    assert "Traceback" not in out and "ddparity/controller.py" not in out
+
+
+def test_session_report_and_junit_properties(pytester):
+    pytester.makepyfile(test_user=TESTS)
+    result = run(pytester, "--ddparity-report", "out/report.json", "--junitxml", "junit.xml")
+    result.assert_outcomes(passed=3, failed=1)
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert report["version"] == 1 and report["ok"] is False
+    ddp = {(r["test"], r["world_size"]): r["status"] for r in report["runs"] if r["mode"] == "ddp"}
+    assert ddp == {("test_user.py::test_clean[ws2]", 2): "pass", ("test_user.py::test_clean[ws4]", 4): "pass",
+                   ("test_user.py::test_summed_loss[ws2]", 2): "diverged"}
+    props = {(p.get("name"), p.get("value")) for p in ET.parse(pytester.path / "junit.xml").iter("property")}
+    assert ("ddparity[ddp ws2] status", "diverged") in props
+    assert ("ddparity[ddp ws2] first_divergence", "step 0 loss loss rank 0") in props
+    assert ("ddparity[ddp ws4] world_size", "4") in props
+
+
+def test_under_xdist_each_worker_owns_its_worlds_and_the_report_merges(pytester):
+    pytester.makepyfile(test_user=TESTS)
+    result = run(pytester, "-n", "2", "--ddparity-report", "report.json")
+    result.assert_outcomes(passed=3, failed=1)
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert sorted({r["test"] for r in report["runs"]}) == [
+        "test_user.py::test_clean[ws2]", "test_user.py::test_clean[ws4]", "test_user.py::test_summed_loss[ws2]"]
+
+
+def test_a_hanging_and_a_crashing_rank_fail_their_tests_and_the_session_goes_on(pytester):
+    pytester.makepyfile(test_faults=HEADER + '''
+class Faulty(nn.Module):
+    def __init__(self, fault):
+        super().__init__()
+        self.fc, self.fault, self.calls = nn.Linear(6, 3), fault, 0
+    def forward(self, x):
+        import torch.distributed as dist
+        self.calls += 1
+        if dist.get_world_size() > 1 and dist.get_rank() == 1 and self.calls == 2:
+            if self.fault == "hang":
+                time.sleep(600)
+            raise RuntimeError("rank 1 gave up")
+        return self.fc(x)
+
+@pytest.mark.world_size(2)
+def test_hangs(parity):
+    parity(Case(model=lambda: Faulty("hang"), data=data, steps=3))
+
+@pytest.mark.world_size(2)
+def test_crashes(parity):
+    parity(Case(model=lambda: Faulty("raise"), data=data, steps=3))
+
+@pytest.mark.world_size(2)
+def test_next_one_passes(parity):
+    parity(Case(model=Net, data=data, steps=2))
+''')
+    started = time.monotonic()
+    result = run(pytester, "--ddparity-timeout", "3")
+    result.assert_outcomes(passed=1, failed=2)
+    out = result.stdout.str()
+    assert "ddp world_size=2 (gloo): HANG" in out and "suspect ranks: [1]" in out
+    assert "--- rank 1 stack ---" in out
+    assert "ddp world_size=2 (gloo): CRASH" in out and "rank 1 raised: RuntimeError: rank 1 gave up" in out
+    assert time.monotonic() - started < 60  # one 3 s timeout, not 30 minutes
+
+
+def test_settings_precedence_and_bad_values(pytester, monkeypatch):
+    pytester.makeini("[pytest]\nddparity_world_sizes = 4\nddparity_timeout = 30\n")
+    pytester.makepyfile(test_sizes='''
+import pytest
+
+@pytest.mark.world_size
+def test_sizes(world_size):
+    print("SIZE", world_size)
+''')
+    result = run(pytester, "-v")
+    result.stdout.fnmatch_lines(["*test_sizes?ws4? PASSED*"])  # ini
+    monkeypatch.setenv("DDPARITY_WORLD_SIZES", "1,2")
+    result = run(pytester, "-v")
+    result.stdout.fnmatch_lines(["*test_sizes?ws1? PASSED*", "*test_sizes?ws2? PASSED*"])  # env over ini
+    result = run(pytester, "-v", "--ddparity-world-sizes", "3")
+    result.stdout.fnmatch_lines(["*test_sizes?ws3? PASSED*"])  # option over env
+    result = run(pytester, "--ddparity-timeout", "soon")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--ddparity-timeout: timeout must be a positive number of seconds, got 'soon'*"])
+    monkeypatch.setenv("DDPARITY_BACKEND", "mpi")
+    result = run(pytester)
+    result.stderr.fnmatch_lines(["*$DDPARITY_BACKEND: unknown backend 'mpi'*"])
+
+
+def test_a_session_without_ddparity_tests_does_not_import_torch(pytester):
+    pytester.makepyfile(test_plain='''
+import sys
+
+def test_no_torch():
+    assert "torch" not in sys.modules
+''')
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_hypothesis_strategies_generate_cases_that_print_as_code(pytester):
+    pytester.makepyfile(test_props='''
+import pytest
+from hypothesis import HealthCheck, given, settings
+from ddparity import strategies as dps
+
+@pytest.mark.world_size(2)
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=dps.cases(world_size=2))
+def test_ddp_matches_one_device(case, parity):
+    parity(case)
+
+@settings(max_examples=1, deadline=None, derandomize=True)
+@given(case=dps.cases(world_size=2))
+def test_falsifying_example_is_printed(case):
+    assert False
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*Falsifying example*", "*case=Case(model=MLPFactory(sizes=(*"])
