@@ -108,7 +108,7 @@ def default_pool() -> WorldPool:
     return _default_pool
 
 
-def _choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
+def choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
     """One backend for the whole check, so every run is compared on the same device kind."""
     if backend == "auto":
         return rendezvous.resolve_backend("auto", max(world_sizes))
@@ -172,7 +172,7 @@ def check(
         timeout=timeout, tolerance=tolerance, steps=steps,
     )
     case = case.with_steps(opts.steps).validate()
-    chosen = _choose_backend(opts.backend, opts.world_sizes)
+    chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
     report = Report(case.label)
 

@@ -156,10 +156,10 @@ def world(request: pytest.FixtureRequest, world_size: int, ddparity_pool: Any) -
     """A warm :class:`ddparity.World` of the test's world size, shared across tests; a
     world whose ranks died or hung is rebuilt before the next task."""
     settings = request.config.stash[SETTINGS]
-    from ddparity.controller import _choose_backend
+    from ddparity.controller import choose_backend
 
     try:
-        backend = _choose_backend(settings.backend, (world_size,))
+        backend = choose_backend(settings.backend, (world_size,))
         return ddparity_pool.get(world_size, backend)
     except UsageError as exc:
         pytest.skip(str(exc))

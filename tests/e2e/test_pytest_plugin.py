@@ -6,6 +6,7 @@ import json
 import time
 import xml.etree.ElementTree as ET
 
+import psutil
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -120,6 +121,15 @@ def test_next_one_passes(parity):
     started = time.monotonic()
     result = run(pytester, "--ddparity-timeout", "3")
     result.assert_outcomes(passed=1, failed=2)
+    # no rank of that session is left (ranks are forks of it: same command line)
+    def leftovers() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+                if str(pytester.path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + 10
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers() == []
     out = result.stdout.str()
     assert "ddp world_size=2 (gloo): HANG" in out and "suspect ranks: [1]" in out
     assert "--- rank 1 stack ---" in out
