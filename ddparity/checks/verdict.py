@@ -13,7 +13,7 @@ from typing import Any
 
 from ddparity.checks.desync import Desync, first_desync, parse_fingerprints
 from ddparity.checks.hang import hang_report, rank_report, stragglers
-from ddparity.checks.ledger import Mismatch, collective_mismatch, parse_ledger
+from ddparity.checks.ledger import Entry, Mismatch, collective_mismatch, parse_ledger, parse_progress
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.harness.world import tidy_traceback_dump
 from ddparity.report import Divergence, RunResult
@@ -47,8 +47,17 @@ def state_desync(found: Desync) -> dict[str, Any]:
     }
 
 
-def _ledgers(signals: dict[int, Any]) -> dict[int, list[Any]]:
-    return {r: parse_ledger(s.ledger) for r, s in signals.items()}
+def _ledgers(signals: dict[int, Any]) -> dict[int, list[Entry]]:
+    """Each rank's ledger, completed with the recent entries of its progress record (a
+    rank killed before its last ledger lines were written still has them there)."""
+    out = {}
+    for rank, sig in signals.items():
+        entries = parse_ledger(sig.ledger)
+        seen = {(e.group, e.seq) for e in entries}
+        position = parse_progress(sig.progress)
+        recent = [e for e in position.recent if (e.group, e.seq) not in seen] if position else []
+        out[rank] = entries + recent
+    return out
 
 
 def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Divergence]) -> RunResult:
