@@ -56,7 +56,7 @@ from ddparity.harness.sidechannel import RankSignals, TaskChannel
 log = logging.getLogger("ddparity")
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
-           "ddparity.harness.rank"]
+           "ddparity.harness.rank", "ddparity.checks.ledger", "ddparity.harness.sidechannel", "ddparity.checks.desync"]
 """Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
 first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
 
