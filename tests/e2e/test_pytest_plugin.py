@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import psutil
 import pytest
@@ -65,6 +68,34 @@ def test_passes_fails_and_parametrizes_like_pytest(pytester):
     assert "first divergence: step 0, loss 'loss', rank 0" in out
     assert "reproduce: pytest 'test_user.py::test_summed_loss[ws2]' --ddparity-backend auto" in out
     assert "Traceback" not in out and "ddparity/controller.py" not in out
+
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+
+
+def normalized_failure(out: str, test: str) -> str:
+    """The failure section of ``test``, numbers replaced by N and column padding collapsed
+    (timings and float noise vary; the layout and wording are what is pinned)."""
+    section = out.split(f" {test} ", 1)[1].split("short test summary info", 1)[0]
+    section = section.split("\n", 1)[1].rsplit("\n", 1)[0]
+    section = re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "N", section)
+    lines = [re.sub(r" {2,}", "  ", line).rstrip() for line in section.strip().splitlines()]
+    # the worst offenders' order depends on float noise: pin the set, not the order
+    worst = [i for i, line in enumerate(lines) if re.match(r"  (loss|grad|param|buffer)  ", line)]
+    for i, line in zip(worst, sorted(lines[i] for i in worst)):
+        lines[i] = line
+    return "\n".join(lines) + "\n"
+
+
+def test_failure_text_matches_the_snapshot(pytester):
+    """Update with DDPARITY_UPDATE_SNAPSHOTS=1 after an intended change of the report."""
+    pytester.makepyfile(test_user=TESTS)
+    result = run(pytester, "-k", "summed")
+    got = normalized_failure(result.stdout.str(), "test_summed_loss[ws2]")
+    path = SNAPSHOTS / "plugin_failure.txt"
+    if os.environ.get("DDPARITY_UPDATE_SNAPSHOTS"):
+        path.write_text(got)
+    assert got == path.read_text()
 
 
 def test_session_report_and_junit_properties(pytester):
