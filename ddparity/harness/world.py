@@ -570,9 +570,12 @@ class World:
         hard_deadline = task._submitted + HARD_LIMIT_FACTOR * limit
         seen: list[str] | None = None
         stop_reason: str | None = None
+        next_poll = time.monotonic() + POLL_S  # most tasks are done before the first poll
         while pending:
             now = time.monotonic()
-            progress = self._progress(task)
+            progress = None
+            if now >= next_poll:
+                progress, next_poll = self._progress(task), now + POLL_S
             if progress is not None and progress != seen:
                 seen, last_progress = progress, now
                 if task._watch is not None and first_failure is None:
