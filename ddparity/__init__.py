@@ -1,14 +1,36 @@
 """ddparity: prove that data-parallel training matches single-device training.
 
-Only re-exports; importing ddparity does not import torch (the pytest plugin relies on it).
+Only re-exports, resolved on first use (PEP 562): importing ddparity imports neither
+torch nor the harness, so the pytest plugin costs a session without ddparity tests
+nothing.
 """
 
-from ddparity.case import Case
-from ddparity.controller import check
-from ddparity.errors import DdparityError, ParityError, UsageError
-from ddparity.harness.protocol import RankContext
-from ddparity.harness.world import RankOutcome, World
-from ddparity.report import Divergence, Report, RunResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddparity.case import Case
+    from ddparity.controller import check
+    from ddparity.errors import DdparityError, ParityError, UsageError
+    from ddparity.harness.protocol import RankContext
+    from ddparity.harness.world import RankOutcome, World
+    from ddparity.report import Divergence, Report, RunResult
+
+_HOMES = {
+    "Case": "ddparity.case",
+    "check": "ddparity.controller",
+    "DdparityError": "ddparity.errors",
+    "ParityError": "ddparity.errors",
+    "UsageError": "ddparity.errors",
+    "RankContext": "ddparity.harness.protocol",
+    "RankOutcome": "ddparity.harness.world",
+    "World": "ddparity.harness.world",
+    "Divergence": "ddparity.report",
+    "Report": "ddparity.report",
+    "RunResult": "ddparity.report",
+}
 
 __all__ = [
     "Case",
@@ -24,3 +46,16 @@ __all__ = [
     "check",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ddparity' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
