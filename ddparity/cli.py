@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
     chk.add_argument("--demo-faults", action="store_true",
                      help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
-    chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,ddp")
+    chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
     chk.add_argument("--world-sizes", type=_world_sizes, default=None,
                      help="comma-separated, e.g. 1,2,4 (default 1,2,4; 2 with --demo-faults)")
     chk.add_argument("--backend", default="auto", help="auto | gloo | nccl")

@@ -25,11 +25,11 @@ from ddparity.errors import (
     WorldStartError,
 )
 from ddparity.harness import rendezvous
-from ddparity.harness.modes import CaseError, ddp_task, prepare_task, reference_task
+from ddparity.harness.modes import CaseError, ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.world import PendingTask, World
 from ddparity.report import Report, RunResult
 
-MODES = ("single", "ddp")
+MODES = ("single", "dp", "ddp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,13 +45,8 @@ class CheckOptions:
 
     def __post_init__(self) -> None:
         if not self.modes:
-            raise UsageError("no modes given; use one or more of: single, ddp")
+            raise UsageError("no modes given; use one or more of: single, dp, ddp")
         for mode in self.modes:
-            if mode == "dp":
-                raise UsageError(
-                    "mode 'dp' (DataParallel) is not available in this version of ddparity; "
-                    "use --modes single,ddp"
-                )
             if mode not in MODES:
                 raise UsageError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         if not self.world_sizes:
@@ -178,10 +173,12 @@ def check(
 
     started = time.perf_counter()
     ddp_sizes = opts.world_sizes if "ddp" in opts.modes else ()
+    dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
         [(state, batch_sizes)] = ref_world.run(prepare_task, case, timeout=opts.timeout)
-        ref_pending = ref_world.submit(reference_task, case, state, ddp_sizes, timeout=opts.timeout)
+        ref_pending = ref_world.submit(reference_task, case, state, tuple(ddp_sizes) + tuple(dp_sizes),
+                                       timeout=opts.timeout)
     except WorldFailure as exc:
         return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     # The first runnable DDP run trains alongside the reference; the others follow.
@@ -202,13 +199,45 @@ def check(
             RunResult(mode="single", world_size=1, backend=chosen, status="pass",
                       seconds=time.perf_counter() - started, tolerance="reference")
         )
+    dp_started = time.perf_counter()
+    dp_pending = ref_world.submit(dp_task, case, state, dp_sizes, timeout=opts.timeout) if dp_sizes else None
+    ddp_runs = []
     for ws, unrunnable in plan.items():
         if unrunnable is not None:
-            report.runs.append(unrunnable)
+            ddp_runs.append(unrunnable)
             continue
         launched = early if ws == first and early is not None else _start_ddp(case, opts, chosen, ws, pool, state)
-        report.runs.append(_finish_ddp(case, opts, chosen, ws, launched, reference, twin))
+        ddp_runs.append(_finish_ddp(case, opts, chosen, ws, launched, reference, twin))
+    if dp_pending is not None:
+        report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin))
+    report.runs.extend(ddp_runs)
     return report
+
+
+def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, ...], pending: PendingTask,
+               started: float, reference: Any, twin: Any) -> list[RunResult]:
+    """DataParallel runs (real where enough GPUs exist, else simulated) against the reference."""
+    try:
+        [results] = [o.value for o in pending.result()]
+    except WorldFailure as exc:
+        return [_failure_run("dp", ws, backend, exc, time.perf_counter() - started,
+                             _repro(case, "dp", ws, backend, opts.tolerance)) for ws in sizes]
+    runs = []
+    for ws in sizes:
+        trace, notes, simulated = results[ws]
+        tol = (auto_tolerance(reference, twin, ws, case.torch_dtype) if opts.tolerance == "auto"
+               else fixed_tolerance(reference, float(opts.tolerance)))
+        found = divergences(reference, [trace], tol)
+        device = "cuda" if backend == "nccl" and not simulated else "cpu"
+        run = RunResult(mode="dp", world_size=ws, backend=device,
+                        status="diverged" if found else "pass", simulated=simulated,
+                        seconds=time.perf_counter() - started, tolerance=tol.description,
+                        repro=_repro(case, "dp", ws, backend, opts.tolerance))
+        if found:
+            run.first_divergence, run.worst = found[0], worst(found)
+        run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
+        runs.append(run)
+    return runs
 
 
 def _case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, exc: WorldFailure,
@@ -224,6 +253,8 @@ def _case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, e
 
 def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
     plan = [("single", 1)] if "single" in opts.modes else []
+    if "dp" in opts.modes:
+        plan += [("dp", ws) for ws in opts.world_sizes]
     if "ddp" in opts.modes:
         plan += [("ddp", ws) for ws in opts.world_sizes]
     return plan

@@ -83,7 +83,8 @@ def _render_crash(crash: dict) -> list[str]:
 
 
 def render_stragglers(run: RunResult) -> list[str]:
-    return [
+    """Notes that do not fail a run: late ranks, DataParallel pitfalls."""
+    return [f"  {run.mode} world_size={run.world_size}: {note}" for note in run.notes] + [
         f"  straggler: rank {s['rank']} arrived last at {s['arrived_last']} of {s['collectives']} collectives, "
         f"{s['mean_late_s']:.3g} s after the first rank on average"
         for s in run.stragglers

@@ -59,6 +59,7 @@ class RunResult:
     hang: dict[str, Any] | None = None
     crash: dict[str, Any] | None = None
     stragglers: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     tolerance: str = ""
     repro: str = ""
@@ -80,6 +81,7 @@ class RunResult:
             "hang": self.hang,
             "crash": self.crash,
             "stragglers": self.stragglers,
+            "notes": self.notes,
             "seconds": round(self.seconds, 4),
             "worst": [d.to_json() for d in self.worst],
             "tolerance": self.tolerance,

@@ -111,7 +111,6 @@ def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(modes=("dp",)), "mode 'dp'"),
         (dict(modes=("nope",)), "unknown mode"),
         (dict(world_sizes=(0,)), "world size must be an integer >= 1"),
         (dict(backend="threaded"), "threaded"),

@@ -269,6 +269,55 @@ def run_single(case: Case, state: dict[str, Any], device: str, twin_world_size: 
     return trace
 
 
+def run_dp(case: Case, state: dict[str, Any], device: str, world_size: int) -> tuple[Trace, dict[str, str], bool]:
+    """Mode ``dp``: ``torch.nn.DataParallel`` over ``world_size`` devices — real when that
+    many CUDA devices exist, else emulated on ``device`` (:mod:`ddparity.harness.dp`).
+    Returns the trace, DataParallel pitfalls found (name -> explanation) and whether the
+    run was simulated."""
+    import torch
+
+    from ddparity.harness import dp
+
+    model = _prepared(case, state, device)
+    real = device.startswith("cuda") and torch.cuda.device_count() >= world_size > 1
+    wrapped = torch.nn.DataParallel(model, device_ids=list(range(world_size))) if real else None
+    optimizer = make_optimizer(case, model.parameters())
+    loss_fn = resolve_loss(case.loss)
+    data = _data_fn(case)
+    generator = torch.Generator().manual_seed(case.seed)
+    trace = Trace(mode="dp", rank=0, world_size=world_size)
+    notes: dict[str, str] = {}
+    for step in range(case.steps):
+        inputs, targets = _global_batch(case, data, step, generator)
+        size = batch_size(inputs)
+        trace.batch_sizes.append(size if size is not None else -1)
+        inputs, targets = _cast(inputs, case, device), _cast(targets, case, device)
+        optimizer.zero_grad(set_to_none=True)
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
+            (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
+        if wrapped is not None:
+            outputs = wrapped(*args, **kwargs)
+            found = dp.DataParallelNotes()
+            found.inspect_inputs(args, kwargs)
+            found.inspect_module(model)
+        else:
+            outputs, found = dp.forward(model, world_size, args, kwargs)
+        notes.update(found.items)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        record = _snapshot(model, loss)
+        optimizer.step()
+        _finish_step(record, model)
+        trace.steps.append(record)
+    return trace, notes, wrapped is None and world_size > 1
+
+
+def dp_task(ctx: RankContext, case: Case, state: dict[str, Any],
+            world_sizes: tuple[int, ...]) -> dict[int, tuple[Trace, dict[str, str], bool]]:
+    """Mode ``dp`` at every requested world size, in one round trip."""
+    return {ws: run_dp(case, state, ctx.device, ws) for ws in world_sizes}
+
+
 def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int]]:
     """The initial state (built once, from the factory and the seed) and the global batch
     size of every step, so the controller can validate shards before anything trains."""

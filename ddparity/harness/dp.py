@@ -1,0 +1,178 @@
+"""``torch.nn.DataParallel``'s semantics, emulated on one device (mode ``dp``, simulated).
+
+Reproduces what DataParallel does with a forward pass, step for step, from its source
+(``torch/nn/parallel/data_parallel.py``, ``scatter_gather.py``, ``replicate.py``):
+
+* scatter: tensors are cut along dim 0 with ``Tensor.chunk(n)`` (the C++ ``_scatter``
+  without chunk sizes), so chunks are ``ceil(B / n)`` long with a shorter last one, and a
+  batch of fewer than ``n`` samples uses fewer replicas; tuples, lists, dicts and
+  namedtuples are scattered element-wise; anything else is handed to every replica as is;
+* with one device, DataParallel calls the module itself (no replicas);
+* replicas are ``Module._replicate_for_data_parallel()`` copies whose parameters are the
+  original ones (DataParallel broadcasts them and its backward sums the replicas'
+  gradients into the originals: the same sum); replica 0's buffers are the module's own
+  (``broadcast_coalesced`` returns the source tensors for the source device), the other
+  replicas get copies, so BatchNorm running statistics survive from replica 0 only;
+  attributes a replica writes to ``self`` in forward are lost;
+* gather: outputs are concatenated along dim 0 (tensors; tuples, lists, dicts and
+  namedtuples element-wise); all-scalar outputs become a vector, as DataParallel does
+  with a warning.
+
+Not emulated: replicas run one after another on one device, sharing one RNG stream
+(real DataParallel has one per GPU), so models that draw random numbers in forward
+differ from real DP by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def scatter(obj: Any, n: int) -> list[Any]:
+    """DataParallel's scatter of ``obj`` over ``n`` devices (fewer if the batch is short)."""
+    import torch
+
+    def scatter_map(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return list(o.chunk(n, dim=0))
+        if _is_namedtuple(o):
+            return [type(o)(*args) for args in zip(*map(scatter_map, o))]
+        if isinstance(o, tuple) and len(o) > 0:
+            return list(zip(*map(scatter_map, o)))
+        if isinstance(o, list) and len(o) > 0:
+            return [list(i) for i in zip(*map(scatter_map, o))]
+        if isinstance(o, dict) and len(o) > 0:
+            return [type(o)(i) for i in zip(*map(scatter_map, o.items()))]
+        return [o for _ in range(n)]
+
+    return scatter_map(obj)
+
+
+def scatter_kwargs(inputs: tuple, kwargs: dict, n: int) -> tuple[list[tuple], list[dict]]:
+    """DataParallel's ``scatter_kwargs``: the shorter list padded with empty ones."""
+    scattered = scatter(inputs, n) if inputs else []
+    kw = scatter(kwargs, n) if kwargs else []
+    if len(scattered) < len(kw):
+        scattered.extend(() for _ in range(len(kw) - len(scattered)))
+    elif len(kw) < len(scattered):
+        kw.extend({} for _ in range(len(scattered) - len(kw)))
+    return [tuple(s) for s in scattered], [dict(k) for k in kw]
+
+
+def gather(outputs: list[Any]) -> Any:
+    """DataParallel's gather of the replicas' outputs along dim 0."""
+    import torch
+
+    def gather_map(outs: Sequence[Any]) -> Any:
+        out = outs[0]
+        if isinstance(out, torch.Tensor):
+            if all(t.dim() == 0 for t in outs):
+                return torch.stack(list(outs))  # DataParallel: "will instead unsqueeze"
+            return torch.cat(list(outs), dim=0)
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            if not all(len(out) == len(d) for d in outs):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+        if _is_namedtuple(out):
+            return type(out)._make(map(gather_map, zip(*outs)))
+        return type(out)(map(gather_map, zip(*outs)))
+
+    return gather_map(outputs)
+
+
+def replicate(module: Any, n: int) -> list[Any]:
+    """``n`` replicas sharing ``module``'s parameters; replica 0 shares its buffers too."""
+    modules = list(module.modules())
+    index = {id(m): i for i, m in enumerate(modules)}
+    replicas: list[Any] = []
+    for r in range(n):
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        for m, copy in zip(modules, copies):
+            for name, child in m._modules.items():
+                copy._modules[name] = None if child is None else copies[index[id(child)]]
+            for name, param in m._parameters.items():
+                copy._parameters[name] = param
+            for name, buf in m._buffers.items():
+                copy._buffers[name] = buf if r == 0 or buf is None else buf.detach().clone()
+        replicas.append(copies[0])
+    return replicas
+
+
+def forward(module: Any, n: int, inputs: tuple, kwargs: dict | None = None) -> tuple[Any, DataParallelNotes]:
+    """One DataParallel forward of ``module`` over ``n`` emulated devices."""
+    kwargs = kwargs or {}
+    notes = DataParallelNotes()
+    notes.inspect_inputs(inputs, kwargs)
+    if not inputs and not kwargs:
+        inputs = ((),)  # type: ignore[assignment]
+    if n == 1:
+        return module(*inputs, **kwargs), notes
+    scattered, scattered_kw = scatter_kwargs(inputs, kwargs, n)
+    replicas = replicate(module, len(scattered))
+    before = [_plain_state(r) for r in replicas]
+    outputs = [rep(*args, **kw) for rep, args, kw in zip(replicas, scattered, scattered_kw)]
+    for rep, state in zip(replicas, before):
+        notes.inspect_state(state, _plain_state(rep))
+    notes.inspect_module(module)
+    return gather(outputs), notes
+
+
+def _plain_state(module: Any) -> dict[str, Any]:
+    """Every submodule's non-tensor-registry attributes, by qualified name (what a
+    forward can write to ``self`` and lose in a replica)."""
+    skip = {"_parameters", "_buffers", "_modules", "_is_replica", "training"}
+    out = {}
+    for prefix, m in module.named_modules():
+        for key, value in vars(m).items():
+            if key not in skip and not key.startswith("_"):
+                out[f"{prefix}.{key}" if prefix else key] = id(value), value if isinstance(value, (int, float, str, bool)) else None
+    return out
+
+
+class DataParallelNotes:
+    """Pitfalls of a model under DataParallel, each with an explanation."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, str] = {}
+
+    def inspect_inputs(self, inputs: tuple, kwargs: dict) -> None:
+        import torch
+
+        def non_tensors(o: Any, path: str) -> list[str]:
+            if isinstance(o, torch.Tensor) or o is None:
+                return []
+            if isinstance(o, (tuple, list)):
+                return [p for i, v in enumerate(o) for p in non_tensors(v, f"{path}[{i}]")]
+            if isinstance(o, dict):
+                return [p for k, v in o.items() for p in non_tensors(v, f"{path}[{k!r}]")]
+            return [f"{path} ({type(o).__name__})"]
+
+        found = non_tensors(tuple(inputs), "inputs") + non_tensors(dict(kwargs), "kwargs")
+        if found:
+            self.items["non-tensor inputs"] = (
+                f"{', '.join(found[:3])} are not scattered: DataParallel hands every replica the same "
+                "object, so a per-sample list or a batch-sized number is not split with the batch")
+
+    def inspect_state(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        changed = sorted(k for k in after if k not in before or after[k] != before[k])
+        if changed:
+            self.items["state on self"] = (
+                f"forward writes {', '.join('self.' + k for k in changed[:3])}: under DataParallel it is "
+                "written to a replica and lost after the step; keep it in a buffer or return it")
+
+    def inspect_module(self, module: Any) -> None:
+        from torch import nn
+
+        norms = [name for name, m in module.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+        if norms:
+            self.items["per-replica BatchNorm"] = (
+                f"{', '.join(norms[:3])} normalise each replica's chunk with its own statistics, and only "
+                "replica 0's running statistics are kept: use SyncBatchNorm under DDP, or eval-mode BatchNorm")

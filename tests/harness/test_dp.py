@@ -1,0 +1,109 @@
+"""The DataParallel emulation, pinned to DataParallel's documented behaviour, and mode
+``dp`` end to end (simulated on CPU; against real DataParallel where 2+ GPUs exist)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from ddparity import Case, check
+from ddparity.fixtures import bugs, models
+from ddparity.harness import dp
+
+
+def test_scatter_uses_dataparallels_chunks_and_containers():
+    x = torch.arange(10.0).reshape(5, 2)
+    assert [c.shape[0] for c in dp.scatter(x, 2)] == [3, 2]  # ceil(5/2), then the rest
+    assert [c.shape[0] for c in dp.scatter(x, 4)] == [2, 2, 1]  # fewer chunks than devices
+    assert len(dp.scatter(torch.zeros(2, 3), 4)) == 2  # a short batch uses fewer replicas
+    pair = collections.namedtuple("pair", "a b")
+    parts = dp.scatter({"x": x, "tag": "train", "p": pair(x, [x])}, 2)
+    assert [p["tag"] for p in parts] == ["train", "train"]  # non-tensors: the same object
+    assert parts[1]["p"].a.shape == (2, 2) and isinstance(parts[1]["p"], pair)
+    assert parts[0]["p"].b[0].shape == (3, 2)
+    args, kwargs = dp.scatter_kwargs((x,), {}, 2)
+    assert len(args) == len(kwargs) == 2 and kwargs == [{}, {}]
+
+
+def test_gather_concatenates_and_turns_scalars_into_a_vector():
+    out = dp.gather([{"y": torch.ones(2, 3), "n": torch.tensor(1.0)}, {"y": torch.zeros(1, 3), "n": torch.tensor(2.0)}])
+    assert out["y"].shape == (3, 3) and out["n"].tolist() == [1.0, 2.0]
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.bn = nn.BatchNorm1d(2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # state on self: lost in replicas
+        return self.bn(self.fc(x))
+
+
+def test_replicas_share_parameters_keep_replica_0_buffers_and_lose_state_on_self():
+    model = Counting()
+    out, notes = dp.forward(model, 3, (torch.randn(8, 4),))  # chunks of 3, 3, 2
+    assert out.shape == (8, 2)
+    assert model.calls == 0  # written to the replicas only
+    assert model.bn.num_batches_tracked.item() == 1  # replica 0's update, not three
+    assert set(notes.items) == {"state on self", "per-replica BatchNorm"}
+    out.sum().backward()
+    assert model.fc.weight.grad is not None  # the replicas' gradients reach the originals
+
+
+def test_one_device_calls_the_module_itself():
+    model = Counting()
+    dp.forward(model, 1, (torch.randn(4, 4),))
+    assert model.calls == 1
+
+
+def test_gradients_are_the_sum_over_replicas_of_the_full_batch():
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 3), torch.randn(9, 4)
+    out, _ = dp.forward(model, 4, (x,))
+    out.pow(2).mean().backward()
+    emulated = model.weight.grad.clone()
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    torch.testing.assert_close(emulated, model.weight.grad)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="real DataParallel needs 2+ GPUs")
+def test_emulation_matches_real_dataparallel():
+    torch.manual_seed(0)
+    model = Counting().cuda()
+    x = torch.randn(7, 4, device="cuda")
+    real = nn.DataParallel(model, device_ids=[0, 1])(x)
+    emulated, _ = dp.forward(model, 2, (x,))
+    torch.testing.assert_close(real, emulated)
+
+
+def test_mode_dp_passes_on_clean_models_and_is_labelled_simulated():
+    report = check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(1, 2, 3))
+    assert report.ok, report.render()
+    runs = {(r.mode, r.world_size): r for r in report.runs}
+    assert not runs[("dp", 1)].simulated  # one device: DataParallel calls the module
+    assert runs[("dp", 2)].simulated and runs[("dp", 3)].simulated
+    assert report.to_json()["runs"][2]["simulated"] is True
+    assert "cpu (simulated)" in report.render()
+
+
+def test_dp_pitfalls_are_flagged_with_an_explanation():
+    bn = check(bugs.batchnorm_on_shards(), modes=("single", "dp"), world_sizes=(2,))
+    assert bn.runs[1].status == "diverged"
+    assert any("per-replica BatchNorm" in n and "SyncBatchNorm" in n for n in bn.runs[1].notes)
+
+    def counting_model():
+        return Counting().eval()  # eval BatchNorm: the numbers match; the lost state does not
+
+    state = check(Case(model=counting_model, data=lambda s, g: (torch.randn(8, 4, generator=g),
+                                                                 torch.randint(0, 2, (8,), generator=g))),
+                  modes=("single", "dp"), world_sizes=(2,))
+    assert state.ok, state.render()
+    assert any("self.calls" in n for n in state.runs[1].notes)
+    assert "DataParallel pitfall, state on self" in state.render()
