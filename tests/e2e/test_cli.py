@@ -167,3 +167,15 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, mess
     text = result.stdout + result.stderr
     assert message in text
     assert "Traceback" not in result.stderr
+
+
+def test_modes_single_dp_ddp_label_the_simulated_runs(tmp_path):
+    out = tmp_path / "dp.json"
+    result = ddparity("check", "ddparity.fixtures.bugs:batchnorm_on_shards", "--modes", "single,dp,ddp",
+                      "--world-sizes", "2", "--json", str(out))
+    assert result.returncode == 1, result.stdout + result.stderr
+    runs = {(r["mode"], r["world_size"]): r for r in json.loads(out.read_text())["runs"]}
+    assert runs[("dp", 2)]["simulated"] is True and runs[("ddp", 2)]["simulated"] is False
+    assert runs[("dp", 2)]["status"] == "diverged"
+    assert any("per-replica BatchNorm" in note for note in runs[("dp", 2)]["notes"])
+    assert "dp      2      cpu (simulated)  diverged" in result.stdout
