@@ -228,7 +228,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         tol = (auto_tolerance(reference, twin, ws, case.torch_dtype) if opts.tolerance == "auto"
                else fixed_tolerance(reference, float(opts.tolerance)))
         found = divergences(reference, [trace], tol)
-        device = "cuda" if backend == "nccl" and not simulated else "cpu"
+        device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
                         seconds=time.perf_counter() - started, tolerance=tol.description,
