@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
     chk.add_argument("--world-sizes", type=_world_sizes, default=None,
                      help="comma-separated, e.g. 1,2,4 (default 1,2,4; 2 with --demo-faults)")
-    chk.add_argument("--backend", default="auto", help="auto | gloo | nccl")
+    chk.add_argument("--backend", default="auto",
+                     help="auto | gloo | nccl | threaded (simulated ranks: threads in one process)")
     chk.add_argument("--steps", type=_positive_int, default=None, help="override the Case's number of steps")
     chk.add_argument("--tolerance", type=_tolerance, default="auto",
                      help="auto (calibrated noise floor) or a relative tolerance (0 = bit-exact)")

@@ -8,6 +8,7 @@ stuck or dead controller.
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,10 @@ from ddparity.harness.world import PendingTask, World
 from ddparity.report import Report, RunResult
 
 MODES = ("single", "dp", "ddp")
+CHECK_BACKENDS = ("auto", "gloo", "nccl", "threaded")
+
+REAL_RANKS_LIMIT = max(4, 2 * (os.cpu_count() or 1))
+"""With ``backend="auto"``, CPU world sizes above this run as simulated (threaded) ranks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,8 +59,8 @@ class CheckOptions:
         for ws in self.world_sizes:
             if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
                 raise UsageError(f"world size must be an integer >= 1, got {ws!r}")
-        if self.backend not in rendezvous.BACKENDS:
-            rendezvous.resolve_backend(self.backend, 1)  # raises the right message
+        if self.backend not in CHECK_BACKENDS:
+            raise UsageError(f"unknown backend {self.backend!r}; choose one of {', '.join(CHECK_BACKENDS)}")
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise UsageError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         tol = self.tolerance
@@ -104,9 +109,16 @@ def default_pool() -> WorldPool:
 
 
 def choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
-    """One backend for the whole check, so every run is compared on the same device kind."""
+    """One backend for the whole check, so every run is compared on the same device kind
+    (``threaded`` runs its simulated ranks in a gloo world's process)."""
+    if backend == "threaded":
+        from ddparity.harness.threaded import threaded_pg
+
+        threaded_pg()  # raises a UsageError naming the fix where torch lacks it
+        return "gloo"
     if backend == "auto":
-        return rendezvous.resolve_backend("auto", max(world_sizes))
+        sizes = [ws for ws in world_sizes if ws <= REAL_RANKS_LIMIT] or [1]
+        return rendezvous.resolve_backend("auto", max(sizes))
     if backend == "nccl" and rendezvous.cuda_device_count() == 0:
         rendezvous.resolve_backend("nccl", 1)  # raises: no GPU at all is a usage error
     return backend
@@ -182,9 +194,10 @@ def check(
     except WorldFailure as exc:
         return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     # The first runnable DDP run trains alongside the reference; the others follow.
-    plan = {ws: _unrunnable(case, opts, chosen, ws, batch_sizes) for ws in ddp_sizes}
+    backends = {ws: _run_backend(opts, chosen, ws) for ws in ddp_sizes}
+    plan = {ws: _unrunnable(case, opts, backends[ws], ws, batch_sizes) for ws in ddp_sizes}
     first = next((ws for ws, reason in plan.items() if reason is None), None)
-    early = _start_ddp(case, opts, chosen, first, pool, state) if first is not None else None
+    early = _start_ddp(case, opts, backends[first], first, pool, state) if first is not None else None
     try:
         [(reference, twin)] = [o.value for o in ref_pending.result()]
     except WorldFailure as exc:
@@ -206,8 +219,8 @@ def check(
         if unrunnable is not None:
             ddp_runs.append(unrunnable)
             continue
-        launched = early if ws == first and early is not None else _start_ddp(case, opts, chosen, ws, pool, state)
-        ddp_runs.append(_finish_ddp(case, opts, chosen, ws, launched, reference, twin))
+        launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, state)
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin))
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin))
     report.runs.extend(ddp_runs)
@@ -281,10 +294,23 @@ def _unrunnable(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: li
     return None
 
 
+def _run_backend(opts: CheckOptions, chosen: str, ws: int) -> str:
+    """The backend of the DDP run at ``ws``: ``threaded`` (simulated ranks) when asked for,
+    or with ``auto`` above :data:`REAL_RANKS_LIMIT` CPU ranks; else the check's backend."""
+    if opts.backend == "threaded" or (opts.backend == "auto" and chosen == "gloo" and ws > REAL_RANKS_LIMIT):
+        return "threaded"
+    return chosen
+
+
 def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
                state: Any) -> tuple[float, PendingTask | RunResult]:
     started = time.perf_counter()
     try:
+        if backend == "threaded":
+            from ddparity.harness.threaded import threaded_ddp_task
+
+            host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
+            return started, host.submit(threaded_ddp_task, case, state, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
         return started, world.submit(ddp_task, case, state, timeout=opts.timeout, watch=LiveWatch())
     except WorldStartError as exc:
@@ -307,12 +333,17 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
         tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     else:
         tol = fixed_tolerance(reference, float(opts.tolerance))
-    found = divergences(reference, [o.value for o in outcomes], tol)
-    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass",
+    simulated = backend == "threaded"
+    traces = outcomes[0].value if simulated else [o.value for o in outcomes]
+    found = divergences(reference, traces, tol)
+    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
     run.worst = worst(found)
-    signals = {o.rank: o.signals for o in outcomes if o.signals is not None}
-    return judge_completed(run, signals, found)
+    if simulated:
+        run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
+                         f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
+    signals = {} if simulated else {o.rank: o.signals for o in outcomes if o.signals is not None}
+    return judge_completed(run, signals, found, traces)
 
 
 def _lcm(values: tuple[int, ...]) -> int:

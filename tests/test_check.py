@@ -112,8 +112,8 @@ def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
     "kwargs, message",
     [
         (dict(modes=("nope",)), "unknown mode"),
+        (dict(backend="mpi"), "unknown backend .mpi."),
         (dict(world_sizes=(0,)), "world size must be an integer >= 1"),
-        (dict(backend="threaded"), "threaded"),
         (dict(tolerance="loose"), "tolerance must be 'auto'"),
         (dict(timeout=0), "timeout must be a positive"),
     ],

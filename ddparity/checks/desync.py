@@ -120,6 +120,18 @@ class Desync:
         return {"step": self.step, "what": self.what(), "ranks": self.ranks, "differs": self.names}
 
 
+def trace_fingerprints(traces: list[Any]) -> dict[int, dict[int, dict[str, int]]]:
+    """Fingerprints of the parameters each rank's trace recorded after every step."""
+    out: dict[int, dict[int, dict[str, int]]] = {}
+    for trace in traces:
+        steps = {}
+        for step, record in enumerate(trace.steps):
+            names = [f"param {n}" for n in record.params]
+            steps[step] = dict(zip(names, _bit_sums(list(record.params.values()))))
+        out[trace.rank] = steps
+    return out
+
+
 def parse_fingerprints(text: str) -> dict[int, dict[str, int]]:
     steps: dict[int, dict[str, int]] = {}
     for line in text.splitlines():

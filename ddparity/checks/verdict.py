@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddparity.checks.desync import Desync, first_desync, parse_fingerprints
+from ddparity.checks.desync import Desync, first_desync, parse_fingerprints, trace_fingerprints
 from ddparity.checks.hang import hang_report, rank_report, stragglers
 from ddparity.checks.ledger import Entry, Mismatch, collective_mismatch, parse_ledger, parse_progress
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.harness.threaded import SimulatedRankError
 from ddparity.harness.world import tidy_traceback_dump
 from ddparity.report import Divergence, RunResult
 
@@ -60,8 +61,11 @@ def _ledgers(signals: dict[int, Any]) -> dict[int, list[Entry]]:
     return out
 
 
-def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Divergence]) -> RunResult:
-    """A run where every rank finished: collectives, then replica state, then numbers."""
+def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Divergence],
+                    traces: list[Any] | None = None) -> RunResult:
+    """A run where every rank finished: collectives, then replica state, then numbers.
+    Without side-channel fingerprints (simulated ranks), the replicas' parameters in the
+    traces are fingerprinted instead."""
     if found:
         run.status = "diverged"
         run.first_divergence = found[0]
@@ -72,7 +76,10 @@ def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Diverge
     else:
         first_step = found[0].step if found else None
         wrong = tuple(sorted({d.rank for d in found if d.step == first_step}))
-        drift = first_desync({r: parse_fingerprints(s.fingerprints) for r, s in signals.items()}, wrong)
+        prints = {r: parse_fingerprints(s.fingerprints) for r, s in signals.items()}
+        if not any(prints.values()) and traces:
+            prints = trace_fingerprints(traces)
+        drift = first_desync(prints, wrong)
         if drift is not None:
             run.status = "desync"
             run.desync = state_desync(drift)
@@ -111,10 +118,11 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
         bad = [o for o in exc.outcomes if not o.ok]
         raised = [o for o in bad if not isinstance(o.error, StillRunning)] or bad
         head = raised[0]
+        failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
         run.status = "crash"
         run.crash = {
-            "rank": head.rank,
+            "rank": failing_rank,
             "exitcode": None,
             "error": f"{type(head.error).__name__}: {head.error}",
             "traceback": head.traceback,

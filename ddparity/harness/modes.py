@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
@@ -368,13 +369,16 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
     rec.set_phase(-1, "ddp")
     ddp = DistributedDataParallel(model, device_ids=device_ids, **case.ddp_options)
     buckets = None
+    # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
+    # share one process and would otherwise share one state).
+    hook_state = copy.deepcopy(case.comm_hook_state)
     if detect and (case.comm_hook is not None or not ledger.BucketLayout.available(ddp)):
         # the case's own hook (or DDP's default one) wrapped to record each bucket
-        ddp.register_comm_hook(*ledger.ddp_comm_hook(case.comm_hook, case.comm_hook_state))
+        ddp.register_comm_hook(*ledger.ddp_comm_hook(case.comm_hook, hook_state))
     elif detect:
         buckets = ledger.BucketLayout(ddp)
     elif case.comm_hook is not None:
-        ddp.register_comm_hook(case.comm_hook_state, case.comm_hook)
+        ddp.register_comm_hook(hook_state, case.comm_hook)
     optimizer = make_optimizer(case, ddp.parameters())
     loss_fn = resolve_loss(case.loss)
     data = _data_fn(case)

@@ -1,0 +1,101 @@
+"""Simulated world sizes: DDP ranks as threads in one process (``--backend threaded``).
+
+The ranks run on PyTorch's threaded process group, a private API
+(``torch.testing._internal.distributed.multi_threaded_pg``, used by PyTorch's own
+``MultiThreadedTestCase``); this module is its only door, checks that it is there and
+says clearly when it is not. Every rank builds its own DDP replica from the shared
+initial state and draws its data from its own generator; the full DDP code path runs
+(buckets, the reducer, comm hooks). The threads run inside a 1-rank World process, so a
+hung thread is handled like a hung rank: its stack is taken and the process replaced.
+
+What simulation cannot show: anything about transports (gloo, NCCL), and randomness in
+forward — threads share torch's global CPU RNG. Runs are labelled ``simulated``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.errors import UsageError
+from ddparity.harness.protocol import RankContext
+
+PRIVATE_API = "torch.testing._internal.distributed.multi_threaded_pg"
+
+
+def threaded_pg() -> Any:
+    """The threaded process group module, or a UsageError that names the fix."""
+    import torch
+
+    try:
+        from torch.testing._internal.distributed import multi_threaded_pg as module
+    except Exception as exc:  # ImportError, or an import-time failure of a private module
+        raise UsageError(
+            f"--backend threaded needs PyTorch's threaded process group ({PRIVATE_API}), which "
+            f"this torch {torch.__version__} does not provide ({type(exc).__name__}: {exc}); "
+            "use --backend gloo (real processes) instead"
+        ) from None
+    isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)
+    if not (hasattr(module, "_install_threaded_pg") and hasattr(module, "ProcessLocalGroup")) or isolation is None:
+        raise UsageError(
+            f"this torch {torch.__version__} has a threaded process group ddparity does not know "
+            "(no _install_threaded_pg / _set_thread_isolation_mode); use --backend gloo instead"
+        )
+    return module
+
+
+class SimulatedRankError(RuntimeError):
+    """A simulated rank (a thread) raised; ``rank`` says which."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"simulated rank {rank}: {message}")
+        self.rank = rank
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
+
+
+def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world_size: int) -> list[Any]:
+    """Mode ``ddp`` at ``world_size`` simulated ranks; the traces by rank."""
+    import torch
+    import torch.distributed as dist
+
+    from ddparity.harness.modes import ddp_task
+
+    module = threaded_pg()
+    isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")  # noqa: B009 - private
+    isolation(True)
+    module._install_threaded_pg()
+    module.ProcessLocalGroup.reset()  # a previous run's failure leaves its termination flag set
+    store = dist.HashStore()
+    traces: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []  # in the order they happened
+    lock = threading.Lock()
+
+    def rank_thread(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            try:
+                traces[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, state, detect=False)
+            finally:
+                dist.destroy_process_group()
+        except BaseException as exc:
+            with lock:
+                errors.append((rank, exc))
+            module.ProcessLocalGroup.exception_handle(exc)  # wake the ranks waiting for this one
+
+    threads = [threading.Thread(target=rank_thread, args=(r,), name=f"ddparity-simulated-rank{r}", daemon=True)
+               for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # the World's timeout bounds this: a hung thread gets the process replaced
+    finally:
+        module._uninstall_threaded_pg()
+        isolation(False)
+    if errors:
+        rank, exc = errors[0]  # the first to fail; the others were woken by it
+        raise SimulatedRankError(rank, f"{type(exc).__name__}: {exc}") from exc
+    return traces
