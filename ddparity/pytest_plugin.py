@@ -23,7 +23,7 @@ import pytest
 from ddparity.errors import UsageError
 
 DEFAULT_WORLD_SIZES = (2,)
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "threaded")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,13 +93,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="world sizes for @pytest.mark.world_size without arguments and for the "
                          "parity fixture in unmarked tests (default 2)")
     group.addoption("--ddparity-backend", dest="ddparity_backend", metavar="NAME",
-                    help="auto | gloo | nccl (default auto)")
+                    help="auto | gloo | nccl | threaded (default auto)")
     group.addoption("--ddparity-timeout", dest="ddparity_timeout", metavar="SECONDS",
                     help="seconds without progress before a check counts as a hang (default 60)")
     group.addoption("--ddparity-report", dest="ddparity_report", metavar="PATH",
                     help="write the JSON report of every check in the session here")
     parser.addini("ddparity_world_sizes", "default world sizes, e.g. 2,4")
-    parser.addini("ddparity_backend", "auto | gloo | nccl")
+    parser.addini("ddparity_backend", "auto | gloo | nccl | threaded")
     parser.addini("ddparity_timeout", "seconds without progress before a check counts as a hang")
     parser.addini("ddparity_report", "path of the session's JSON report")
 

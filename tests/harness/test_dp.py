@@ -107,3 +107,27 @@ def test_dp_pitfalls_are_flagged_with_an_explanation():
     assert state.ok, state.render()
     assert any("self.calls" in n for n in state.runs[1].notes)
     assert "DataParallel pitfall, state on self" in state.render()
+
+
+class HangsOnChunks(nn.Module):
+    """Fine on the whole batch; waits forever on a DataParallel chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if x.shape[0] < 24:
+            import time
+
+            time.sleep(3600)
+        return self.fc(x)
+
+
+def test_a_hanging_dp_run_is_a_hang_and_the_next_check_passes():
+    report = check(Case(model=HangsOnChunks, data=models.vectors, steps=1), modes=("single", "dp"),
+                   world_sizes=(2,), timeout=3)
+    run = report.runs[1]
+    assert run.status == "hang" and report.exit_code == 3
+    assert "HangsOnChunks.forward" in str(run.hang) or "in forward" in str(run.hang)
+    assert check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(2,)).ok
