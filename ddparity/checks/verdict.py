@@ -15,8 +15,8 @@ from ddparity.checks.desync import Desync, first_desync, parse_fingerprints, tra
 from ddparity.checks.hang import hang_report, rank_report, stragglers
 from ddparity.checks.ledger import Entry, Mismatch, collective_mismatch, parse_ledger, parse_progress
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.harness.stacks import tidy_traceback_dump
 from ddparity.harness.threaded import SimulatedRankError
-from ddparity.harness.world import tidy_traceback_dump
 from ddparity.report import Divergence, RunResult
 
 

@@ -17,12 +17,8 @@ import itertools
 import logging
 import multiprocessing
 import os
-import re
-import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -42,6 +38,7 @@ from ddparity.errors import (
     WorldStartError,
 )
 from ddparity.harness import rendezvous
+from ddparity.harness.output import OutputReader
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
     RankReady,
@@ -52,6 +49,7 @@ from ddparity.harness.protocol import (
     TaskDone,
 )
 from ddparity.harness.sidechannel import RankSignals, TaskChannel
+from ddparity.harness.stacks import py_spy_stacks
 
 log = logging.getLogger("ddparity")
 
@@ -60,13 +58,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "
 """Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
 first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
 
-_END_MARK_RE = re.compile(re.escape(OUTPUT_END_MARK).replace(b"%d", rb"\d+"))
-
 STACK_DUMP_WAIT_S = 1.0
 """How long to wait for ranks to print their stacks (SIGUSR1) before they are killed."""
-
-PY_SPY_TIMEOUT_S = 5.0
-"""The most a py-spy stack dump of all ranks (run side by side) may take."""
 
 POLL_S = 0.1
 """How often the controller reads the ranks' progress while a task runs."""
@@ -121,63 +114,6 @@ class RankOutcome:
     signals: RankSignals | None = None  # what the rank left in the side channel
 
 
-class _OutputReader(threading.Thread):
-    """Drains one rank's stdout+stderr pipe. Only reads and appends; decides nothing."""
-
-    def __init__(self, rank: int, conn: Connection) -> None:
-        super().__init__(name=f"ddparity-output-rank{rank}", daemon=True)
-        self._conn = conn
-        self._buffer = bytearray()
-        self._cond = threading.Condition()
-        self.closed = False
-
-    def run(self) -> None:
-        fd = self._conn.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            with self._cond:
-                if not chunk:
-                    self.closed = True
-                    self._cond.notify_all()
-                    break
-                self._buffer += chunk
-                self._cond.notify_all()
-        self._conn.close()
-
-    def take_until(self, mark: bytes, timeout: float) -> str:
-        """Everything up to ``mark`` (removed with it), or all there is after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while mark not in self._buffer and not self.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            cut = self._buffer.find(mark)
-            if cut < 0:
-                data, self._buffer = bytes(self._buffer), bytearray()
-            else:
-                data = bytes(self._buffer[:cut])
-                del self._buffer[: cut + len(mark)]
-        return data.decode("utf-8", "replace")
-
-    @property
-    def buffered(self) -> int:
-        with self._cond:
-            return len(self._buffer)
-
-    def take_all(self, settle: float = 0.0) -> str:
-        """Everything buffered (task-end marks dropped), after up to ``settle`` s for EOF."""
-        if settle:
-            self.join(settle)
-        with self._cond:
-            data, self._buffer = bytes(self._buffer), bytearray()
-        return _END_MARK_RE.sub(b"", data).decode("utf-8", "replace")
-
-
 class _JoinTimeout(Exception):
     """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
 
@@ -192,7 +128,7 @@ class _Ranks:
     def __init__(self) -> None:
         self.procs: list[multiprocessing.Process] = []
         self.controls: list[Connection] = []
-        self.readers: list[_OutputReader] = []
+        self.readers: list[OutputReader] = []
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -432,7 +368,7 @@ class World:
             ranks.controls.append(controls[rank][0])
             controls[rank][1].close()
             outputs[rank][1].close()
-            reader = _OutputReader(rank, outputs[rank][0])
+            reader = OutputReader(rank, outputs[rank][0])
             reader.start()
             ranks.readers.append(reader)
         self._await_ready(join_timeout, retry_possible=method == "fork")
@@ -731,91 +667,6 @@ class World:
                 ),
                 output=stacks.get(r, ""),
             )
-
-
-def _py_spy() -> str | None:
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
-
-
-_TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
-_LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
-_PARENS = re.compile(r"\([^()]*\)")
-
-
-def tidy_stack(text: str) -> str:
-    """py-spy's dump without its header or the rank's bootstrap frames, C++ frames
-    without template arguments."""
-    skipping = False
-    lines = []
-    for line in text.splitlines():
-        if line.startswith(("Process ", "Python v")) or not line.strip():
-            continue
-        if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
-            lines.append(line)
-            skipping = True
-            continue
-        if line.startswith("Thread "):
-            skipping = False
-        elif skipping:
-            continue
-        if line.rstrip().endswith(".so)") or ".so." in line:
-            head, sep, lib = line.rpartition(" (")
-            previous = None
-            while previous != head:
-                previous, head = head, _PARENS.sub("", _TEMPLATE_ARGS.sub("", _LAMBDA.sub("{lambda}", head)))
-            line = head + sep + lib
-            if len(line) > 160:
-                line = line[:157] + "..."
-        lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
-def tidy_traceback_dump(text: str) -> str:
-    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
-    in a forked rank repeats the controller's whole stack)."""
-    lines, skipping = [], False
-    for line in text.splitlines():
-        if skipping and (not line.strip() or not line.startswith("  ")):
-            skipping = False
-        if skipping:
-            continue
-        lines.append(line)
-        if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
-            skipping = True
-    return "\n".join(lines)
-
-
-def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S, native: bool = True) -> dict[int, str]:
-    """``py-spy dump --native`` of every pid, side by side; {} for those it cannot read
-    (no py-spy, ptrace not permitted). Native frames show where C++ code (gloo, NCCL)
-    waits; without them a rank inside a collective looks idle."""
-    exe = _py_spy()
-    if exe is None or not pids:
-        return {}
-
-    def launch(pid: int, native: bool) -> subprocess.Popen[str]:
-        cmd = [exe, "dump", "--pid", str(pid)] + (["--native"] if native else [])
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL)
-
-    deadline = time.monotonic() + timeout
-    out: dict[int, str] = {}
-    for with_native in (True, False) if native else (False,):
-        todo = {r: pid for r, pid in pids.items() if r not in out}
-        procs = {r: launch(pid, with_native) for r, pid in todo.items()}
-        for rank, proc in procs.items():
-            try:
-                text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                continue
-            if proc.returncode == 0 and text.strip():
-                out[rank] = tidy_stack(text)
-        if len(out) == len(pids) or time.monotonic() >= deadline:
-            break
-    return out
 
 
 def _queued(conn: Connection) -> list[Any]:

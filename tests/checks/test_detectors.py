@@ -12,7 +12,7 @@ from ddparity.checks.desync import fingerprint, first_desync, parse_fingerprints
 from ddparity.checks.hang import stragglers, suspect_ranks
 from ddparity.checks.ledger import Entry, LiveWatch, Position, collective_mismatch, minority
 from ddparity.harness.sidechannel import RankSignals
-from ddparity.harness.world import tidy_stack
+from ddparity.harness.stacks import tidy_stack
 
 
 def entry(seq: int, key: str = "all_reduce|SUM|None|tensor=float32[4]", t: float = 0.0, step: int = 0,
