@@ -138,6 +138,7 @@ def _demo_faults(args: argparse.Namespace) -> int:
     """Every fault injection, with its report, then whether each got the right verdict."""
     from ddparity.controller import check, default_pool
     from ddparity.fixtures.faults import FAULTS, reported_ranks
+    from ddparity.render import table
 
     sizes = args.world_sizes or (2,)
     if any(ws < 2 for ws in sizes):
@@ -160,10 +161,8 @@ def _demo_faults(args: argparse.Namespace) -> int:
     finally:
         default_pool().close()
     header = ("fault", "world", "expected", "got", "ranks named", "seconds", "as expected")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print("fault injection summary")
-    for row in [header, *rows]:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("\n".join(table([header, *rows], rule=False)))
     good = sum(r[-1] == "yes" for r in rows)
     print(f"{'OK' if good == len(rows) else 'FAILED'}: {good} of {len(rows)} fault runs reported as expected")
     if args.json:

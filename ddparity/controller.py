@@ -238,8 +238,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
     runs = []
     for ws in sizes:
         trace, notes, simulated = results[ws]
-        tol = (auto_tolerance(reference, twin, ws, case.torch_dtype) if opts.tolerance == "auto"
-               else fixed_tolerance(reference, float(opts.tolerance)))
+        tol = _tolerance(case, opts, reference, twin, ws)
         found = divergences(reference, [trace], tol)
         device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
@@ -329,10 +328,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
         outcomes = pending.result()
     except WorldFailure as exc:
         return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
-    if opts.tolerance == "auto":
-        tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
-    else:
-        tol = fixed_tolerance(reference, float(opts.tolerance))
+    tol = _tolerance(case, opts, reference, twin, ws)
     simulated = backend == "threaded"
     traces = outcomes[0].value if simulated else [o.value for o in outcomes]
     found = divergences(reference, traces, tol)
@@ -344,6 +340,12 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     signals = {} if simulated else {o.rank: o.signals for o in outcomes if o.signals is not None}
     return judge_completed(run, signals, found, traces)
+
+
+def _tolerance(case: Case, opts: CheckOptions, reference: Any, twin: Any, ws: int) -> Any:
+    if opts.tolerance == "auto":
+        return auto_tolerance(reference, twin, ws, case.torch_dtype)
+    return fixed_tolerance(reference, float(opts.tolerance))
 
 
 def _lcm(values: tuple[int, ...]) -> int:

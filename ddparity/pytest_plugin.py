@@ -236,7 +236,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def write_report(path: str, runs: list[dict[str, Any]]) -> None:
-    data = {"version": 1, "ok": all(r["status"] not in ("diverged", "desync", "hang", "crash", "error") for r in runs),
+    from ddparity.report import FAILING
+
+    data = {"version": 1, "ok": all(r["status"] not in FAILING for r in runs),
             "case": "pytest session", "runs": runs}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

@@ -3,6 +3,7 @@ reproduce it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,7 +83,18 @@ def _render_crash(crash: dict) -> list[str]:
     return lines
 
 
-def render_stragglers(run: RunResult) -> list[str]:
+def table(rows: Sequence[Sequence[str]], rule: bool = True) -> list[str]:
+    """Rows as aligned columns, the first a header (underlined with ``rule``)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = []
+    for i, row in enumerate(rows):
+        out.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0 and rule:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
+
+
+def render_notes(run: RunResult) -> list[str]:
     """Notes that do not fail a run: late ranks, DataParallel pitfalls."""
     return [f"  {run.mode} world_size={run.world_size}: {note}" for note in run.notes] + [
         f"  straggler: rank {s['rank']} arrived last at {s['arrived_last']} of {s['collectives']} collectives, "
@@ -118,7 +130,7 @@ def render_run_failure(run: RunResult) -> list[str]:
         lines.extend(_render_hang(run.hang))
     elif run.reason and not run.desync:
         lines.extend("  " + s for s in run.reason.rstrip().splitlines())
-    lines.extend(render_stragglers(run))
+    lines.extend(render_notes(run))
     if run.repro:
         lines.append(f"  reproduce: {run.repro}")
     return lines
@@ -129,17 +141,12 @@ def render_report(report: Report) -> str:
     for r in report.runs:
         backend = r.backend + (" (simulated)" if r.simulated else "")
         rows.append((r.mode, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    out = [f"ddparity check: {report.case}"]
-    for i, row in enumerate(rows):
-        out.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if i == 0:
-            out.append("  " + "  ".join("-" * w for w in widths))
+    out = [f"ddparity check: {report.case}", *table(rows)]
     failures = [r for r in report.runs if not r.ok]
     for run in failures:
         out.append("")
         out.extend(render_run_failure(run))
-    notes = [line for r in report.runs if r.ok for line in render_stragglers(r)]
+    notes = [line for r in report.runs if r.ok for line in render_notes(r)]
     if notes:
         out.append("")
         out.extend(line.strip() for line in notes)

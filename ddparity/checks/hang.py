@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.checks.ledger import Entry, Position, parse_ledger, parse_progress
+from ddparity.checks.ledger import Position, parse_ledger, parse_progress, slots
 
 
 def positions(signals: dict[int, Any]) -> dict[int, Position | None]:
@@ -99,12 +99,7 @@ def stragglers(signals: dict[int, Any]) -> list[Lateness]:
     ledgers = {r: parse_ledger(s.ledger) for r, s in signals.items()}
     if len(ledgers) < 2:
         return []
-    slots: dict[tuple[str, int], dict[int, Entry]] = {}
-    for rank, entries in ledgers.items():
-        for e in entries:
-            if e.comparable:
-                slots.setdefault((e.group, e.seq), {})[rank] = e
-    shared = [by_rank for by_rank in slots.values() if len(by_rank) == len(ledgers)]
+    shared = [by_rank for by_rank in slots(ledgers).values() if len(by_rank) == len(ledgers)]
     if not shared:
         return []
     late = {r: 0.0 for r in ledgers}

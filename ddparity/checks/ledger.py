@@ -524,14 +524,19 @@ class Mismatch:
         ) + " vs " + "; ".join(f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks)
 
 
-def collective_mismatch(sequences: Mapping[int, Sequence[Entry]]) -> Mismatch | None:
-    """The first slot (per group) where the ranks holding it issued different collectives."""
-    slots: dict[tuple[str, int], dict[int, Entry]] = {}
+def slots(sequences: Mapping[int, Sequence[Entry]]) -> dict[tuple[str, int], dict[int, Entry]]:
+    """The comparable entries by (group, sequence number), then by rank."""
+    out: dict[tuple[str, int], dict[int, Entry]] = {}
     for rank, entries in sequences.items():
         for e in entries:
             if e.comparable:
-                slots.setdefault((e.group, e.seq), {})[rank] = e
-    for (group, seq), by_rank in sorted(slots.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                out.setdefault((e.group, e.seq), {})[rank] = e
+    return out
+
+
+def collective_mismatch(sequences: Mapping[int, Sequence[Entry]]) -> Mismatch | None:
+    """The first slot (per group) where the ranks holding it issued different collectives."""
+    for (group, seq), by_rank in sorted(slots(sequences).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         keys: dict[str, list[int]] = {}
         for rank, e in sorted(by_rank.items()):
             keys.setdefault(e.key, []).append(rank)

@@ -614,14 +614,20 @@ class World:
                         _signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
             self.restart()
 
-    def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
-        stacks = self._dump_stacks(pending, native=False)
+    def _stop(self, ranks: list[int], native: bool) -> dict[int, str]:
+        """Take the stacks of ``ranks`` (evidence first), then kill the generation."""
+        stacks = self._dump_stacks(ranks, native=native)
+        self._kill()
+        return stacks
+
+    def _kill(self) -> None:
         self._ranks.kill()
         self._live = False
-        lines = [f"task {task_id} was stopped: {reason}; the world was rebuilt"]
-        for r, text in stacks.items():
-            lines.append(f"--- rank {r} stack ---\n{text.rstrip() or '(no stack printed)'}")
-        raise TaskStopped("\n".join(lines), reason, pending, stacks)
+
+    def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
+        stacks = self._stop(pending, native=False)
+        head = f"task {task_id} was stopped: {reason}; the world was rebuilt"
+        raise TaskStopped(_with_stacks(head, stacks), reason, pending, stacks)
 
     def _crashed(self, rank: int, task_id: int, outcomes: list[RankOutcome | None]) -> None:
         proc = self._ranks.procs[rank]
@@ -629,8 +635,7 @@ class World:
         others = [r for r in range(self.spec.world_size) if r != rank and outcomes[r] is None]
         stacks = self._dump_stacks(others, native=False)  # first: "at that moment"
         output = self._ranks.readers[rank].take_all(settle=1.0)
-        self._ranks.kill()
-        self._live = False
+        self._kill()
         how = _signal_name(proc.exitcode)
         lines = [f"rank {rank} died ({how}) while running task {task_id}; the world will be rebuilt"]
         if output.strip():
@@ -648,14 +653,10 @@ class World:
         limit: float,
         timed_out: bool,
     ) -> None:
-        stacks = self._dump_stacks(pending, native=timed_out)
-        self._ranks.kill()
-        self._live = False
+        stacks = self._stop(pending, native=timed_out)
         if timed_out:
-            lines = [f"ranks {pending} made no progress on task {task_id} for {limit:g} s; the world was rebuilt"]
-            for r, text in stacks.items():
-                lines.append(f"--- rank {r} stack ---\n{text.rstrip() or '(no stack printed)'}")
-            raise TaskTimeout("\n".join(lines), pending, stacks)
+            head = f"ranks {pending} made no progress on task {task_id} for {limit:g} s; the world was rebuilt"
+            raise TaskTimeout(_with_stacks(head, stacks), pending, stacks)
         failed = [o.rank for o in outcomes if o is not None and not o.ok]
         for r in pending:
             outcomes[r] = RankOutcome(
@@ -667,6 +668,11 @@ class World:
                 ),
                 output=stacks.get(r, ""),
             )
+
+
+def _with_stacks(head: str, stacks: dict[int, str]) -> str:
+    return "\n".join([head] + [f"--- rank {r} stack ---\n{t.rstrip() or '(no stack printed)'}"
+                                for r, t in stacks.items()])
 
 
 def _queued(conn: Connection) -> list[Any]:
