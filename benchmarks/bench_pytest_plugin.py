@@ -10,6 +10,9 @@ One run, side by side, in a temporary directory:
   a single-device run in the test process — what a test suite without ddparity does.
   Sampled (``--spawn-tests``, default 6: 3 per world size) and scaled to 30.
 
+Also reported: the most rank processes alive at once (each xdist worker keeps its own
+worlds, within its share of ``max(8, 2 x CPUs)``).
+
     python benchmarks/bench_pytest_plugin.py [--spawn-tests 6]
 """
 
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 CASES = 15
@@ -87,13 +91,35 @@ SPAWN_TESTS = textwrap.dedent(
 ).format(cases=CASES)
 
 
-def pytest_seconds(directory: str, *args: str) -> tuple[float, str]:
+def pytest_seconds(directory: str, *args: str) -> tuple[float, str, int]:
+    """Wall seconds, pytest's summary line, and the most rank processes alive at once
+    (descendants of pytest other than its xdist workers, sampled every 20 ms)."""
+    import psutil
+
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                         cwd=directory, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                            cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        parent = psutil.Process(proc.pid)
+        while not done.wait(0.02):
+            try:
+                workers = {p.pid for p in parent.children()} if "-n" in args and args[args.index("-n") + 1] != "0" else set()
+                ranks = [p for p in parent.children(recursive=True) if p.pid not in workers]
+            except psutil.Error:
+                continue
+            peak = max(peak, len(ranks))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate(timeout=1800)
     seconds = time.perf_counter() - started
-    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-300:]
-    return seconds, summary
+    done.set()
+    sampler.join()
+    summary = stdout.strip().splitlines()[-1] if stdout.strip() else stderr[-300:]
+    return seconds, summary, peak
 
 
 def main() -> None:
@@ -105,18 +131,18 @@ def main() -> None:
             fh.write(PLUGIN_TESTS)
         with open(os.path.join(directory, "test_spawn.py"), "w") as fh:
             fh.write(SPAWN_TESTS)
-        n0, s0 = pytest_seconds(directory, "test_plugin.py", "-n", "0")
-        n2, s2 = pytest_seconds(directory, "test_plugin.py", "-n", "2")
+        n0, s0, peak0 = pytest_seconds(directory, "test_plugin.py", "-n", "0")
+        n2, s2, peak2 = pytest_seconds(directory, "test_plugin.py", "-n", "2")
         per_ws = max(1, args.spawn_tests // 2)
         selected = " or ".join(f"test_parity[{seed}-{ws}]" for ws in (2, 4) for seed in range(per_ws))
-        spawn, s_spawn = pytest_seconds(directory, "test_spawn.py", "-k", selected)
-        startup, _ = pytest_seconds(directory, "test_spawn.py", "-k", "no_such_test")
+        spawn, s_spawn, _ = pytest_seconds(directory, "test_spawn.py", "-k", selected)
+        startup, _, _ = pytest_seconds(directory, "test_spawn.py", "-k", "no_such_test")
         ran = 2 * per_ws
     # The session's start-up (pytest, torch import) is paid once, not per test.
     scaled = startup + (spawn - startup) / ran * 2 * CASES
     print(f"{os.cpu_count()} CPUs; {2 * CASES} parity tests (MLP, SGD, 3 steps) at world sizes 2 and 4")
-    print(f"plugin, pytest -n 0:  {n0:6.1f} s   ({s0})")
-    print(f"plugin, pytest -n 2:  {n2:6.1f} s   ({s2})")
+    print(f"plugin, pytest -n 0:  {n0:6.1f} s   ({s0}; at most {peak0} rank processes alive)")
+    print(f"plugin, pytest -n 2:  {n2:6.1f} s   ({s2}; at most {peak2} rank processes alive, both workers)")
     print(f"spawn per test:       {scaled:6.1f} s   (ran {ran} in {spawn:.1f} s incl. {startup:.1f} s session "
           f"start-up, scaled to {2 * CASES}; {s_spawn})")
     print(f"ratio spawn / plugin: {scaled / n0:.1f}x (-n 0), {scaled / n2:.1f}x (-n 2)")

@@ -70,21 +70,50 @@ class CheckOptions:
             raise UsageError(f"steps must be an integer >= 1, got {self.steps!r}")
 
 
-class WorldPool:
-    """Warm worlds, one per (world size, backend, role), reused across checks."""
+def default_max_ranks(workers: int = 1) -> int:
+    """Live rank processes one pool keeps: ``max(8, 2 x CPUs)`` for the machine, shared
+    by ``workers`` pools (pytest-xdist workers) so that together they stay within it."""
+    return max(1, max(8, 2 * (os.cpu_count() or 1)) // max(1, workers))
 
-    def __init__(self) -> None:
-        self._worlds: dict[tuple[int, str, str], World] = {}
+
+class WorldPool:
+    """Warm worlds, one per (world size, backend, role), reused across checks.
+
+    At most ``max_ranks`` rank processes stay alive (``None``: no cap): before a world
+    starts, the least recently used idle worlds are closed to make room. A world in use
+    is never closed, so a check that alone needs more ranks than the cap still runs.
+    """
+
+    def __init__(self, max_ranks: int | None = None) -> None:
+        if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int)
+                                      or max_ranks < 1):
+            raise UsageError(f"max_ranks must be an integer >= 1 or None, got {max_ranks!r}")
+        self.max_ranks = max_ranks
+        self._worlds: dict[tuple[int, str, str], World] = {}  # least recently used first
+        self.closed_for_room = 0
 
     def get(self, world_size: int, backend: str, role: str = "ddp") -> World:
         """The warm world for ``role``: the reference has its own 1-rank world, so that it
         can train while the DDP worlds (a 1-rank one included) run."""
         key = (world_size, backend, role)
-        world = self._worlds.get(key)
+        world = self._worlds.pop(key, None)
         if world is None:
             world = World(world_size, backend)
-            self._worlds[key] = world
+        if not world.pids:
+            self._make_room(world_size)
+        self._worlds[key] = world
         return world.start()
+
+    def _make_room(self, needed: int) -> None:
+        if self.max_ranks is None:
+            return
+        for key, world in list(self._worlds.items()):
+            if len(self.pids) + needed <= self.max_ranks:
+                return
+            if not world.busy:
+                world.close()
+                del self._worlds[key]
+                self.closed_for_room += 1
 
     @property
     def pids(self) -> set[int]:
@@ -103,7 +132,7 @@ _default_pool: WorldPool | None = None
 def default_pool() -> WorldPool:
     global _default_pool
     if _default_pool is None:
-        _default_pool = WorldPool()
+        _default_pool = WorldPool(max_ranks=default_max_ranks())
         atexit.register(_default_pool.close)
     return _default_pool
 
@@ -357,4 +386,4 @@ def _lcm(values: tuple[int, ...]) -> int:
     return out
 
 
-__all__ = ["CheckOptions", "WorldPool", "check", "default_pool"]
+__all__ = ["CheckOptions", "WorldPool", "check", "default_max_ranks", "default_pool"]

@@ -6,8 +6,13 @@ without ddparity tests pays nothing.
 
 Settings are resolved once per session, per setting, in this order (first wins):
 command-line option, environment variable (``DDPARITY_WORLD_SIZES``, ``DDPARITY_BACKEND``,
-``DDPARITY_TIMEOUT``, ``DDPARITY_REPORT``), ini setting (``ddparity_world_sizes`` ...),
-default. ``@pytest.mark.world_size(2, 4)`` lays the test's own world sizes over them.
+``DDPARITY_TIMEOUT``, ``DDPARITY_REPORT``, ``DDPARITY_MAX_RANKS``), ini setting
+(``ddparity_world_sizes`` ...), default. ``@pytest.mark.world_size(2, 4)`` lays the test's
+own world sizes over them.
+
+Each process (each xdist worker) keeps its own warm worlds; together they keep at most
+``max(8, 2 x CPUs)`` idle rank processes alive (``--ddparity-max-ranks`` per process),
+closing the least recently used world to make room.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class PluginSettings:
     backend: str = "auto"
     timeout: float = 60.0
     report: str | None = None
+    max_ranks: int | None = None
+    """Live rank processes per pytest process; None: the machine's share (see module doc)."""
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> PluginSettings:
@@ -70,6 +77,11 @@ class PluginSettings:
         text, _ = pick("report")
         if text is not None:
             values["report"] = text
+        text, source = pick("max_ranks")
+        if text is not None:
+            if not text.isdigit() or int(text) < 1:
+                raise pytest.UsageError(f"{source}: max ranks must be an integer >= 1, got {text!r}")
+            values["max_ranks"] = int(text)
         return cls(**values)
 
 
@@ -98,10 +110,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds without progress before a check counts as a hang (default 60)")
     group.addoption("--ddparity-report", dest="ddparity_report", metavar="PATH",
                     help="write the JSON report of every check in the session here")
+    group.addoption("--ddparity-max-ranks", dest="ddparity_max_ranks", metavar="N",
+                    help="rank processes this pytest process keeps alive between tests; idle worlds "
+                         "beyond are closed, least recently used first (default: max(8, 2 x CPUs) "
+                         "shared by the xdist workers)")
     parser.addini("ddparity_world_sizes", "default world sizes, e.g. 2,4")
     parser.addini("ddparity_backend", "auto | gloo | nccl | threaded")
     parser.addini("ddparity_timeout", "seconds without progress before a check counts as a hang")
     parser.addini("ddparity_report", "path of the session's JSON report")
+    parser.addini("ddparity_max_ranks", "rank processes one pytest process keeps alive between tests")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -144,9 +161,12 @@ def world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def ddparity_pool(request: pytest.FixtureRequest) -> Any:
     """The session's warm worlds (one pool per process; under xdist, per worker)."""
-    from ddparity.controller import WorldPool
+    from ddparity.controller import WorldPool, default_max_ranks
 
-    pool = WorldPool()
+    max_ranks = request.config.stash[SETTINGS].max_ranks
+    if max_ranks is None:
+        max_ranks = default_max_ranks(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    pool = WorldPool(max_ranks=max_ranks)
     request.addfinalizer(pool.close)
     return pool
 

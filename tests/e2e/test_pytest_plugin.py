@@ -122,6 +122,26 @@ def test_under_xdist_each_worker_owns_its_worlds_and_the_report_merges(pytester)
         "test_user.py::test_clean[ws2]", "test_user.py::test_clean[ws4]", "test_user.py::test_summed_loss[ws2]"]
 
 
+def test_each_xdist_worker_keeps_at_most_its_share_of_rank_processes(pytester, monkeypatch):
+    from ddparity.controller import default_max_ranks
+
+    pytester.makepyfile(test_cap='''
+import os
+import pytest
+
+@pytest.mark.world_size(1, 2, 3)
+@pytest.mark.parametrize("again", range(2))
+def test_world(world, world_size, ddparity_pool, again):
+    assert world.run(lambda ctx: ctx.world_size) == [world_size] * world_size
+    assert ddparity_pool.max_ranks == int(os.environ["EXPECTED_CAP"])
+    assert len(ddparity_pool.pids) <= max(ddparity_pool.max_ranks, world_size)
+''')
+    monkeypatch.setenv("EXPECTED_CAP", str(default_max_ranks(2)))  # the machine's budget, halved
+    run(pytester, "-n", "2").assert_outcomes(passed=6)
+    monkeypatch.setenv("EXPECTED_CAP", "3")
+    run(pytester, "-n", "2", "--ddparity-max-ranks", "3").assert_outcomes(passed=6)
+
+
 def test_a_hanging_and_a_crashing_rank_fail_their_tests_and_the_session_goes_on(pytester):
     pytester.makepyfile(test_faults=HEADER + '''
 class Faulty(nn.Module):
@@ -187,6 +207,9 @@ def test_sizes(world_size):
     result = run(pytester, "--ddparity-timeout", "soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--ddparity-timeout: timeout must be a positive number of seconds, got 'soon'*"])
+    result = run(pytester, "--ddparity-max-ranks", "0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--ddparity-max-ranks: max ranks must be an integer >= 1, got '0'*"])
     monkeypatch.setenv("DDPARITY_BACKEND", "mpi")
     result = run(pytester)
     result.stderr.fnmatch_lines(["*$DDPARITY_BACKEND: unknown backend 'mpi'*"])
