@@ -13,7 +13,7 @@ One run, side by side, in a temporary directory:
 Also reported: the most rank processes alive at once (each xdist worker keeps its own
 worlds, within its share of ``max(8, 2 x CPUs)``).
 
-    python benchmarks/bench_pytest_plugin.py [--spawn-tests 6]
+    python benchmarks/bench_pytest_plugin.py [--spawn-tests 6] [--xdist 2,4]
 """
 
 from __future__ import annotations
@@ -125,14 +125,15 @@ def pytest_seconds(directory: str, *args: str) -> tuple[float, str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spawn-tests", type=int, default=6, help="spawn tests actually run (scaled to 30)")
+    parser.add_argument("--xdist", default="2", help="pytest-xdist worker counts to run besides -n 0 (e.g. 2,4)")
     args = parser.parse_args()
+    workers = [int(n) for n in args.xdist.split(",") if n.strip()]
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_plugin.py"), "w") as fh:
             fh.write(PLUGIN_TESTS)
         with open(os.path.join(directory, "test_spawn.py"), "w") as fh:
             fh.write(SPAWN_TESTS)
-        n0, s0, peak0 = pytest_seconds(directory, "test_plugin.py", "-n", "0")
-        n2, s2, peak2 = pytest_seconds(directory, "test_plugin.py", "-n", "2")
+        runs = {n: pytest_seconds(directory, "test_plugin.py", "-n", str(n)) for n in [0, *workers]}
         per_ws = max(1, args.spawn_tests // 2)
         selected = " or ".join(f"test_parity[{seed}-{ws}]" for ws in (2, 4) for seed in range(per_ws))
         spawn, s_spawn, _ = pytest_seconds(directory, "test_spawn.py", "-k", selected)
@@ -141,11 +142,12 @@ def main() -> None:
     # The session's start-up (pytest, torch import) is paid once, not per test.
     scaled = startup + (spawn - startup) / ran * 2 * CASES
     print(f"{os.cpu_count()} CPUs; {2 * CASES} parity tests (MLP, SGD, 3 steps) at world sizes 2 and 4")
-    print(f"plugin, pytest -n 0:  {n0:6.1f} s   ({s0}; at most {peak0} rank processes alive)")
-    print(f"plugin, pytest -n 2:  {n2:6.1f} s   ({s2}; at most {peak2} rank processes alive, both workers)")
+    for n, (seconds, summary, peak) in runs.items():
+        print(f"plugin, pytest -n {n}:  {seconds:6.1f} s   ({summary}; at most {peak} rank processes alive"
+              f"{', all workers' if n else ''})")
     print(f"spawn per test:       {scaled:6.1f} s   (ran {ran} in {spawn:.1f} s incl. {startup:.1f} s session "
           f"start-up, scaled to {2 * CASES}; {s_spawn})")
-    print(f"ratio spawn / plugin: {scaled / n0:.1f}x (-n 0), {scaled / n2:.1f}x (-n 2)")
+    print("ratio spawn / plugin: " + ", ".join(f"{scaled / seconds:.1f}x (-n {n})" for n, (seconds, _, _) in runs.items()))
 
 
 if __name__ == "__main__":

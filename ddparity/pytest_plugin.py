@@ -195,11 +195,15 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
     sizes = (request.getfixturevalue("world_size"),) if marked else settings.world_sizes
 
     def run(case: Any, modes: tuple[str, ...] | list[str] = ("single", "ddp"), **options: Any) -> Any:
-        from ddparity.controller import check
+        from ddparity.controller import check, choose_backend
 
         options.setdefault("backend", settings.backend)
         options.setdefault("timeout", settings.timeout)
         options.setdefault("world_sizes", sizes)
+        try:
+            choose_backend(options["backend"], tuple(options["world_sizes"]))
+        except UsageError as exc:  # this machine cannot run the backend (e.g. nccl, no GPU)
+            pytest.skip(f"ddparity: {exc}")
         if getattr(case, "name", "?") is None:  # name the report after the test
             case = dataclasses.replace(case, name=request.node.name)
         try:
@@ -209,6 +213,10 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
         _record(request, report)
         if not report.ok:
             pytest.fail(_failure_text(request, report), pytrace=False)
+        compared = [r for r in report.runs if r.mode != "single"]
+        if compared and all(r.status == "skipped" for r in compared):
+            # nothing was compared here (e.g. nccl with fewer GPUs than the world size)
+            pytest.skip("ddparity: " + "; ".join(sorted({f"{r.mode} ws{r.world_size}: {r.reason}" for r in compared})))
         return report
 
     return run

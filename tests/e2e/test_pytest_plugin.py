@@ -215,6 +215,17 @@ def test_sizes(world_size):
     result.stderr.fnmatch_lines(["*$DDPARITY_BACKEND: unknown backend 'mpi'*"])
 
 
+def test_nccl_without_gpus_skips_with_the_reason(pytester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    pytester.makepyfile(test_user=TESTS)
+    result = run(pytester, "--ddparity-backend", "nccl", "-rs")
+    result.assert_outcomes(skipped=4)
+    result.stdout.fnmatch_lines(["*ddparity: backend 'nccl' needs one CUDA device per rank*use --backend gloo*"])
+
+
 def test_a_session_without_ddparity_tests_does_not_import_torch(pytester):
     pytester.makepyfile(test_plain='''
 import sys
