@@ -45,6 +45,10 @@ PY
       --ddparity-report report.json --junitxml junit.xml test_gpu.py > pytest_nccl.log 2>&1; echo "exit $?"; \
     tail -45 pytest_nccl.log; cp pytest_nccl.log junit.xml report.json "$OUT/" )
   python3 -c "import json; r=json.load(open('$WORK/report.json')); print([(x['test'], x['mode'], x['world_size'], x['backend'], x['status']) for x in r['runs']])"
+  echo "== ddparity profile under nccl (CUDA-event bucket timing), world size 1"
+  timeout 240 python3 -m ddparity.cli profile --demo --backend nccl --world-sizes 1 --json "$OUT/profile_nccl.json"; echo "exit $?"
+  echo "== ddparity profile on this machine's CPUs (gloo), 1,2,4,8"
+  timeout 120 python3 -m ddparity.cli profile --demo --world-sizes 1,2,4,8 --json "$OUT/profile_gloo.json"; echo "exit $?"
   echo "== plugin benchmark on this machine's CPUs (gloo), -n 0/2/4/8"
   timeout 300 python3 benchmarks/bench_pytest_plugin.py --xdist 2,4,8; echo "exit $?"
 } 2>&1 | tee "$OUT/gpu_plugin.log"

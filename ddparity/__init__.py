@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.world import RankOutcome, World
+    from ddparity.profiler import ProfileReport, profile
     from ddparity.report import Divergence, Report, RunResult
 
 _HOMES = {
@@ -27,6 +28,8 @@ _HOMES = {
     "RankContext": "ddparity.harness.protocol",
     "RankOutcome": "ddparity.harness.world",
     "World": "ddparity.harness.world",
+    "ProfileReport": "ddparity.profiler",
+    "profile": "ddparity.profiler",
     "Divergence": "ddparity.report",
     "Report": "ddparity.report",
     "RunResult": "ddparity.report",
@@ -37,6 +40,7 @@ __all__ = [
     "DdparityError",
     "Divergence",
     "ParityError",
+    "ProfileReport",
     "RankContext",
     "RankOutcome",
     "Report",
@@ -44,6 +48,7 @@ __all__ = [
     "UsageError",
     "World",
     "check",
+    "profile",
 ]
 __version__ = "0.1.0"
 

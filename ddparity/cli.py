@@ -1,7 +1,7 @@
 """The ``ddparity`` command line (an adapter: parse, call the library, render).
 
-Exit codes (SPEC): 0 equivalent, 1 divergence or desync, 2 usage error or bad input,
-3 hang or crash.
+Exit codes (SPEC): 0 equivalent (``profile``: every world size profiled or skipped),
+1 divergence or desync, 2 usage error or bad input, 3 hang or crash.
 """
 
 from __future__ import annotations
@@ -90,7 +90,65 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--timeout", type=_seconds, default=None,
                      help="seconds without progress before a run counts as a hang (default 60; 5 with --demo-faults)")
     chk.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) here")
+    prof = sub.add_parser("profile", help="time a Case's DDP communication at each world size")
+    prof.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
+    prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
+    prof.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4, 8), help="comma-separated (default 1,2,4,8)")
+    prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes)")
+    prof.add_argument("--steps", type=_positive_int, default=None, help="measured iterations per world size (default 10)")
+    prof.add_argument("--warmup", type=_non_negative_int, default=None, help="iterations run first and not measured (default 2)")
+    prof.add_argument("--timeout", type=_seconds, default=60.0, help="seconds without progress before a hang (default 60)")
+    prof.add_argument("--json", metavar="PATH", help="write the JSON profile (version 1) here")
+    prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
+                                                        "bus bandwidth and scaling per world size (needs matplotlib)")
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from ddparity.case import load_case
+    from ddparity.controller import default_pool
+    from ddparity.profiler import DEFAULT_STEPS, DEFAULT_WARMUP, profile
+
+    if args.demo and args.target:
+        raise UsageError("give TARGET or --demo, not both")
+    if not (args.demo or args.target):
+        raise UsageError("missing TARGET (module:function or file.py:function returning a Case), or use --demo")
+    if args.plot:
+        from ddparity.plot import check_plot_path
+
+        check_plot_path(args.plot)  # before minutes of profiling, not after
+    if args.demo:
+        from ddparity.fixtures.models import profile_demo
+
+        case = profile_demo()
+        case.target = "ddparity.fixtures.models:profile_demo"
+    else:
+        case = load_case(args.target)
+    try:
+        report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout,
+                         steps=args.steps if args.steps is not None else DEFAULT_STEPS,
+                         warmup=args.warmup if args.warmup is not None else DEFAULT_WARMUP)
+    finally:
+        default_pool().close()
+    print(report.render(), flush=True)
+    if args.json:
+        _write_data(args.json, report.to_json(), "JSON profile")
+    if args.plot:
+        from ddparity.plot import plot_profile
+
+        plot_profile(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return report.exit_code
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -176,12 +234,16 @@ def _write_json(path: str, reports: list) -> None:
     else:
         runs = [dict(run, case=r.case) for r in reports for run in r.to_json()["runs"]]
         data = {"version": 1, "ok": all(r.ok for r in reports), "case": "demo", "runs": runs}
+    _write_data(path, data, "JSON report")
+
+
+def _write_data(path: str, data: dict, what: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2)
             fh.write("\n")
     except OSError as exc:
-        raise UsageError(f"cannot write the JSON report to {path!r}: {exc.strerror}") from None
+        raise UsageError(f"cannot write the {what} to {path!r}: {exc.strerror}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "check":
             return _check(args)
+        if args.command == "profile":
+            return _profile(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as exc:

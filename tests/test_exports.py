@@ -9,8 +9,8 @@ from ddparity.cli import build_parser
 
 def test_exported_names_are_pinned():
     assert sorted(ddparity.__all__) == [
-        "Case", "DdparityError", "Divergence", "ParityError", "RankContext", "RankOutcome",
-        "Report", "RunResult", "UsageError", "World", "check",
+        "Case", "DdparityError", "Divergence", "ParityError", "ProfileReport", "RankContext", "RankOutcome",
+        "Report", "RunResult", "UsageError", "World", "check", "profile",
     ]
     for name in ddparity.__all__:
         assert getattr(ddparity, name) is not None
@@ -21,6 +21,10 @@ def test_cli_flags_are_pinned():
     check = parser._subparsers._group_actions[0].choices["check"]
     flags = sorted(opt for action in check._actions for opt in action.option_strings)
     assert flags == sorted(["--backend", "--demo", "--demo-faults", "--json", "--modes", "--steps", "--timeout", "--tolerance",
+                            "--world-sizes", "-h", "--help"])
+    profile = parser._subparsers._group_actions[0].choices["profile"]
+    flags = sorted(opt for action in profile._actions for opt in action.option_strings)
+    assert flags == sorted(["--backend", "--demo", "--json", "--plot", "--steps", "--timeout", "--warmup",
                             "--world-sizes", "-h", "--help"])
 
 

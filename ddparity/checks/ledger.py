@@ -46,7 +46,8 @@ OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatte
 P2P = ("send", "recv", "isend", "irecv")  # pairwise, not part of the group's sequence
 RECORDED = EXACT + ROOTED + SPLIT + OBJECT + P2P
 
-PHASES = ("", "build", "ddp", "forward", "backward", "optimizer", "fingerprint", "done")
+PHASES = ("", "build", "ddp", "forward", "backward", "optimizer", "fingerprint",
+          "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done")
 """Phases of a training step in the order a rank passes them (for who is behind)."""
 
 
@@ -234,6 +235,19 @@ class Recorder:
             self.enter("all_reduce", {"tensor": bucket}, blocking=False, site=site,
                        via=f"DDP gradient bucket {index}")
 
+    @contextmanager
+    def tally(self) -> Iterator[list[tuple[str, int]]]:
+        """``(op, bytes)`` of every collective this thread issues inside, recorded or not
+        (``ddparity profile`` counts what a comm hook sends). Bytes are those of the
+        collective's first tensor argument: the tensor all-reduced or broadcast, the
+        output of a gather (the sizes nccl-tests reports)."""
+        counted: list[tuple[str, int]] = []
+        self._local.tally = counted
+        try:
+            yield counted
+        finally:
+            self._local.tally = None
+
     # called by the patched collectives
 
     def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "") -> None:
@@ -286,6 +300,10 @@ class _Disabled:
         pass
 
     @contextmanager
+    def tally(self) -> Iterator[None]:
+        yield None  # nothing is patched outside a rank: nothing to count
+
+    @contextmanager
     def via(self, label: str) -> Iterator[None]:
         yield
 
@@ -311,6 +329,10 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         rec = _active
+        counted = getattr(rec._local, "tally", None) if rec is not None else None
+        if rec is not None and counted is not None and not getattr(rec._local, "depth", False):
+            first = next(iter(args), None) if args else next(iter(kwargs.values()), None)
+            counted.append((op, _nbytes(first)))
         if rec is None or not rec.enabled or not rec.channel.active or getattr(rec._local, "depth", False):
             return fn(*args, **kwargs)  # not in a task, or nested (all_gather_object -> all_gather)
         try:
@@ -328,6 +350,14 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     recorded.__ddparity_recorded__ = True  # type: ignore[attr-defined]
     return recorded
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a tensor or a list of tensors (0 for anything else)."""
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    numel, size = getattr(value, "numel", None), getattr(value, "element_size", None)
+    return int(numel() * size()) if callable(numel) and callable(size) else 0
 
 
 def install_recorder(channel: Any) -> Recorder:

@@ -1,0 +1,162 @@
+"""Communication figures from the ranks' step timings (``ddparity profile``).
+
+Per measured step, the slowest rank sets the step's time (everyone waits for it). Over
+the steps, medians. Definitions, for a world of ``n`` ranks:
+
+* ``step_s``: forward + backward (with DDP's all-reduces) + optimizer step;
+* ``compute_s``: the same without gradient synchronisation (``no_sync``);
+* ``exposed_comm_s``: ``step - compute``: communication the backward pass did not hide,
+  waiting for slower ranks included;
+* ``comm_s``: the time the gradient buckets were in flight on a rank (the union of their
+  launch-to-completion intervals, so buckets in flight together count once);
+* ``overlap``: ``1 - exposed / comm``, the share of communication hidden behind compute;
+* ``algbw = bytes / comm_s`` and ``busbw = algbw x 2(n-1)/n`` (the all-reduce bus
+  bandwidth of nccl-tests: what each link carried; comparable across world sizes);
+* ``scaling_efficiency``: strong scaling of the case's global batch against the smallest
+  world size profiled, ``(T_base x base) / (T_n x n)``; 1.0 is perfect.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddparity.harness.comm_task import BucketTiming, RankProfile
+
+
+@dataclass(slots=True)
+class WorldProfile:
+    """The figures of one world size (``status`` ``ok``; else ``reason`` says why not)."""
+
+    world_size: int
+    backend: str
+    status: str = "ok"
+    reason: str | None = None
+    device: str = "cpu"
+    steps: int = 0
+    samples_per_step: int = 0
+    step_s: float | None = None
+    compute_s: float | None = None
+    optimizer_s: float | None = None
+    exposed_comm_s: float | None = None
+    comm_s: float | None = None
+    overlap: float | None = None
+    bytes_per_step: int | None = None
+    buckets: int | None = None
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    samples_per_s: float | None = None
+    scaling_efficiency: float | None = None
+    notes: list[str] = field(default_factory=list)
+    hang: dict[str, Any] | None = None
+    crash: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def busy_seconds(buckets: list[BucketTiming]) -> float:
+    """Length of the union of the buckets' ``[start, end]`` intervals."""
+    total, reach = 0.0, None
+    for b in sorted(buckets, key=lambda b: b.start):
+        if reach is None or b.start > reach:
+            total += b.end - b.start
+            reach = b.end
+        elif b.end > reach:
+            total += b.end - reach
+            reach = b.end
+    return total
+
+
+def bus_factor(world_size: int) -> float:
+    """all-reduce bus bandwidth / algorithm bandwidth (nccl-tests' ``2(n-1)/n``)."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
+    """One world size's figures from every rank's timings."""
+    n = len(profiles)
+    steps = min(len(p.steps) for p in profiles)
+    if steps == 0:
+        raise ValueError("no measured steps")
+    sync = [max(p.steps[k].sync for p in profiles) for k in range(steps)]
+    no_sync = [max(p.steps[k].no_sync for p in profiles) for k in range(steps)]
+    opt = [max(p.steps[k].optimizer for p in profiles) for k in range(steps)]
+    busy = [max(busy_seconds(p.steps[k].buckets) for p in profiles) for k in range(steps)]
+    nbytes = [sum(b.nbytes for b in profiles[0].steps[k].buckets) for k in range(steps)]
+    step_s = statistics.median(s + o for s, o in zip(sync, opt))
+    compute_s = statistics.median(c + o for c, o in zip(no_sync, opt))
+    exposed = max(0.0, statistics.median(s - c for s, c in zip(sync, no_sync)))
+    comm = statistics.median(busy)
+    per_step_bytes = int(statistics.median(nbytes))
+    out = WorldProfile(
+        world_size=n, backend=backend, device=profiles[0].device, steps=steps,
+        samples_per_step=sum(p.samples for p in profiles),
+        step_s=step_s, compute_s=compute_s, optimizer_s=statistics.median(opt),
+        exposed_comm_s=exposed, comm_s=comm,
+        bytes_per_step=per_step_bytes, buckets=len(profiles[0].steps[-1].buckets),
+    )
+    ops = sorted({op for b in profiles[0].steps[-1].buckets for op in b.ops})
+    if comm > 0:
+        out.overlap = min(1.0, max(0.0, 1.0 - exposed / comm))
+        out.algbw_gbps = per_step_bytes / comm / 1e9
+        if n > 1 and ops == ["all_reduce"]:
+            out.busbw_gbps = out.algbw_gbps * bus_factor(n)
+    if n > 1 and ops and ops != ["all_reduce"]:
+        out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
+                         f"(bus bandwidth is defined here for all-reduce)")
+    if step_s > 0:
+        out.samples_per_s = out.samples_per_step / step_s
+    return out
+
+
+def add_scaling(runs: list[WorldProfile]) -> None:
+    """Fill ``scaling_efficiency`` against the smallest world size that ran."""
+    ran = [r for r in runs if r.status == "ok" and r.step_s]
+    if not ran:
+        return
+    base = min(ran, key=lambda r: r.world_size)
+    assert base.step_s is not None
+    for r in ran:
+        assert r.step_s is not None
+        r.scaling_efficiency = (base.step_s * base.world_size) / (r.step_s * r.world_size)
+        if base.world_size != 1 and r is not base:
+            r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f}"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render(label: str, runs: list[WorldProfile]) -> str:
+    """The table users read, one line per world size, then notes and failures."""
+    from ddparity.render import table
+
+    rows = []
+    for r in runs:
+        if r.status != "ok":
+            rows.append([str(r.world_size), r.backend, r.status.upper()] + ["-"] * 8)
+            continue
+        rows.append([
+            str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
+            _ms(r.comm_s), _num(r.overlap, ".0%"), _num((r.bytes_per_step or 0) / 1e6, ".2f"),
+            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"),
+        ])
+    header = ["world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
+              "overlap", "MB/step", "busbw GB/s", "scaling"]
+    lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
+    for r in runs:
+        for note in r.notes:
+            lines.append(f"  world size {r.world_size}: {note}")
+        if r.status != "ok" and r.reason:
+            lines.append(f"  world size {r.world_size} {r.status.upper()}: {r.reason}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "render", "summarize"]

@@ -1,0 +1,144 @@
+"""``profile``: a case's DDP communication at each world size (``ddparity profile``).
+
+Runs in the same warm worlds as :func:`ddparity.check`, with the same hang and crash
+detection; the rank side is :mod:`ddparity.harness.comm_task`, the figures
+:mod:`ddparity.checks.comm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.checks.comm import WorldProfile, add_scaling, render, summarize
+from ddparity.controller import (
+    REAL_RANKS_LIMIT,
+    CheckOptions,
+    WorldPool,
+    _failure_run,
+    _unrunnable,
+    choose_backend,
+    default_pool,
+)
+from ddparity.errors import UsageError, WorldFailure, WorldStartError
+from ddparity.harness.comm_task import profile_task
+from ddparity.harness.modes import prepare_task
+
+DEFAULT_STEPS = 10
+DEFAULT_WARMUP = 2
+
+
+@dataclass
+class ProfileReport:
+    case: str
+    runs: list[WorldProfile] = field(default_factory=list)
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    @property
+    def exit_code(self) -> int:
+        """0 every world size profiled (or skipped), 2 bad input, 3 a hang or crash."""
+        statuses = {r.status for r in self.runs}
+        if statuses & {"hang", "crash"}:
+            return 3
+        if "error" in statuses:
+            return 2
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    def render(self) -> str:
+        return render(self.case, self.runs)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def profile(
+    case: Case,
+    world_sizes: tuple[int, ...] | list[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    timeout: float = 60.0,
+    *,
+    steps: int = DEFAULT_STEPS,
+    warmup: int = DEFAULT_WARMUP,
+    pool: WorldPool | None = None,
+) -> ProfileReport:
+    """Time ``case`` under DDP at every world size: step, compute, exposed and total
+    communication, bytes, bus bandwidth, overlap and scaling efficiency."""
+    if not isinstance(case, Case):
+        raise UsageError(f"profile() needs a ddparity.Case, got {type(case).__name__}")
+    if backend == "threaded":
+        raise UsageError("profiling needs real rank processes: simulated (threaded) ranks share one process "
+                         "and their timings mean nothing; use --backend auto, gloo or nccl")
+    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UsageError(f"{name} must be an integer >= {least}, got {value!r}")
+    opts = CheckOptions(modes=("ddp",), world_sizes=tuple(world_sizes), backend=backend, timeout=timeout)
+    case = case.validate()
+    chosen = choose_backend(opts.backend, opts.world_sizes)
+    pool = pool or default_pool()
+    report = ProfileReport(case.label)
+    started = time.perf_counter()
+    try:
+        [(state, batch_sizes)] = pool.get(1, chosen, role="reference").run(prepare_task, case, timeout=opts.timeout)
+    except WorldFailure as exc:
+        report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
+        return report
+    for ws in opts.world_sizes:
+        report.runs.append(_profile_one(case, opts, chosen, ws, state, batch_sizes, steps, warmup, pool))
+    add_scaling(report.runs)
+    return report
+
+
+def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: Any, batch_sizes: list[int],
+                 steps: int, warmup: int, pool: WorldPool) -> WorldProfile:
+    started = time.perf_counter()
+    if opts.backend == "auto" and backend == "gloo" and ws > REAL_RANKS_LIMIT:
+        return WorldProfile(world_size=ws, backend=backend, status="skipped",
+                            reason=f"{ws} ranks exceed this machine's limit for real processes ({REAL_RANKS_LIMIT}, "
+                                   f"2 x CPUs); profiling needs real ones. Force it with --backend gloo "
+                                   f"(oversubscribed: the figures will say more about the CPUs than the network)")
+    unrunnable = _unrunnable(case, opts, backend, ws, batch_sizes)
+    if unrunnable is not None:
+        return WorldProfile(world_size=ws, backend=backend, status=unrunnable.status, reason=unrunnable.reason)
+    try:
+        outcomes = pool.get(ws, backend).run(profile_task, case, state, steps, warmup, timeout=opts.timeout)
+    except WorldStartError as exc:
+        return WorldProfile(world_size=ws, backend=backend, status="error", reason=str(exc),
+                            seconds=time.perf_counter() - started)
+    except WorldFailure as exc:
+        return _failed(ws, backend, exc, time.perf_counter() - started)
+    run = summarize(outcomes, backend)
+    run.seconds = time.perf_counter() - started
+    cpus = os.cpu_count() or 1
+    if backend == "gloo" and ws > cpus:
+        run.notes.append(f"oversubscribed: {ws} ranks on {cpus} CPUs; communication waits for descheduled ranks")
+    if ws == 1:
+        run.notes.append("one rank: no bus bandwidth; its exposed time is DDP's own synchronisation work "
+                         "(bucket copies, the comm hook, a local all-reduce), the floor for larger worlds")
+    return run
+
+
+def _failed(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
+    """A hang, crash or error while profiling, with the evidence ``check`` would give."""
+    run = _failure_run("ddp", ws, backend, exc, seconds, "")
+    return WorldProfile(world_size=ws, backend=backend, status=run.status, reason=_failure_reason(run),
+                        hang=run.hang, crash=run.crash, seconds=seconds)
+
+
+def _failure_reason(run: Any) -> str:
+    from ddparity.render import render_run_failure
+
+    lines = render_run_failure(run)
+    return "\n".join(lines[1:]).strip() or (run.reason or run.status)
+
+
+__all__ = ["ProfileReport", "profile"]

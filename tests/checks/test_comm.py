@@ -1,0 +1,69 @@
+"""Communication figures from hand-made step timings (``ddparity.checks.comm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity.checks.comm import WorldProfile, add_scaling, bus_factor, busy_seconds, render, summarize
+from ddparity.harness.comm_task import BucketTiming, RankProfile, StepTiming
+
+
+def b(start: float, end: float, nbytes: int = 1000, ops: tuple[str, ...] = ("all_reduce",)) -> BucketTiming:
+    return BucketTiming(index=0, nbytes=nbytes, start=start, end=end, ops=ops)
+
+
+def test_busy_time_counts_buckets_in_flight_together_once():
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([b(0.0, 1.0), b(2.0, 3.0)]) == pytest.approx(2.0)  # disjoint
+    assert busy_seconds([b(0.0, 2.0), b(1.0, 3.0)]) == pytest.approx(3.0)  # overlapping
+    assert busy_seconds([b(0.0, 4.0), b(1.0, 2.0)]) == pytest.approx(4.0)  # nested
+    assert busy_seconds([b(2.0, 3.0), b(0.0, 1.0), b(0.5, 2.5)]) == pytest.approx(3.0)  # unsorted
+
+
+def test_bus_factor_is_nccl_tests_all_reduce_factor():
+    assert [bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+
+
+def rank(r: int, steps: list[StepTiming], samples: int = 8) -> RankProfile:
+    return RankProfile(rank=r, world_size=2, device="cpu", samples=samples, steps=steps)
+
+
+def test_the_slowest_rank_sets_each_step_and_medians_summarise():
+    buckets = [b(0.001, 0.004, 4000), b(0.003, 0.006, 2000)]  # busy 5 ms, 6000 bytes
+    fast = [StepTiming(sync=0.010, no_sync=0.008, optimizer=0.001, buckets=buckets) for _ in range(3)]
+    slow = [StepTiming(sync=0.012, no_sync=0.008, optimizer=0.002, buckets=buckets) for _ in range(3)]
+    out = summarize([rank(0, fast), rank(1, slow)], "gloo")
+    assert out.steps == 3 and out.world_size == 2 and out.samples_per_step == 16
+    assert out.step_s == pytest.approx(0.014)  # slowest sync 12 ms + slowest optimizer 2 ms
+    assert out.compute_s == pytest.approx(0.010)
+    assert out.exposed_comm_s == pytest.approx(0.004)
+    assert out.comm_s == pytest.approx(0.005)
+    assert out.overlap == pytest.approx(0.2)  # 1 - 4/5
+    assert out.bytes_per_step == 6000 and out.buckets == 2
+    assert out.algbw_gbps == pytest.approx(6000 / 0.005 / 1e9)
+    assert out.busbw_gbps == pytest.approx(out.algbw_gbps * 1.0)
+    assert out.samples_per_s == pytest.approx(16 / 0.014)
+
+
+def test_hidden_communication_is_not_negative_and_non_all_reduce_hooks_get_no_busbw():
+    steps = [StepTiming(sync=0.010, no_sync=0.011, optimizer=0.0,
+                        buckets=[b(0.0, 0.004, 100, ("all_gather", "all_reduce"))])]
+    out = summarize([rank(0, steps), rank(1, steps)], "gloo")
+    assert out.exposed_comm_s == 0.0 and out.overlap == 1.0
+    assert out.algbw_gbps is not None and out.busbw_gbps is None
+    assert any("all_gather, all_reduce" in note for note in out.notes)
+
+
+def test_scaling_efficiency_against_the_smallest_world_that_ran():
+    runs = [WorldProfile(world_size=1, backend="gloo", step_s=0.040),
+            WorldProfile(world_size=2, backend="gloo", step_s=0.020),  # perfect
+            WorldProfile(world_size=4, backend="gloo", step_s=0.020),  # half
+            WorldProfile(world_size=8, backend="gloo", status="skipped", reason="too many")]
+    add_scaling(runs)
+    assert [r.scaling_efficiency for r in runs] == [1.0, 1.0, 0.5, None]
+    later = [WorldProfile(world_size=2, backend="gloo", step_s=0.02), WorldProfile(world_size=4, backend="gloo", step_s=0.01)]
+    add_scaling(later)
+    assert later[1].scaling_efficiency == 1.0
+    assert later[1].notes == ["scaling efficiency relative to world size 2"]
+    text = render("case", runs)
+    assert "world size 8 SKIPPED: too many" in text and "100%" in text and "50%" in text

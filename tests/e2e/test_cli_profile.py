@@ -1,0 +1,106 @@
+"""``ddparity profile`` as a user runs it: figures, JSON, plot, failures, bad input."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from ddparity.controller import REAL_RANKS_LIMIT
+from tests.e2e.test_cli import ddparity
+
+WIDE_MLP_PARAMS = 2_107_658  # ddparity.fixtures.models.WideMLP
+
+USER_FILE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from ddparity import Case
+    from ddparity.fixtures.models import WideMLP, wide_vectors
+
+    def fp16():
+        return Case(model=WideMLP, data=wide_vectors, optimizer="adam", lr=1e-3, steps=2,
+                    ddp_options={"bucket_cap_mb": 1}, comm_hook=default_hooks.fp16_compress_hook)
+
+    def odd_batch():
+        return Case(model=lambda: nn.Linear(6, 3),
+                    data=lambda s, g: (torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "comm_cases.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_demo_profile_measures_the_buckets_and_writes_json_and_a_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "profile.json", tmp_path / "profile.png"
+    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--steps", "3", "--warmup", "1",
+                      "--json", str(out), "--plot", str(png))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ddparity profile: demo: wide MLP" in result.stdout and "busbw GB/s" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["version"] == 1 and data["cpus"] >= 1
+    one, two = data["runs"]
+    assert (one["world_size"], one["status"], two["world_size"], two["status"]) == (1, "ok", 2, "ok")
+    for run in (one, two):
+        assert run["steps"] == 3 and run["backend"] == "gloo" and run["device"] == "cpu"
+        assert run["bytes_per_step"] == 4 * WIDE_MLP_PARAMS  # every float32 gradient, once a step
+        assert run["buckets"] >= 2  # 8.4 MB of gradients, 1 MB bucket cap (a big tensor fills one alone)
+        assert run["step_s"] > 0 and run["compute_s"] > 0 and run["comm_s"] > 0
+        assert run["exposed_comm_s"] >= 0 and 0.0 <= run["overlap"] <= 1.0
+    assert one["busbw_gbps"] is None and one["scaling_efficiency"] == 1.0
+    assert two["busbw_gbps"] == pytest.approx(two["algbw_gbps"])  # 2(n-1)/n = 1 at n = 2
+    assert two["samples_per_step"] == 48 and two["scaling_efficiency"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_compression_hook_sends_half_the_bytes(user_file):
+    result = ddparity("profile", f"{user_file}:fp16", "--world-sizes", "2", "--steps", "2", "--warmup", "1",
+                      "--json", str(user_file.parent / "fp16.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    [run] = json.loads((user_file.parent / "fp16.json").read_text())["runs"]
+    assert run["bytes_per_step"] == 2 * WIDE_MLP_PARAMS  # float16 on the wire
+
+
+def test_a_hanging_rank_exits_3_with_its_position_and_stack():
+    result = ddparity("profile", "ddparity.fixtures.faults:stuck_rank", "--world-sizes", "2", "--timeout", "2",
+                      "--steps", "3")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "world size 2 HANG" in result.stdout and "suspect ranks: [1]" in result.stdout
+    assert "rank 1: step 0, profile forward" in result.stdout and "_inject" in result.stdout
+
+
+def test_a_crashing_rank_exits_3_naming_it():
+    result = ddparity("profile", "ddparity.fixtures.faults:raising_rank", "--world-sizes", "2", "--steps", "3")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "world size 2 CRASH" in result.stdout and "rank 1" in result.stdout
+
+
+def test_unrunnable_sizes_are_explained(user_file):
+    too_many = REAL_RANKS_LIMIT + 1
+    result = ddparity("profile", f"{user_file}:odd_batch", "--world-sizes", f"2,4,{too_many}", "--steps", "2")
+    assert result.returncode == 2, result.stdout + result.stderr  # a batch of 6 cannot be split in 4
+    assert "world size 4 ERROR: the global batch of step 0 has 6 samples" in result.stdout
+    assert f"world size {too_many} SKIPPED: {too_many} ranks exceed this machine's limit" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((), "missing TARGET"),
+    (("--demo", "--backend", "threaded"), "profiling needs real rank processes"),
+    (("--demo", "--plot", "out.jpg"), "use a file name ending in .png, .svg, .pdf"),
+    (("--demo", "--plot", "/no/such/folder/p.png"), "does not exist"),
+    (("--demo", "--warmup", "-1"), "expected an integer >= 0"),
+    (("no_such_module:case",), "no_such_module"),
+])
+def test_bad_input_exits_2_with_a_message(args, message):
+    result = ddparity("profile", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
