@@ -47,6 +47,11 @@ PY
   python3 -c "import json; r=json.load(open('$WORK/report.json')); print([(x['test'], x['mode'], x['world_size'], x['backend'], x['status']) for x in r['runs']])"
   echo "== ddparity profile under nccl (CUDA-event bucket timing), world size 1"
   timeout 240 python3 -m ddparity.cli profile --demo --backend nccl --world-sizes 1 --json "$OUT/profile_nccl.json"; echo "exit $?"
+  echo "== ddparity health: local nccl world (one rank per GPU), then under torchrun with nccl"
+  timeout 120 python3 -m ddparity.cli health --json "$OUT/health_nccl.json"; echo "exit $?"
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m ddparity.cli health --backend nccl \
+      --json "$OUT/health_torchrun.json"; echo "exit $?"
+  DDPARITY_HEALTH_FAULT=wrong_matmul@0 timeout 120 python3 -m ddparity.cli health --backend nccl; echo "exit $? (expected 1)"
   echo "== ddparity profile on this machine's CPUs (gloo), 1,2,4,8"
   timeout 120 python3 -m ddparity.cli profile --demo --world-sizes 1,2,4,8 --json "$OUT/profile_gloo.json"; echo "exit $?"
   echo "== plugin benchmark on this machine's CPUs (gloo), -n 0/2/4/8"

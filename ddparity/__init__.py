@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.world import RankOutcome, World
+    from ddparity.healthcheck import HealthReport, health
     from ddparity.profiler import ProfileReport, profile
     from ddparity.report import Divergence, Report, RunResult
 
@@ -28,6 +29,8 @@ _HOMES = {
     "RankContext": "ddparity.harness.protocol",
     "RankOutcome": "ddparity.harness.world",
     "World": "ddparity.harness.world",
+    "HealthReport": "ddparity.healthcheck",
+    "health": "ddparity.healthcheck",
     "ProfileReport": "ddparity.profiler",
     "profile": "ddparity.profiler",
     "Divergence": "ddparity.report",
@@ -39,6 +42,7 @@ __all__ = [
     "Case",
     "DdparityError",
     "Divergence",
+    "HealthReport",
     "ParityError",
     "ProfileReport",
     "RankContext",
@@ -48,6 +52,7 @@ __all__ = [
     "UsageError",
     "World",
     "check",
+    "health",
     "profile",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """The ``ddparity`` command line (an adapter: parse, call the library, render).
 
-Exit codes (SPEC): 0 equivalent (``profile``: every world size profiled or skipped),
-1 divergence or desync, 2 usage error or bad input, 3 hang or crash.
+Exit codes (SPEC): 0 equivalent (``profile``: every world size profiled or skipped;
+``health``: healthy), 1 divergence or desync (``health``: a check failed), 2 usage error
+or bad input, 3 hang or crash.
 """
 
 from __future__ import annotations
@@ -99,9 +100,65 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--warmup", type=_non_negative_int, default=None, help="iterations run first and not measured (default 2)")
     prof.add_argument("--timeout", type=_seconds, default=60.0, help="seconds without progress before a hang (default 60)")
     prof.add_argument("--json", metavar="PATH", help="write the JSON profile (version 1) here")
+    hl = sub.add_parser("health", help="check that this machine or cluster can train: collectives, compute, bandwidth")
+    hl.add_argument("--world-size", type=_positive_int, default=None,
+                    help="local ranks (default: one per GPU, else 2 CPU ranks); under torchrun, torchrun decides")
+    hl.add_argument("--backend", default="auto", help="auto | gloo | nccl")
+    hl.add_argument("--timeout", type=_seconds, default=60.0,
+                    help="seconds a rank may wait before the check counts as a hang (default 60)")
+    hl.add_argument("--min-busbw", type=_gbps, default=None, metavar="GBPS",
+                    help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s)")
+    hl.add_argument("--sizes", type=_mib_list, default=None, metavar="MIB,MIB",
+                    help="all-reduce message sizes in MiB (default 1,8,32)")
+    hl.add_argument("--json", metavar="PATH", help="write the JSON health report (version 1) here (rank 0)")
     prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
                                                         "bus bandwidth and scaling per world size (needs matplotlib)")
     return parser
+
+
+def _gbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GB/s as a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected GB/s >= 0, got {text!r}")
+    return value
+
+
+def _mib_list(text: str) -> tuple[float, ...]:
+    try:
+        sizes = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of MiB, e.g. 1,8,32") from None
+    if not sizes or any(not s > 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"message sizes must be positive MiB, got {text!r}")
+    return sizes
+
+
+def _health(args: argparse.Namespace) -> int:
+    from ddparity.harness import torchrun
+
+    if torchrun.launched():
+        from ddparity.healthcheck import health_under_torchrun
+
+        if args.world_size is not None:
+            raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
+        ctx, report = health_under_torchrun(args.backend, args.timeout, args.min_busbw, args.sizes)
+        code = 0
+        if report is not None:
+            print(report.render(), flush=True)
+            if args.json:
+                _write_data(args.json, report.to_json(), "JSON health report")
+            code = report.exit_code
+        return torchrun.agree(ctx, code, args.timeout)
+    from ddparity.healthcheck import health
+
+    report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)
+    print(report.render(), flush=True)
+    if args.json:
+        _write_data(args.json, report.to_json(), "JSON health report")
+    return report.exit_code
 
 
 def _non_negative_int(text: str) -> int:
@@ -259,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         if args.command == "profile":
             return _profile(args)
+        if args.command == "health":
+            return _health(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as exc:

@@ -9,8 +9,8 @@ from ddparity.cli import build_parser
 
 def test_exported_names_are_pinned():
     assert sorted(ddparity.__all__) == [
-        "Case", "DdparityError", "Divergence", "ParityError", "ProfileReport", "RankContext", "RankOutcome",
-        "Report", "RunResult", "UsageError", "World", "check", "profile",
+        "Case", "DdparityError", "Divergence", "HealthReport", "ParityError", "ProfileReport", "RankContext",
+        "RankOutcome", "Report", "RunResult", "UsageError", "World", "check", "health", "profile",
     ]
     for name in ddparity.__all__:
         assert getattr(ddparity, name) is not None
@@ -26,6 +26,9 @@ def test_cli_flags_are_pinned():
     flags = sorted(opt for action in profile._actions for opt in action.option_strings)
     assert flags == sorted(["--backend", "--demo", "--json", "--plot", "--steps", "--timeout", "--warmup",
                             "--world-sizes", "-h", "--help"])
+    health = parser._subparsers._group_actions[0].choices["health"]
+    flags = sorted(opt for action in health._actions for opt in action.option_strings)
+    assert flags == sorted(["--backend", "--json", "--min-busbw", "--sizes", "--timeout", "--world-size", "-h", "--help"])
 
 
 def test_importing_ddparity_does_not_import_torch():

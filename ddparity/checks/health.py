@@ -1,0 +1,156 @@
+"""Judging ``ddparity health``: every rank's measurements -> checks that pass or fail.
+
+Checks, in order:
+
+* ``versions``: every rank runs the same torch, CUDA and Python (a mixed image is the
+  classic source of silent numerical differences and NCCL mismatches);
+* ``collectives``: all_reduce, broadcast and all_gather of exactly representable values
+  give the exact expected result on every rank;
+* ``compute``: a float32 matmul agrees with float64 on the CPU within
+  :data:`MATMUL_REL_TOL` on every rank (a device that computes wrong), and ranks with the
+  same device model agree bit for bit (``warn`` otherwise);
+* ``speed``: no rank's matmul throughput is below :data:`SLOW_FRACTION` of the median
+  (a throttled or misconfigured device stalls every step of every rank);
+* ``bandwidth``: all-reduce bus bandwidth per message size (slowest rank), against
+  ``--min-busbw`` at the largest size when given;
+* ``latency``: a one-element all-reduce (reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddparity.checks.comm import bus_factor
+from ddparity.harness.health_task import RankHealth
+
+MATMUL_REL_TOL = 5e-3
+"""float32 (or TF32) against float64: ~1e-6 (~1e-3 with TF32); a wrong device is far off."""
+
+SLOW_FRACTION = 0.5
+
+
+@dataclass(slots=True)
+class Check:
+    name: str
+    status: str  # pass | warn | fail
+    detail: str
+    ranks: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Bandwidth:
+    bytes: int
+    seconds: float
+    algbw_gbps: float
+    busbw_gbps: float | None
+
+
+def judge(ranks: list[RankHealth], min_busbw: float | None = None) -> tuple[list[Check], list[Bandwidth]]:
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    n = len(ranks)
+    checks = [_versions(ranks), _collectives(ranks), _compute(ranks), _speed(ranks)]
+    bandwidth = []
+    for i, (nbytes, _) in enumerate(ranks[0].allreduce):
+        seconds = max(r.allreduce[i][1] for r in ranks)
+        algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        bandwidth.append(Bandwidth(nbytes, seconds, algbw, algbw * bus_factor(n) if n > 1 else None))
+    checks.append(_bandwidth(bandwidth, n, min_busbw))
+    latency = max(r.latency_s for r in ranks)
+    checks.append(Check("latency", "pass", f"one-element all_reduce: {latency * 1e6:.0f} us (slowest rank, median)"))
+    return checks, bandwidth
+
+
+def _versions(ranks: list[RankHealth]) -> Check:
+    for what in ("torch_version", "cuda_version", "python_version"):
+        values = Counter(getattr(r, what) for r in ranks)
+        if len(values) > 1:
+            common = values.most_common(1)[0][0]
+            odd = [r.rank for r in ranks if getattr(r, what) != common]
+            seen = ", ".join(f"{v} on {c} rank(s)" for v, c in values.items())
+            return Check("versions", "fail", f"{what.replace('_', ' ')} differs across ranks: {seen}", odd)
+    r = ranks[0]
+    return Check("versions", "pass", f"torch {r.torch_version}, CUDA {r.cuda_version or '-'}, Python {r.python_version} "
+                                     f"on every rank")
+
+
+def _collectives(ranks: list[RankHealth]) -> Check:
+    bad = [r for r in ranks if r.collective_errors]
+    if bad:
+        first = bad[0]
+        return Check("collectives", "fail", f"wrong results on rank(s) {[r.rank for r in bad]}; rank {first.rank}: "
+                                            f"{first.collective_errors[0]}", [r.rank for r in bad])
+    return Check("collectives", "pass", "all_reduce, broadcast and all_gather exact on every rank")
+
+
+def _compute(ranks: list[RankHealth]) -> Check:
+    bad = [r for r in ranks if not r.matmul_max_rel_error <= MATMUL_REL_TOL]
+    if bad:
+        worst = max(bad, key=lambda r: r.matmul_max_rel_error)
+        return Check("compute", "fail", f"matmul off by {worst.matmul_max_rel_error:.2g} (relative, vs float64; "
+                                        f"limit {MATMUL_REL_TOL:g}) on rank(s) {[r.rank for r in bad]}",
+                     [r.rank for r in bad])
+    odd: list[int] = []
+    for name in {r.device_name for r in ranks}:
+        group = [r for r in ranks if r.device_name == name]
+        common = Counter(r.matmul_bits for r in group).most_common(1)[0][0]
+        odd += [r.rank for r in group if r.matmul_bits != common]
+    if odd:
+        return Check("compute", "warn", f"matmul within tolerance everywhere, but rank(s) {sorted(odd)} differ "
+                                        f"bit for bit from others with the same device", sorted(odd))
+    largest = max(r.matmul_max_rel_error for r in ranks)
+    return Check("compute", "pass", f"matmul matches float64 on every rank (max relative error {largest:.1e}), "
+                                    f"identical bits per device model")
+
+
+def _speed(ranks: list[RankHealth]) -> Check:
+    median = statistics.median(r.gflops for r in ranks)
+    slow = [r for r in ranks if r.gflops < SLOW_FRACTION * median]
+    if slow:
+        return Check("speed", "fail", "matmul throughput below half the median on rank(s) "
+                                      + ", ".join(f"{r.rank} ({r.gflops:.1f} GFLOP/s)" for r in slow)
+                                      + f"; median {median:.1f} GFLOP/s", [r.rank for r in slow])
+    low, high = min(r.gflops for r in ranks), max(r.gflops for r in ranks)
+    return Check("speed", "pass", f"matmul {low:.1f}-{high:.1f} GFLOP/s across ranks (median {median:.1f})")
+
+
+def _bandwidth(rows: list[Bandwidth], n: int, min_busbw: float | None) -> Check:
+    if not rows:
+        return Check("bandwidth", "pass", "no sizes measured")
+    top = rows[-1]
+    if n == 1 or top.busbw_gbps is None:
+        return Check("bandwidth", "pass", "one rank: no links to measure")
+    text = f"all_reduce bus bandwidth {top.busbw_gbps:.3g} GB/s at {top.bytes / 2**20:.0f} MiB"
+    if min_busbw is not None and top.busbw_gbps < min_busbw:
+        return Check("bandwidth", "fail", f"{text}, below --min-busbw {min_busbw:g} GB/s")
+    return Check("bandwidth", "pass", text + (f" (>= --min-busbw {min_busbw:g})" if min_busbw is not None else ""))
+
+
+def render(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth], header: str) -> str:
+    from ddparity.render import table
+
+    lines = [header, *table([["check", "status", "detail"], *[[c.name, c.status.upper(), c.detail] for c in checks]]), ""]
+    if bandwidth:
+        lines += table([["size", "time", "algbw GB/s", "busbw GB/s"],
+                        *[[f"{b.bytes / 2**20:g} MiB", f"{b.seconds * 1e3:.2f} ms", f"{b.algbw_gbps:.3f}",
+                           "-" if b.busbw_gbps is None else f"{b.busbw_gbps:.3f}"] for b in bandwidth]])
+        lines.append("")
+    lines += table([["rank", "host", "device", "GFLOP/s", "barrier"],
+                    *[[str(r.rank), r.host, f"{r.device} ({r.device_name})", f"{r.gflops:.1f}",
+                       f"{r.barrier_s * 1e3:.1f} ms"] for r in sorted(ranks, key=lambda r: r.rank)]])
+    failed = [c for c in checks if c.status == "fail"]
+    lines.append("")
+    lines.append(f"UNHEALTHY: {', '.join(c.name for c in failed)} failed" if failed else
+                 f"HEALTHY: {len(checks)} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else ""))
+    return "\n".join(lines) + "\n"
+
+
+def to_json(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth]) -> dict[str, Any]:
+    return {
+        "healthy": not any(c.status == "fail" for c in checks),
+        "checks": [asdict(c) for c in checks],
+        "bandwidth": [asdict(b) for b in bandwidth],
+        "ranks": [asdict(r) for r in sorted(ranks, key=lambda r: r.rank)],
+    }

@@ -1,0 +1,173 @@
+"""Rank side of ``ddparity health``: what one rank measures about itself and its links.
+
+Runs inside a ddparity World (``ddparity health``) or in each process torchrun starts
+(``torchrun ... -m ddparity.cli health``); either way ``torch.distributed`` is initialised
+and every rank calls :func:`health_task` with the same options. Results are plain data
+(:class:`RankHealth`); :mod:`ddparity.checks.health` judges them.
+
+Fault drills: ``DDPARITY_HEALTH_FAULT=KIND@RANK`` makes that rank misbehave the way bad
+nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_allreduce``
+(a corrupted reduction result), ``wrong_matmul`` (a device that computes wrong),
+``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
+collective).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.errors import UsageError
+from ddparity.harness.protocol import RankContext
+
+FAULT_ENV = "DDPARITY_HEALTH_FAULT"
+FAULTS = ("wrong_allreduce", "wrong_matmul", "slow_compute", "hang")
+MATMUL_N = 256
+CORRECTNESS_NUMELS = (1, 1000, 262_144)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthOptions:
+    sizes_bytes: tuple[int, ...] = (1 << 20, 8 << 20, 32 << 20)
+    iters: int = 5
+    warmup: int = 2
+
+
+@dataclass(slots=True)
+class RankHealth:
+    rank: int
+    world_size: int
+    host: str
+    device: str
+    device_name: str
+    torch_version: str
+    cuda_version: str | None
+    python_version: str
+    barrier_s: float = 0.0
+    # collective results that were wrong on this rank: "all_reduce 1000 elements: ..."
+    collective_errors: list[str] = field(default_factory=list)
+    matmul_max_rel_error: float = 0.0
+    matmul_bits: int = 0
+    gflops: float = 0.0
+    latency_s: float = 0.0
+    # (bytes, seconds per all-reduce on this rank) for each size
+    allreduce: list[tuple[int, float]] = field(default_factory=list)
+
+
+def parse_fault(text: str | None) -> tuple[str, int] | None:
+    """``KIND@RANK`` from :data:`FAULT_ENV`, or None."""
+    if not text:
+        return None
+    kind, _, rank = text.partition("@")
+    if kind not in FAULTS or not rank.isdigit():
+        raise UsageError(f"${FAULT_ENV}={text!r}: use KIND@RANK with KIND one of {', '.join(FAULTS)}, "
+                         f"e.g. wrong_allreduce@1")
+    return kind, int(rank)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
+    import torch
+    import torch.distributed as dist
+
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    mine = fault[0] if fault and fault[1] == ctx.rank else None
+    device = ctx.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    out = RankHealth(
+        rank=ctx.rank, world_size=ctx.world_size, host=socket.gethostname(), device=device,
+        device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine()),
+        torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        python_version=platform.python_version(),
+    )
+    started = time.perf_counter()
+    dist.barrier()
+    out.barrier_s = time.perf_counter() - started
+    if mine == "hang":
+        time.sleep(24 * 3600)  # the others wait in the next collective
+
+    # Collectives compute what they must: integers are exact in float32.
+    for numel in CORRECTNESS_NUMELS:
+        pattern = torch.arange(numel, dtype=torch.float32, device=device) % 7 + 1
+        t = pattern * (ctx.rank + 1)
+        dist.all_reduce(t)
+        if mine == "wrong_allreduce":
+            t[numel // 2] += 1.0
+        _expect(out, f"all_reduce(sum) of {numel} float32", t, pattern * (ctx.world_size * (ctx.world_size + 1) // 2))
+        b = pattern.clone() if ctx.rank == 0 else torch.zeros_like(pattern)
+        dist.broadcast(b, src=0)
+        _expect(out, f"broadcast from rank 0 of {numel} float32", b, pattern)
+    gathered = [torch.zeros(2, device=device) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, torch.tensor([float(ctx.rank), 1.0], device=device))
+    _expect(out, "all_gather of each rank's id", torch.stack(gathered),
+            torch.tensor([[float(r), 1.0] for r in range(ctx.world_size)], device=device))
+
+    # The device computes right (against float64 on the CPU) and how fast.
+    generator = torch.Generator().manual_seed(1234)
+    a = torch.randn(MATMUL_N, MATMUL_N, generator=generator)
+    b64 = torch.randn(MATMUL_N, MATMUL_N, generator=generator)
+    reference = a.double() @ b64.double()
+    da, db = a.to(device), b64.to(device)
+    product = (da @ db).cpu()
+    if mine == "wrong_matmul":
+        product[0, 0] += 0.05 * product.abs().max()
+    out.matmul_max_rel_error = float(((product.double() - reference).abs().max() / reference.abs().max()).item())
+    out.matmul_bits = int(product.view(torch.int32).sum().item())
+    reps = 20 if device.startswith("cuda") else 5
+    times = []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            da @ db
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if mine == "slow_compute":
+            time.sleep(3 * elapsed)
+            elapsed *= 4
+        times.append(elapsed)
+    out.gflops = 2 * MATMUL_N**3 * reps / min(times) / 1e9
+
+    # Latency (one element) and bandwidth (all-reduce at each size), slowest rank decides.
+    one = torch.ones(1, device=device)
+    out.latency_s = _time_allreduce(one, options, device)
+    for nbytes in options.sizes_bytes:
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        out.allreduce.append((t.numel() * 4, _time_allreduce(t, options, device)))
+    return out
+
+
+def _time_allreduce(t: Any, options: HealthOptions, device: str) -> float:
+    """Median seconds of one all-reduce, each started together behind a barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(options.warmup + options.iters):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        _sync(device)
+        if i >= options.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _expect(out: RankHealth, what: str, got: Any, want: Any) -> None:
+    if not bool((got == want).all()):
+        bad = (got != want).nonzero()
+        where = tuple(int(i) for i in bad[0].tolist())
+        out.collective_errors.append(f"{what}: {int(bad.shape[0])} wrong element(s), first at {list(where)}: "
+                                     f"got {got[where].item():g}, expected {want[where].item():g}")

@@ -1,0 +1,107 @@
+"""Running a rank task in a process that torchrun (or any ``env://`` launcher) started.
+
+On a real cluster the launcher owns the processes: each one joins the process group from
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, runs the task, and rank 0 gathers
+the results. What a ddparity World does for local ranks — a deadline on every wait, every
+rank's stack on a hang — is done here by a watchdog in each process: past the deadline it
+prints the process's stacks (faulthandler) and exits with code 3, so a dead or wedged
+node fails the launch in ``timeout`` seconds instead of NCCL's 30 minutes.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ddparity.errors import UsageError
+from ddparity.harness.protocol import RankContext
+
+ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+EXIT_HANG = 3
+
+
+def launched() -> bool:
+    """True in a process started by torchrun (or another ``env://`` launcher)."""
+    return all(k in os.environ for k in ENV)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        return int(text or "")
+    except ValueError:
+        raise UsageError(f"${name}={text!r} is not an integer; is this process started by torchrun?") from None
+
+
+def context(backend: str) -> RankContext:
+    """This process's rank, world size, backend (``auto``: nccl when it has a GPU) and device."""
+    import torch
+
+    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK", 0)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise UsageError(f"backend {backend!r} under torchrun: use auto, gloo or nccl")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise UsageError(f"backend nccl: LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA device(s) "
+                         f"visible; start one process per GPU (--nproc-per-node)")
+    return RankContext(rank, world_size, backend, f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+
+
+class Watchdog:
+    """Past ``seconds``, print this process's stacks and exit with code 3."""
+
+    def __init__(self, seconds: float, rank: int, what: str) -> None:
+        self._timer = threading.Timer(seconds, self._fire, args=(seconds, rank, what))
+        self._timer.daemon = True
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    @staticmethod
+    def _fire(seconds: float, rank: int, what: str) -> None:
+        sys.stderr.write(f"ddparity: rank {rank}: {what} did not finish within {seconds:g} s (a hang: a rank that "
+                         f"died or never arrived, or a broken link); this rank's stacks:\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_HANG)
+
+
+def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: float = 60.0) -> tuple[RankContext, list[Any] | None]:
+    """Join the process group, run ``task(ctx, *args)`` here, gather every rank's result
+    on rank 0 (others get None). The process group stays up for :func:`agree`."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = context(backend)
+    if ctx.device.startswith("cuda"):
+        torch.cuda.set_device(ctx.device)
+    with Watchdog(timeout, ctx.rank, "joining the process group"):
+        dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
+    with Watchdog(timeout, ctx.rank, f"{getattr(task, '__name__', 'the task')}"):
+        result = task(ctx, *args)
+        gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+    return ctx, gathered
+
+
+def agree(ctx: RankContext, value: int, timeout: float = 60.0) -> int:
+    """Rank 0's ``value`` on every rank (e.g. the exit code), then leave the process group."""
+    import torch.distributed as dist
+
+    with Watchdog(timeout, ctx.rank, "sharing the verdict"):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        dist.destroy_process_group()
+    return int(box[0])

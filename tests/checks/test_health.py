@@ -1,0 +1,67 @@
+"""Judging health measurements (``ddparity.checks.health``) on hand-made ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddparity.checks.health import MATMUL_REL_TOL, judge, render
+from ddparity.errors import UsageError
+from ddparity.harness.health_task import RankHealth, parse_fault
+
+
+def rank(r: int, **changes) -> RankHealth:
+    base = RankHealth(rank=r, world_size=4, host=f"node{r // 2}", device=f"cuda:{r % 2}", device_name="H200",
+                      torch_version="2.13.0", cuda_version="13.0", python_version="3.11.7", gflops=100.0,
+                      matmul_max_rel_error=1e-7, matmul_bits=42, latency_s=1e-4,
+                      allreduce=[(1 << 20, 1e-3), (8 << 20, 4e-3)])
+    return dataclasses.replace(base, **changes)
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_a_healthy_world_passes_and_bandwidth_uses_the_slowest_rank():
+    ranks = [rank(r) for r in range(3)] + [rank(3, allreduce=[(1 << 20, 2e-3), (8 << 20, 8e-3)])]
+    checks, bandwidth = judge(ranks)
+    assert [c.status for c in checks] == ["pass"] * 6
+    assert [b.seconds for b in bandwidth] == [2e-3, 8e-3]
+    assert bandwidth[1].algbw_gbps == pytest.approx((8 << 20) / 8e-3 / 1e9)
+    assert bandwidth[1].busbw_gbps == pytest.approx(bandwidth[1].algbw_gbps * 1.5)  # 2(n-1)/n, n = 4
+    assert "HEALTHY: 6 checks passed" in render(checks, bandwidth, ranks, "hdr")
+
+
+def test_each_bad_node_fails_its_own_check_naming_the_rank():
+    cases = {
+        "versions": rank(2, torch_version="2.12.1"),
+        "collectives": rank(2, collective_errors=["all_reduce(sum) of 1 float32: 1 wrong element(s)"]),
+        "compute": rank(2, matmul_max_rel_error=10 * MATMUL_REL_TOL),
+        "speed": rank(2, gflops=30.0),
+    }
+    for name, bad in cases.items():
+        ranks = [rank(r) for r in range(4)]
+        ranks[2] = bad
+        check = by_name(judge(ranks)[0])[name]
+        assert (check.status, check.ranks) == ("fail", [2]), name
+        others = [c.status for c in judge(ranks)[0] if c.name != name]
+        assert set(others) == {"pass"}, name
+
+
+def test_same_model_different_bits_is_a_warning_and_min_busbw_a_failure():
+    ranks = [rank(r) for r in range(4)]
+    ranks[1] = rank(1, matmul_bits=43)
+    checks = by_name(judge(ranks, min_busbw=1000.0)[0])
+    assert (checks["compute"].status, checks["compute"].ranks) == ("warn", [1])
+    assert checks["bandwidth"].status == "fail" and "below --min-busbw 1000 GB/s" in checks["bandwidth"].detail
+    mixed = [rank(0), rank(1, device_name="A100", matmul_bits=7)]  # other hardware may round differently
+    assert by_name(judge(mixed)[0])["compute"].status == "pass"
+
+
+def test_fault_drill_syntax():
+    assert parse_fault(None) is None and parse_fault("") is None
+    assert parse_fault("hang@3") == ("hang", 3)
+    for bad in ("hang", "hang@x", "melt@1"):
+        with pytest.raises(UsageError, match="KIND@RANK"):
+            parse_fault(bad)

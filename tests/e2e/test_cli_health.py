@@ -1,0 +1,126 @@
+"""``ddparity health`` as users run it: locally and under torchrun, healthy and with each
+fault drill (a bad node of each kind), with bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ddparity.harness.rendezvous import cuda_device_count
+from tests.e2e.test_cli import ddparity
+
+CHECKS = ["versions", "collectives", "compute", "speed", "bandwidth", "latency"]
+
+
+def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if fault:
+        env["DDPARITY_HEALTH_FAULT"] = fault
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun \
+        else [sys.executable]
+    return subprocess.run([*launcher, "-m", "ddparity.cli", "health", "--sizes", "1,2", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def statuses(data) -> dict[str, tuple[str, list[int]]]:
+    return {c["name"]: (c["status"], c["ranks"]) for c in data["checks"]}
+
+
+def test_a_healthy_local_world_passes_with_figures(tmp_path):
+    out = tmp_path / "health.json"
+    result = run_health("--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "HEALTHY: 6 checks passed" in result.stdout
+    data = json.loads(out.read_text())
+    assert (data["version"], data["launcher"], data["backend"], data["world_size"], data["healthy"]) == \
+        (1, "local", "gloo", 2, True)
+    assert list(statuses(data)) == CHECKS and {s for s, _ in statuses(data).values()} == {"pass"}
+    assert [b["bytes"] for b in data["bandwidth"]] == [1 << 20, 2 << 20]
+    assert all(b["seconds"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"]) for b in data["bandwidth"])
+    assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["gflops"] > 0 for r in data["ranks"])
+
+
+@pytest.mark.parametrize(("fault", "check"), [
+    ("wrong_allreduce@1", "collectives"), ("wrong_matmul@1", "compute"), ("slow_compute@1", "speed")])
+def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path):
+    out = tmp_path / "health.json"
+    result = run_health("--json", str(out), fault=fault)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"UNHEALTHY: {check} failed" in result.stdout
+    got = statuses(json.loads(out.read_text()))
+    assert got[check] == ("fail", [1])
+    assert all(status == "pass" for name, (status, _) in got.items() if name != check)
+
+
+def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():
+    started = time.monotonic()
+    result = run_health("--timeout", "3", fault="hang@1")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "HANG:" in result.stdout and "suspect ranks: [1]" in result.stdout
+    assert time.monotonic() - started < 60
+
+
+def test_a_bandwidth_floor_fails_the_check():
+    result = run_health("--min-busbw", "1000000")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "below --min-busbw 1e+06 GB/s" in result.stdout
+
+
+def _our_processes(marker: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+def test_under_torchrun_rank_0_reports_and_every_rank_agrees(tmp_path):
+    out = tmp_path / "health.json"
+    result = run_health("--json", str(out), torchrun=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("HEALTHY: 6 checks passed") == 1  # rank 0 only
+    data = json.loads(out.read_text())
+    assert (data["launcher"], data["world_size"], data["healthy"]) == ("torchrun", 2, True)
+    bad = run_health(torchrun=True, fault="wrong_allreduce@1")
+    assert bad.returncode != 0 and "UNHEALTHY: collectives failed" in bad.stdout
+    assert "exitcode  : 1" in bad.stderr  # every rank exits with the verdict
+
+
+def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):
+    started = time.monotonic()
+    result = run_health("--timeout", "4", "--json", str(tmp_path / "never.json"), torchrun=True, fault="hang@1")
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60  # not NCCL's 30 minutes
+    for r in (0, 1):
+        assert f"ddparity: rank {r}: health_task did not finish within 4 s" in result.stderr
+    assert "health_task.py" in result.stderr  # the stacks
+    assert "exitcode  : 3" in result.stderr
+    assert _our_processes(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--min-busbw", "-1"), "expected GB/s >= 0"),
+    (("--sizes", "0"), "message sizes must be positive MiB"),
+    (("--world-size", "0"), "expected a positive integer"),
+])
+def test_bad_input_exits_2(args, message):
+    result = ddparity("health", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_fault_drill_and_nccl_without_gpus_exit_2():
+    result = run_health(fault="melt@1")
+    assert result.returncode == 2 and "use KIND@RANK" in result.stderr
+    if cuda_device_count() == 0:
+        result = ddparity("health", "--backend", "nccl")
+        assert result.returncode == 2 and "nccl" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_world_size_under_torchrun_is_a_usage_error():
+    result = run_health("--world-size", "2", torchrun=True)
+    assert result.returncode != 0
+    assert "--world-size is torchrun's to decide here" in result.stderr
