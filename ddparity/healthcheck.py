@@ -28,6 +28,7 @@ class HealthReport:
     bandwidth: list[Bandwidth] = field(default_factory=list)
     ranks: list[RankHealth] = field(default_factory=list)
     failure: dict[str, Any] | None = None  # {"status": "hang"|"crash"|"error", "reason", "hang", "crash"}
+    repro: str = ""
 
     @property
     def healthy(self) -> bool:
@@ -43,8 +44,9 @@ class HealthReport:
     def render(self) -> str:
         header = f"ddparity health: {self.world_size} rank(s), {self.backend}, {self.launcher}"
         if self.failure is not None:
-            return f"{header}\n{self.failure['status'].upper()}: {self.failure['reason']}\n"
-        return render(self.checks, self.bandwidth, self.ranks, header)
+            return f"{header}\n{self.failure['status'].upper()}: {self.failure['reason']}\nreproduce: {self.repro}\n"
+        text = render(self.checks, self.bandwidth, self.ranks, header)
+        return text if self.healthy else f"{text}reproduce: {self.repro}\n"
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"version": 1, "launcher": self.launcher, "backend": self.backend,
@@ -81,7 +83,8 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world size must be an integer >= 1, got {world_size!r}")
     chosen = rendezvous.resolve_backend(backend, world_size)
-    report = HealthReport("local", chosen, world_size)
+    report = HealthReport("local", chosen, world_size, repro=_command(f"--world-size {world_size} --backend {chosen}",
+                                                                      timeout, min_busbw, opts))
     world = World(world_size, chosen)
     try:
         outcomes = world.start().run(health_task, opts, timeout=timeout)
@@ -108,9 +111,18 @@ def health_under_torchrun(backend: str = "auto", timeout: float = 60.0, min_busb
     ctx, gathered = torchrun.run(health_task, opts, backend=backend, timeout=timeout)
     if gathered is None:
         return ctx, None
-    report = HealthReport("torchrun", ctx.backend, ctx.world_size, ranks=list(gathered))
+    report = HealthReport("torchrun", ctx.backend, ctx.world_size, ranks=list(gathered),
+                          repro="torchrun <the same launch options> -m " + _command(f"--backend {ctx.backend}", timeout,
+                                                                                    min_busbw, opts).replace("ddparity", "ddparity.cli", 1))
     report.checks, report.bandwidth = judge(report.ranks, min_busbw)
     return ctx, report
+
+
+def _command(head: str, timeout: float, min_busbw: float | None, opts: HealthOptions) -> str:
+    sizes = ",".join(f"{b / 2**20:g}" for b in opts.sizes_bytes)
+    floor = f" --min-busbw {min_busbw:g}" if min_busbw is not None else ""
+    drill = f"{FAULT_ENV}={os.environ[FAULT_ENV]} " if os.environ.get(FAULT_ENV) else ""
+    return f"{drill}ddparity health {head} --sizes {sizes} --timeout {timeout:g}{floor}"
 
 
 def _check_numbers(timeout: float, min_busbw: float | None) -> None:

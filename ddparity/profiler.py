@@ -91,11 +91,23 @@ def profile(
         [(state, batch_sizes)] = pool.get(1, chosen, role="reference").run(prepare_task, case, timeout=opts.timeout)
     except WorldFailure as exc:
         report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
+        for run in report.runs:
+            run.repro = _repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
         return report
     for ws in opts.world_sizes:
-        report.runs.append(_profile_one(case, opts, chosen, ws, state, batch_sizes, steps, warmup, pool))
+        run = _profile_one(case, opts, chosen, ws, state, batch_sizes, steps, warmup, pool)
+        run.repro = _repro(case, ws, run.backend, steps, warmup, opts.timeout)
+        report.runs.append(run)
     add_scaling(report.runs)
     return report
+
+
+def _repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float) -> str:
+    if case.target:
+        return (f"ddparity profile {case.target} --world-sizes {ws} --backend {backend} --steps {steps} "
+                f"--warmup {warmup} --timeout {timeout:g}")
+    return (f"ddparity.profile(case, world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
+            f"steps={steps}, warmup={warmup})  # seed={case.seed}")
 
 
 def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: Any, batch_sizes: list[int],

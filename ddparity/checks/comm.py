@@ -52,6 +52,7 @@ class WorldProfile:
     hang: dict[str, Any] | None = None
     crash: dict[str, Any] | None = None
     seconds: float = 0.0
+    repro: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,6 +157,8 @@ def render(label: str, runs: list[WorldProfile]) -> str:
             lines.append(f"  world size {r.world_size}: {note}")
         if r.status != "ok" and r.reason:
             lines.append(f"  world size {r.world_size} {r.status.upper()}: {r.reason}")
+            if r.repro and r.status in ("hang", "crash", "error"):
+                lines.append(f"  reproduce: {r.repro}")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -53,6 +53,7 @@ def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path
     result = run_health("--json", str(out), fault=fault)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"UNHEALTHY: {check} failed" in result.stdout
+    assert f"reproduce: DDPARITY_HEALTH_FAULT={fault} ddparity health --world-size 2 --backend gloo" in result.stdout
     got = statuses(json.loads(out.read_text()))
     assert got[check] == ("fail", [1])
     assert all(status == "pass" for name, (status, _) in got.items() if name != check)

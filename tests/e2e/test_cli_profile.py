@@ -81,6 +81,8 @@ def test_a_crashing_rank_exits_3_naming_it():
     result = ddparity("profile", "ddparity.fixtures.faults:raising_rank", "--world-sizes", "2", "--steps", "3")
     assert result.returncode == 3, result.stdout + result.stderr
     assert "world size 2 CRASH" in result.stdout and "rank 1" in result.stdout
+    assert "reproduce: ddparity profile ddparity.fixtures.faults:raising_rank --world-sizes 2 --backend gloo" \
+        in result.stdout
 
 
 def test_unrunnable_sizes_are_explained(user_file):
