@@ -140,11 +140,16 @@ def _health(args: argparse.Namespace) -> int:
     from ddparity.harness import torchrun
 
     if torchrun.launched():
+        from ddparity.errors import WorldStartError
         from ddparity.healthcheck import health_under_torchrun
 
         if args.world_size is not None:
             raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
-        ctx, report = health_under_torchrun(args.backend, args.timeout, args.min_busbw, args.sizes)
+        try:
+            ctx, report = health_under_torchrun(args.backend, args.timeout, args.min_busbw, args.sizes)
+        except WorldStartError as exc:
+            print(f"ddparity: {exc}", file=sys.stderr)
+            return 3
         code = 0
         if report is not None:
             print(report.render(), flush=True)

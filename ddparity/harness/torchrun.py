@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ddparity.errors import UsageError
+from ddparity.errors import UsageError, WorldStartError
 from ddparity.harness.protocol import RankContext
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -88,7 +88,12 @@ def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: fl
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(ctx.device)
     with Watchdog(timeout, ctx.rank, "joining the process group"):
-        dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
+        except Exception as exc:  # a rendezvous that fails is the cluster's problem, said plainly
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise WorldStartError(f"rank {ctx.rank}: could not join the {ctx.backend} process group at {where}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
     with Watchdog(timeout, ctx.rank, f"{getattr(task, '__name__', 'the task')}"):
         result = task(ctx, *args)
         gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None

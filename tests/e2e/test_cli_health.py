@@ -125,3 +125,14 @@ def test_world_size_under_torchrun_is_a_usage_error():
     result = run_health("--world-size", "2", torchrun=True)
     assert result.returncode != 0
     assert "--world-size is torchrun's to decide here" in result.stderr
+
+
+def test_a_rank_whose_peers_never_join_exits_3_in_time():
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "ddparity.cli", "health", "--timeout", "3"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "ddparity: rank 0:" in result.stderr and "process group" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
