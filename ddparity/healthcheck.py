@@ -83,7 +83,7 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world size must be an integer >= 1, got {world_size!r}")
     chosen = rendezvous.resolve_backend(backend, world_size)
-    report = HealthReport("local", chosen, world_size, repro=_command(f"--world-size {world_size} --backend {chosen}",
+    report = HealthReport("local", chosen, world_size, repro=_command("ddparity", f"--world-size {world_size} --backend {chosen}",
                                                                       timeout, min_busbw, opts))
     world = World(world_size, chosen)
     try:
@@ -112,17 +112,17 @@ def health_under_torchrun(backend: str = "auto", timeout: float = 60.0, min_busb
     if gathered is None:
         return ctx, None
     report = HealthReport("torchrun", ctx.backend, ctx.world_size, ranks=list(gathered),
-                          repro="torchrun <the same launch options> -m " + _command(f"--backend {ctx.backend}", timeout,
-                                                                                    min_busbw, opts).replace("ddparity", "ddparity.cli", 1))
+                          repro=_command("torchrun <the same launch options> -m ddparity.cli", f"--backend {ctx.backend}",
+                                         timeout, min_busbw, opts))
     report.checks, report.bandwidth = judge(report.ranks, min_busbw)
     return ctx, report
 
 
-def _command(head: str, timeout: float, min_busbw: float | None, opts: HealthOptions) -> str:
+def _command(program: str, head: str, timeout: float, min_busbw: float | None, opts: HealthOptions) -> str:
     sizes = ",".join(f"{b / 2**20:g}" for b in opts.sizes_bytes)
     floor = f" --min-busbw {min_busbw:g}" if min_busbw is not None else ""
     drill = f"{FAULT_ENV}={os.environ[FAULT_ENV]} " if os.environ.get(FAULT_ENV) else ""
-    return f"{drill}ddparity health {head} --sizes {sizes} --timeout {timeout:g}{floor}"
+    return f"{drill}{program} health {head} --sizes {sizes} --timeout {timeout:g}{floor}"
 
 
 def _check_numbers(timeout: float, min_busbw: float | None) -> None:
