@@ -131,6 +131,12 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.2f}"
 
 
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
+
+
 def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -146,11 +152,11 @@ def render(label: str, runs: list[WorldProfile]) -> str:
             continue
         rows.append([
             str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
-            _ms(r.comm_s), _num(r.overlap, ".0%"), _num((r.bytes_per_step or 0) / 1e6, ".2f"),
+            _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
             _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"),
         ])
     header = ["world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
-              "overlap", "MB/step", "busbw GB/s", "scaling"]
+              "overlap", "sent/step", "busbw GB/s", "scaling"]
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
         for note in r.notes:
