@@ -94,6 +94,12 @@ FORK_JOIN_S = 15.0
 """Forked gloo ranks join in about a second; after this long they are started again from
 the forkserver (see ``World._launch``)."""
 
+DNS_HINT = (" They were waiting for a reverse DNS lookup: torch's TCPStore client looks up the"
+            " name of ::ffff:127.0.0.1, which /etc/hosts does not list, and the DNS server dropped the"
+            " query (glibc retries after 5 s). Starting the process (pytest, ddparity) with"
+            " RES_OPTIONS='timeout:1 attempts:1' bounds such a wait to 1 s.")
+"""Added to the warning when stuck ranks' stacks show that lookup."""
+
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
 
@@ -323,14 +329,17 @@ class World:
             try:
                 self._start_ranks("fork", min(self.spec.start_timeout, FORK_JOIN_S))
             except _JoinTimeout as stuck:
-                # A forked child can inherit a lock held by one of this process's threads
-                # (C++ runtimes, the store server) and wait on it forever. Rare, but a
-                # forkserver child cannot: start this generation from there instead.
+                # Seen: ranks stuck in torch's TCPStore client, which names its socket by a
+                # reverse DNS lookup of ::ffff:127.0.0.1 (never in /etc/hosts); a dropped
+                # query costs 5 s a try (see DNS_HINT). A child could also inherit a lock a
+                # controller thread held at fork. Either way, start this generation again
+                # from the forkserver rather than wait.
                 stacks = self._dump_stacks(stuck.ranks)
+                text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in stacks.items())
                 log.warning(
                     "forked ranks %s of a %d-rank world did not join within %g s; starting them "
-                    "from the forkserver instead. Their stacks:\n%s", stuck.ranks, self.spec.world_size,
-                    FORK_JOIN_S, "\n".join(f"--- rank {r} ---\n{t}" for r, t in stacks.items()))
+                    "from the forkserver instead.%s Their stacks:\n%s", stuck.ranks, self.spec.world_size,
+                    FORK_JOIN_S, DNS_HINT if "gethostbyaddr" in text else "", text)
                 self._ranks.kill()
                 self._start_ranks("forkserver", self.spec.start_timeout)
         else:
