@@ -9,8 +9,8 @@ Checks, in order:
 * ``compute``: a float32 matmul agrees with float64 on the CPU within
   :data:`MATMUL_REL_TOL` on every rank (a device that computes wrong), and ranks with the
   same device model agree bit for bit (``warn`` otherwise);
-* ``speed``: no rank's matmul throughput is below :data:`SLOW_FRACTION` of the median
-  (a throttled or misconfigured device stalls every step of every rank);
+* ``speed``: no rank's matmul throughput is below :data:`SLOW_FRACTION` of the other
+  ranks' median (a throttled or misconfigured device stalls every step of every rank);
 * ``bandwidth``: all-reduce bus bandwidth per message size (slowest rank), against
   ``--min-busbw`` at the largest size when given;
 * ``latency``: a one-element all-reduce (reported).
@@ -106,10 +106,16 @@ def _compute(ranks: list[RankHealth]) -> Check:
 
 
 def _speed(ranks: list[RankHealth]) -> Check:
+    """A rank is slow below :data:`SLOW_FRACTION` of the median of the *other* ranks (with
+    two ranks, each is compared with the other: a rank half as fast is caught)."""
+    slow = []
+    for r in ranks:
+        others = [o.gflops for o in ranks if o is not r]
+        if others and r.gflops < SLOW_FRACTION * statistics.median(others):
+            slow.append(r)
     median = statistics.median(r.gflops for r in ranks)
-    slow = [r for r in ranks if r.gflops < SLOW_FRACTION * median]
     if slow:
-        return Check("speed", "fail", "matmul throughput below half the median on rank(s) "
+        return Check("speed", "fail", "matmul throughput below half that of the other ranks on rank(s) "
                                       + ", ".join(f"{r.rank} ({r.gflops:.1f} GFLOP/s)" for r in slow)
                                       + f"; median {median:.1f} GFLOP/s", [r.rank for r in slow])
     low, high = min(r.gflops for r in ranks), max(r.gflops for r in ranks)

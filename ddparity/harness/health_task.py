@@ -125,18 +125,21 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
         product[0, 0] += 0.05 * product.abs().max()
     out.matmul_max_rel_error = float(((product.double() - reference).abs().max() / reference.abs().max()).item())
     out.matmul_bits = int(product.view(torch.int32).sum().item())
+    # The best of up to 20 short blocks: a rank preempted for a moment (other work on the
+    # machine) is not a slow device; one that is slow in every block is.
     reps = 20 if device.startswith("cuda") else 5
-    times = []
-    for _ in range(3):
+    times: list[float] = []
+    budget = time.perf_counter() + 0.3
+    while len(times) < 20 and (len(times) < 3 or time.perf_counter() < budget):
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(reps):
             da @ db
         _sync(device)
         elapsed = time.perf_counter() - t0
-        if mine == "slow_compute":
-            time.sleep(3 * elapsed)
-            elapsed *= 4
+        if mine == "slow_compute":  # a device at a third of its speed
+            time.sleep(2 * elapsed)
+            elapsed *= 3
         times.append(elapsed)
     out.gflops = 2 * MATMUL_N**3 * reps / min(times) / 1e9
 

@@ -49,6 +49,13 @@ def test_each_bad_node_fails_its_own_check_naming_the_rank():
         assert set(others) == {"pass"}, name
 
 
+def test_with_two_ranks_a_rank_at_less_than_half_the_others_speed_is_caught():
+    check = by_name(judge([rank(0, world_size=2), rank(1, world_size=2, gflops=45.0)])[0])["speed"]
+    assert (check.status, check.ranks) == ("fail", [1])
+    check = by_name(judge([rank(0, world_size=2), rank(1, world_size=2, gflops=60.0)])[0])["speed"]
+    assert check.status == "pass"
+
+
 def test_same_model_different_bits_is_a_warning_and_min_busbw_a_failure():
     ranks = [rank(r) for r in range(4)]
     ranks[1] = rank(1, matmul_bits=43)

@@ -94,6 +94,17 @@ def test_unrunnable_sizes_are_explained(user_file):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_plot_without_matplotlib_names_the_install(monkeypatch):
+    import sys
+
+    from ddparity.errors import UsageError
+    from ddparity.plot import check_plot_path
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(UsageError, match=r"--plot needs matplotlib: pip install matplotlib \(or ddparity\[plot\]\)"):
+        check_plot_path("profile.png")
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ((), "missing TARGET"),
     (("--demo", "--backend", "threaded"), "profiling needs real rank processes"),
