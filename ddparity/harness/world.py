@@ -3,7 +3,8 @@
 The controller's only door to the ranks. Start-up is cheap because ranks are forked from
 this (already torch-importing) process, or from a forkserver that preloaded torch when
 forking here is unsafe (a CUDA world, or ranks that want more than one intra-op thread:
-libgomp in a forked child hangs if the parent ever ran a multi-threaded region).
+libgomp in a forked child hangs if the parent ever ran a multi-threaded region); how a
+process is started and joined is :mod:`ddparity.harness.launch`.
 
 Ranks die with their controller (``PR_SET_PDEATHSIG``), so even a SIGKILLed parent leaves
 no process behind; every wait here has a deadline.
@@ -12,10 +13,8 @@ no process behind; every wait here has a deadline.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -23,7 +22,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -35,15 +33,11 @@ from ddparity.errors import (
     TaskTimeout,
     UsageError,
     WorldFailure,
-    WorldStartError,
 )
-from ddparity.harness import rendezvous
-from ddparity.harness.output import OutputReader
+from ddparity.harness import launch, rendezvous
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
-    RankReady,
     RankSpec,
-    RankStartFailed,
     RunTask,
     Shutdown,
     TaskDone,
@@ -52,33 +46,6 @@ from ddparity.harness.sidechannel import RankSignals, TaskChannel
 from ddparity.harness.stacks import py_spy_stacks
 
 log = logging.getLogger("ddparity")
-
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
-           "ddparity.harness.rank", "ddparity.checks.ledger", "ddparity.harness.sidechannel", "ddparity.checks.desync"]
-"""Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
-first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
-
-
-def preload() -> None:
-    """Import :data:`PRELOAD`, then move every object alive to the garbage collector's
-    permanent generation (once per process).
-
-    torch with ``torch._dynamo`` is over a million long-lived objects; each full
-    collection scanned them all (about 0.1 s here; a 30-test pytest session ran 12, and
-    one more at interpreter exit). Frozen, they are skipped by every later collection
-    and are still freed by reference counting; the cost is that cyclic garbage among
-    objects alive at this moment is never collected.
-    """
-    global _preloaded
-    if _preloaded:
-        return
-    for name in PRELOAD:
-        __import__(name)
-    gc.freeze()
-    _preloaded = True
-
-
-_preloaded = False
 
 STACK_DUMP_WAIT_S = 1.0
 """How long to wait for ranks to print their stacks (SIGUSR1) before they are killed."""
@@ -89,16 +56,6 @@ POLL_S = 0.1
 FAILURE_QUIET_S = 0.25
 """After a rank failed, the others are stopped once they made no progress for this long
 (they are most likely waiting for the failed rank), or after ``error_grace`` at most."""
-
-FORK_JOIN_S = 15.0
-"""Forked gloo ranks join in about a second; after this long they are started again from
-the forkserver (see ``World._launch``)."""
-
-DNS_HINT = (" They were waiting for a reverse DNS lookup: torch's TCPStore client looks up the"
-            " name of ::ffff:127.0.0.1, which /etc/hosts does not list, and the DNS server dropped the"
-            " query (glibc retries after 5 s). Starting the process (pytest, ddparity) with"
-            " RES_OPTIONS='timeout:1 attempts:1' bounds such a wait to 1 s.")
-"""Added to the warning when stuck ranks' stacks show that lookup."""
 
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
@@ -142,47 +99,6 @@ class RankOutcome:
     signals: RankSignals | None = None  # what the rank left in the side channel
 
 
-class _JoinTimeout(Exception):
-    """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
-
-    def __init__(self, ranks: list[int]) -> None:
-        super().__init__(f"ranks {ranks} did not join")
-        self.ranks = ranks
-
-
-class _Ranks:
-    """The live processes of one generation; shared with the finalizer."""
-
-    def __init__(self) -> None:
-        self.procs: list[multiprocessing.Process] = []
-        self.controls: list[Connection] = []
-        self.readers: list[OutputReader] = []
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                try:
-                    proc.kill()
-                except (OSError, ValueError):
-                    pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-        for conn in self.controls:
-            conn.close()
-        for reader in self.readers:
-            reader.join(timeout=1)
-        self.procs, self.controls, self.readers = [], [], []
-
-
-def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None or exitcode >= 0:
-        return f"exit code {exitcode}"
-    try:
-        return f"signal {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
 class PendingTask:
     """A task submitted to a :class:`World`; ``result()`` waits for every rank."""
 
@@ -222,12 +138,12 @@ class World:
         self.spec = WorldSpec(world_size=world_size, backend=backend, **options)
         self._backend: str | None = None
         self._store: rendezvous.LoopbackStore | None = None
-        self._ranks = _Ranks()
+        self._ranks = launch.Ranks()
         self._generation = 0
         self._live = False
         self._closed = False
         self._pending: PendingTask | None = None
-        self._finalizer = weakref.finalize(self, _Ranks.kill, self._ranks)
+        self._finalizer = weakref.finalize(self, launch.Ranks.kill, self._ranks)
         self.start_seconds: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -319,19 +235,38 @@ class World:
     def _device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.backend == "nccl" else "cpu"
 
+    def _start_ranks(self, method: str, join_timeout: float) -> None:
+        store = self._store
+        assert store is not None  # created by _launch
+        self._generation += 1
+        n = self.spec.world_size
+        ifname = rendezvous.loopback_ifname()
+        specs = [
+            RankSpec(
+                rank=rank, world_size=n, backend=self.backend, device=self._device(rank),
+                store_host=store.host, store_port=store.port, store_prefix=self._store_prefix,
+                pg_timeout_s=self.spec.timeout + 60.0, threads=self.spec.threads_per_rank,
+                loopback_ifname=ifname, controller_pid=os.getpid(),
+            )
+            for rank in range(n)
+        ]
+        launch.start_ranks(self._ranks, specs, method)
+        launch.await_ready(self._ranks, join_timeout, f"a {self.spec.backend} world of {n}",
+                           retry_possible=method == "fork")
+
     def _launch(self) -> None:
         started = time.perf_counter()
-        preload()
+        launch.preload()
         if self._store is None:
             self._store = rendezvous.LoopbackStore(timeout_s=self.spec.start_timeout)
         method = self._start_method()
         if method == "fork":
             try:
-                self._start_ranks("fork", min(self.spec.start_timeout, FORK_JOIN_S))
-            except _JoinTimeout as stuck:
+                self._start_ranks("fork", min(self.spec.start_timeout, launch.FORK_JOIN_S))
+            except launch.JoinTimeout as stuck:
                 # Seen: ranks stuck in torch's TCPStore client, which names its socket by a
                 # reverse DNS lookup of ::ffff:127.0.0.1 (never in /etc/hosts); a dropped
-                # query costs 5 s a try (see DNS_HINT). A child could also inherit a lock a
+                # query costs 5 s a try (see launch.DNS_HINT). A child could also inherit a lock a
                 # controller thread held at fork. Either way, start this generation again
                 # from the forkserver rather than wait.
                 stacks = self._dump_stacks(stuck.ranks)
@@ -339,113 +274,13 @@ class World:
                 log.warning(
                     "forked ranks %s of a %d-rank world did not join within %g s; starting them "
                     "from the forkserver instead.%s Their stacks:\n%s", stuck.ranks, self.spec.world_size,
-                    FORK_JOIN_S, DNS_HINT if "gethostbyaddr" in text else "", text)
+                    launch.FORK_JOIN_S, launch.DNS_HINT if "gethostbyaddr" in text else "", text)
                 self._ranks.kill()
                 self._start_ranks("forkserver", self.spec.start_timeout)
         else:
             self._start_ranks(method, self.spec.start_timeout)
         self._live = True
         self.start_seconds = time.perf_counter() - started
-
-    def _start_ranks(self, method: str, join_timeout: float) -> None:
-        mp: Any = multiprocessing.get_context(method)
-        store = self._store
-        assert store is not None  # created by _launch
-        if method == "forkserver":
-            mp.set_forkserver_preload(PRELOAD)
-        self._generation += 1
-        n = self.spec.world_size
-        controls = [mp.Pipe(duplex=True) for _ in range(n)]
-        outputs = [mp.Pipe(duplex=False) for _ in range(n)]
-        ifname = rendezvous.loopback_ifname()
-        ranks = self._ranks
-        for rank in range(n):
-            spec = RankSpec(
-                rank=rank,
-                world_size=n,
-                backend=self.backend,
-                device=self._device(rank),
-                store_host=store.host,
-                store_port=store.port,
-                store_prefix=self._store_prefix,
-                pg_timeout_s=self.spec.timeout + 60.0,
-                threads=self.spec.threads_per_rank,
-                loopback_ifname=ifname,
-                controller_pid=os.getpid(),
-            )
-            inherited: tuple[int, ...] = ()
-            if method == "fork":
-                mine = {controls[rank][1].fileno(), outputs[rank][1].fileno()}
-                inherited = tuple(
-                    fd
-                    for pair in controls + outputs
-                    for c in pair
-                    if not c.closed and (fd := c.fileno()) not in mine
-                )
-            process_class = _ForkserverRank if method == "forkserver" else mp.Process
-            proc = process_class(
-                target=_rank_entry,
-                args=(spec, controls[rank][1], outputs[rank][1], inherited),
-                name=f"ddparity-rank{rank}",
-            )
-            if method == "fork":
-                # The child must never run the finalizers of objects it inherited: a
-                # collected copy of an old TCPStore server would join a thread that does
-                # not exist there and hang the rank. It is forked with the collector off
-                # and freezes everything it inherited before turning it back on.
-                enabled = gc.isenabled()
-                gc.disable()
-                try:
-                    proc.start()
-                finally:
-                    if enabled:
-                        gc.enable()
-            else:
-                proc.start()
-            ranks.procs.append(proc)
-            ranks.controls.append(controls[rank][0])
-            controls[rank][1].close()
-            outputs[rank][1].close()
-            reader = OutputReader(rank, outputs[rank][0])
-            reader.start()
-            ranks.readers.append(reader)
-        self._await_ready(join_timeout, retry_possible=method == "fork")
-
-    def _await_ready(self, join_timeout: float, retry_possible: bool = False) -> None:
-        ranks = self._ranks
-        waiting = set(range(self.spec.world_size))
-        deadline = time.monotonic() + join_timeout
-        problem = ""
-        while waiting and not problem:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if retry_possible:
-                    raise _JoinTimeout(sorted(waiting))
-                problem = f"ranks {sorted(waiting)} did not join within {join_timeout:g} s"
-                break
-            watched: dict[Any, int] = {ranks.controls[r]: r for r in waiting}
-            watched.update({ranks.procs[r].sentinel: r for r in waiting})
-            for obj in wait(list(watched), timeout=left):
-                rank = watched[obj]
-                if rank not in waiting:
-                    continue
-                for msg in _queued(ranks.controls[rank]):
-                    if isinstance(msg, RankReady):
-                        waiting.discard(rank)
-                    elif isinstance(msg, RankStartFailed):
-                        problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
-                if rank in waiting and not problem and not isinstance(obj, Connection):
-                    proc = ranks.procs[rank]
-                    proc.join(timeout=1)
-                    problem = f"rank {rank} died during start-up ({_signal_name(proc.exitcode)})"
-        if problem:
-            outputs = {r: rd.take_all(settle=0.5) for r, rd in enumerate(ranks.readers)}
-            ranks.kill()
-            detail = "".join(f"\n--- rank {r} output ---\n{o}" for r, o in outputs.items() if o.strip())
-            raise WorldStartError(
-                f"could not start a {self.spec.backend} world of {self.spec.world_size}: "
-                f"{problem}{detail}"
-            )
 
     # -- tasks -----------------------------------------------------------------------
 
@@ -569,7 +404,7 @@ class World:
                 if rank not in pending:
                     continue
                 # A message can still be queued behind a rank's death: read it first.
-                for done in _queued(ranks.controls[rank]):
+                for done in launch.queued(ranks.controls[rank]):
                     if isinstance(done, TaskDone) and done.task_id == task_id and rank in pending:
                         outcomes[rank] = self._decode(done)
                         pending.discard(rank)
@@ -649,7 +484,7 @@ class World:
             rank, code = dead[0]
             output = self._ranks.readers[rank].take_all(settle=0.5)
             log.warning("rank %d died after its last task finished (%s); the world is rebuilt.%s", rank,
-                        _signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
+                        launch.signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
             self.restart()
 
     def _stop(self, ranks: list[int], native: bool) -> dict[int, str]:
@@ -674,7 +509,7 @@ class World:
         stacks = self._dump_stacks(others, native=False)  # first: "at that moment"
         output = self._ranks.readers[rank].take_all(settle=1.0)
         self._kill()
-        how = _signal_name(proc.exitcode)
+        how = launch.signal_name(proc.exitcode)
         lines = [f"rank {rank} died ({how}) while running task {task_id}; the world will be rebuilt"]
         if output.strip():
             lines.append(f"--- rank {rank} output ---\n{output.rstrip()}")
@@ -713,18 +548,6 @@ def _with_stacks(head: str, stacks: dict[int, str]) -> str:
                                 for r, t in stacks.items()])
 
 
-def _queued(conn: Connection) -> list[Any]:
-    """Every message already waiting on ``conn``; stops at EOF (a dead rank)."""
-    messages: list[Any] = []
-    while True:
-        try:
-            if not conn.poll():
-                return messages
-            messages.append(conn.recv())
-        except (EOFError, OSError):
-            return messages
-
-
 def _failure_summary(bad: list[RankOutcome]) -> str:
     head = bad[0]
     ranks = ", ".join(str(o.rank) for o in bad)
@@ -732,41 +555,3 @@ def _failure_summary(bad: list[RankOutcome]) -> str:
     if head.traceback:
         text += f"\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}"
     return text
-
-
-class _NoMainPopen(popen_forkserver.Popen):
-    """Forkserver launch without re-running the user's ``__main__`` in the rank.
-
-    multiprocessing re-imports the parent's main script in every forkserver child, which
-    re-executes an unguarded script (and pays its imports). Ranks need nothing from it:
-    tasks travel by value (cloudpickle).
-    """
-
-    def _launch(self, process_obj: Any) -> None:
-        original = spawn.get_preparation_data
-
-        def without_main(name: str) -> dict[str, Any]:
-            data = original(name)
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-            return data
-
-        spawn.get_preparation_data = without_main  # the controller is single-threaded here
-        try:
-            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
-        finally:
-            spawn.get_preparation_data = original
-
-
-class _ForkserverRank(multiprocessing.get_context("forkserver").Process):  # type: ignore[misc]
-    @staticmethod
-    def _Popen(process_obj: Any) -> _NoMainPopen:
-        return _NoMainPopen(process_obj)
-
-
-def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherited: tuple[int, ...]) -> None:
-    gc.freeze()  # what a forked rank inherited is never collected here (see _start_ranks)
-    gc.enable()
-    from ddparity.harness.rank import rank_main
-
-    rank_main(spec, control, output, inherited)

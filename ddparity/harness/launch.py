@@ -1,0 +1,232 @@
+"""Starting rank processes: forked from the controller or from a forkserver, joined
+within a deadline. :class:`ddparity.World` decides when; this module knows how.
+
+Ranks are forked from this (already torch-importing) process, or from a forkserver that
+preloaded torch when forking here is unsafe (see ``World._start_method``).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import signal
+import time
+from multiprocessing import popen_forkserver, spawn
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ddparity.errors import WorldStartError
+from ddparity.harness.output import OutputReader
+from ddparity.harness.protocol import RankReady, RankSpec, RankStartFailed
+
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
+           "ddparity.harness.rank", "ddparity.checks.ledger", "ddparity.harness.sidechannel", "ddparity.checks.desync"]
+"""Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
+first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD`, then move every object alive to the garbage collector's
+    permanent generation (once per process).
+
+    torch with ``torch._dynamo`` is over a million long-lived objects; each full
+    collection scanned them all (about 0.1 s here; a 30-test pytest session ran 12, and
+    one more at interpreter exit). Frozen, they are skipped by every later collection
+    and are still freed by reference counting; the cost is that cyclic garbage among
+    objects alive at this moment is never collected.
+    """
+    global _preloaded
+    if _preloaded:
+        return
+    for name in PRELOAD:
+        __import__(name)
+    gc.freeze()
+    _preloaded = True
+
+
+_preloaded = False
+
+FORK_JOIN_S = 15.0
+"""Forked gloo ranks join in about a second; after this long they are started again from
+the forkserver (see ``World._launch``)."""
+
+DNS_HINT = (" They were waiting for a reverse DNS lookup: torch's TCPStore client looks up the"
+            " name of ::ffff:127.0.0.1, which /etc/hosts does not list, and the DNS server dropped the"
+            " query (glibc retries after 5 s). Starting the process (pytest, ddparity) with"
+            " RES_OPTIONS='timeout:1 attempts:1' bounds such a wait to 1 s.")
+"""Added to the warning when stuck ranks' stacks show that lookup."""
+
+
+class JoinTimeout(Exception):
+    """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"ranks {ranks} did not join")
+        self.ranks = ranks
+
+
+class Ranks:
+    """The live processes of one generation; shared with the finalizer."""
+
+    def __init__(self) -> None:
+        self.procs: list[multiprocessing.Process] = []
+        self.controls: list[Connection] = []
+        self.readers: list[OutputReader] = []
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                try:
+                    proc.kill()
+                except (OSError, ValueError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for conn in self.controls:
+            conn.close()
+        for reader in self.readers:
+            reader.join(timeout=1)
+        self.procs, self.controls, self.readers = [], [], []
+
+
+def signal_name(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def queued(conn: Connection) -> list[Any]:
+    """Every message already waiting on ``conn``; stops at EOF (a dead rank)."""
+    messages: list[Any] = []
+    while True:
+        try:
+            if not conn.poll():
+                return messages
+            messages.append(conn.recv())
+        except (EOFError, OSError):
+            return messages
+
+
+def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
+    """Start one process per spec (``fork`` or ``forkserver``) into ``ranks``, each with a
+    control pipe and an output pipe read by an :class:`OutputReader`."""
+    mp: Any = multiprocessing.get_context(method)
+    if method == "forkserver":
+        mp.set_forkserver_preload(PRELOAD)
+    n = len(specs)
+    controls = [mp.Pipe(duplex=True) for _ in range(n)]
+    outputs = [mp.Pipe(duplex=False) for _ in range(n)]
+    for rank, spec in enumerate(specs):
+        inherited: tuple[int, ...] = ()
+        if method == "fork":
+            mine = {controls[rank][1].fileno(), outputs[rank][1].fileno()}
+            inherited = tuple(
+                fd
+                for pair in controls + outputs
+                for c in pair
+                if not c.closed and (fd := c.fileno()) not in mine
+            )
+        process_class = _ForkserverRank if method == "forkserver" else mp.Process
+        proc = process_class(
+            target=_rank_entry,
+            args=(spec, controls[rank][1], outputs[rank][1], inherited),
+            name=f"ddparity-rank{rank}",
+        )
+        if method == "fork":
+            # The child must never run the finalizers of objects it inherited: a
+            # collected copy of an old TCPStore server would join a thread that does
+            # not exist there and hang the rank. It is forked with the collector off
+            # and freezes everything it inherited before turning it back on.
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                proc.start()
+            finally:
+                if enabled:
+                    gc.enable()
+        else:
+            proc.start()
+        ranks.procs.append(proc)
+        ranks.controls.append(controls[rank][0])
+        controls[rank][1].close()
+        outputs[rank][1].close()
+        reader = OutputReader(rank, outputs[rank][0])
+        reader.start()
+        ranks.readers.append(reader)
+
+
+def await_ready(ranks: Ranks, join_timeout: float, what: str, retry_possible: bool = False) -> None:
+    """Wait until every rank reported ready. A rank that fails or dies, or a deadline
+    passed, is a :class:`WorldStartError` with the ranks' output (``what`` names the
+    world); with ``retry_possible`` a deadline is a :class:`JoinTimeout` instead."""
+    waiting = set(range(len(ranks.procs)))
+    deadline = time.monotonic() + join_timeout
+    problem = ""
+    while waiting and not problem:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if retry_possible:
+                raise JoinTimeout(sorted(waiting))
+            problem = f"ranks {sorted(waiting)} did not join within {join_timeout:g} s"
+            break
+        watched: dict[Any, int] = {ranks.controls[r]: r for r in waiting}
+        watched.update({ranks.procs[r].sentinel: r for r in waiting})
+        for obj in wait(list(watched), timeout=left):
+            rank = watched[obj]
+            if rank not in waiting:
+                continue
+            for msg in queued(ranks.controls[rank]):
+                if isinstance(msg, RankReady):
+                    waiting.discard(rank)
+                elif isinstance(msg, RankStartFailed):
+                    problem = f"rank {rank} could not join the process group: {msg.error}\n{msg.traceback}"
+            if rank in waiting and not problem and not isinstance(obj, Connection):
+                proc = ranks.procs[rank]
+                proc.join(timeout=1)
+                problem = f"rank {rank} died during start-up ({signal_name(proc.exitcode)})"
+    if problem:
+        outputs = {r: rd.take_all(settle=0.5) for r, rd in enumerate(ranks.readers)}
+        ranks.kill()
+        detail = "".join(f"\n--- rank {r} output ---\n{o}" for r, o in outputs.items() if o.strip())
+        raise WorldStartError(f"could not start {what}: {problem}{detail}")
+
+
+class _NoMainPopen(popen_forkserver.Popen):
+    """Forkserver launch without re-running the user's ``__main__`` in the rank.
+
+    multiprocessing re-imports the parent's main script in every forkserver child, which
+    re-executes an unguarded script (and pays its imports). Ranks need nothing from it:
+    tasks travel by value (cloudpickle).
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        spawn.get_preparation_data = without_main  # the controller is single-threaded here
+        try:
+            super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+        finally:
+            spawn.get_preparation_data = original
+
+
+class _ForkserverRank(multiprocessing.get_context("forkserver").Process):  # type: ignore[misc]
+    @staticmethod
+    def _Popen(process_obj: Any) -> _NoMainPopen:
+        return _NoMainPopen(process_obj)
+
+
+def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherited: tuple[int, ...]) -> None:
+    gc.freeze()  # what a forked rank inherited is never collected here (see start_ranks)
+    gc.enable()
+    from ddparity.harness.rank import rank_main
+
+    rank_main(spec, control, output, inherited)
