@@ -81,8 +81,8 @@ def resolve_backend(backend: str, world_size: int) -> str:
     if backend not in BACKENDS:
         if backend == "threaded":
             raise UsageError(
-                "backend 'threaded' (simulated ranks) is not available in this version of "
-                "ddparity; use --backend gloo (real CPU processes) or nccl (GPUs)"
+                "backend 'threaded' (simulated ranks, threads in one process) is for `ddparity check` "
+                "only; worlds, health checks and profiles need real processes: use gloo (CPU) or nccl (GPUs)"
             )
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     gpus = cuda_device_count()

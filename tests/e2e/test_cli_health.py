@@ -106,6 +106,7 @@ def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):
     (("--min-busbw", "-1"), "expected GB/s >= 0"),
     (("--sizes", "0"), "message sizes must be positive MiB"),
     (("--world-size", "0"), "expected a positive integer"),
+    (("--backend", "threaded"), "need real processes"),
 ])
 def test_bad_input_exits_2(args, message):
     result = ddparity("health", *args)
