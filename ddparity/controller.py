@@ -166,7 +166,7 @@ def _is_case_error(exc: TaskFailed) -> bool:
     return any(isinstance(o.error, (CaseError, UsageError)) for o in exc.outcomes if not o.ok)
 
 
-def _failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
+def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
     if isinstance(exc, TaskFailed) and _is_case_error(exc):
         run.reason = _user_error(exc)
@@ -262,7 +262,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
     try:
         [results] = [o.value for o in pending.result()]
     except WorldFailure as exc:
-        return [_failure_run("dp", ws, backend, exc, time.perf_counter() - started,
+        return [failure_run("dp", ws, backend, exc, time.perf_counter() - started,
                              _repro(case, "dp", ws, backend, opts.tolerance)) for ws in sizes]
     runs = []
     for ws in sizes:
@@ -285,7 +285,7 @@ def _case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, e
                  elapsed: float) -> Report:
     """The case cannot even run on one device: every requested run shares that fate."""
     for mode, ws in _planned(opts):
-        run = _failure_run(mode, ws, backend, exc, elapsed, _repro(case, mode, ws, backend, opts.tolerance))
+        run = failure_run(mode, ws, backend, exc, elapsed, _repro(case, mode, ws, backend, opts.tolerance))
         if run.status == "crash" and not isinstance(exc, RankCrashed):
             run.status = "error"  # raised by the user's code on a single device: bad input
         report.runs.append(run)
@@ -356,7 +356,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
     try:
         outcomes = pending.result()
     except WorldFailure as exc:
-        return _failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
+        return failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
     tol = _tolerance(case, opts, reference, twin, ws)
     simulated = backend == "threaded"
     traces = outcomes[0].value if simulated else [o.value for o in outcomes]

@@ -71,9 +71,9 @@ def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = 60.0,
            min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> HealthReport:
     """Run the health checks on a local World of real ranks."""
-    from ddparity.controller import _failure_run
+    from ddparity.controller import failure_run
     from ddparity.harness.world import World
-    from ddparity.render import render_run_failure
+    from ddparity.render import failure_detail
 
     opts = options(sizes_mib)
     _check_numbers(timeout, min_busbw)
@@ -89,9 +89,8 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     try:
         outcomes = world.start().run(health_task, opts, timeout=timeout)
     except WorldFailure as exc:
-        run = _failure_run("health", world_size, chosen, exc, 0.0, "")
-        reason = "\n".join(render_run_failure(run)[1:]).strip() or (run.reason or run.status)
-        report.failure = {"status": run.status, "reason": reason, "hang": run.hang, "crash": run.crash}
+        run = failure_run("health", world_size, chosen, exc, 0.0, "")
+        report.failure = {"status": run.status, "reason": failure_detail(run), "hang": run.hang, "crash": run.crash}
         return report
     finally:
         world.close()

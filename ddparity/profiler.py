@@ -19,14 +19,16 @@ from ddparity.controller import (
     REAL_RANKS_LIMIT,
     CheckOptions,
     WorldPool,
-    _failure_run,
     _unrunnable,
     choose_backend,
     default_pool,
+    failure_run,
 )
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
 from ddparity.harness.comm_task import profile_task
 from ddparity.harness.modes import prepare_task
+from ddparity.render import failure_detail
+from ddparity.report import exit_code
 
 DEFAULT_STEPS = 10
 DEFAULT_WARMUP = 2
@@ -41,12 +43,7 @@ class ProfileReport:
     @property
     def exit_code(self) -> int:
         """0 every world size profiled (or skipped), 2 bad input, 3 a hang or crash."""
-        statuses = {r.status for r in self.runs}
-        if statuses & {"hang", "crash"}:
-            return 3
-        if "error" in statuses:
-            return 2
-        return 0
+        return exit_code({r.status for r in self.runs})
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs]}
@@ -141,16 +138,9 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: A
 
 def _failed(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
     """A hang, crash or error while profiling, with the evidence ``check`` would give."""
-    run = _failure_run("ddp", ws, backend, exc, seconds, "")
-    return WorldProfile(world_size=ws, backend=backend, status=run.status, reason=_failure_reason(run),
+    run = failure_run("ddp", ws, backend, exc, seconds, "")
+    return WorldProfile(world_size=ws, backend=backend, status=run.status, reason=failure_detail(run),
                         hang=run.hang, crash=run.crash, seconds=seconds)
-
-
-def _failure_reason(run: Any) -> str:
-    from ddparity.render import render_run_failure
-
-    lines = render_run_failure(run)
-    return "\n".join(lines[1:]).strip() or (run.reason or run.status)
 
 
 __all__ = ["ProfileReport", "profile"]

@@ -103,6 +103,12 @@ def render_notes(run: RunResult) -> list[str]:
     ]
 
 
+def failure_detail(run: RunResult) -> str:
+    """A failed run's evidence without its head line, for reports with their own heading
+    (``profile``, ``health``)."""
+    return "\n".join(render_run_failure(run)[1:]).strip() or (run.reason or run.status)
+
+
 def render_run_failure(run: RunResult) -> list[str]:
     head = f"{run.mode} world_size={run.world_size} ({run.backend}): {run.status.upper()}"
     lines = [head]

@@ -89,6 +89,18 @@ class RunResult:
         }
 
 
+def exit_code(statuses: set[str]) -> int:
+    """SPEC exit codes from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
+    0 otherwise (equivalent, profiled, skipped)."""
+    if statuses & {"hang", "crash"}:
+        return 3
+    if "error" in statuses:
+        return 2
+    if statuses & {"diverged", "desync"}:
+        return 1
+    return 0
+
+
 @dataclass
 class Report:
     case: str
@@ -100,15 +112,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """SPEC exit codes: 3 hang/crash, 2 bad input, 1 divergence/desync, 0 equivalent."""
-        statuses = {r.status for r in self.runs}
-        if statuses & {"hang", "crash"}:
-            return 3
-        if "error" in statuses:
-            return 2
-        if statuses & {"diverged", "desync"}:
-            return 1
-        return 0
+        return exit_code({r.status for r in self.runs})
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "ok": self.ok, "case": self.case, "runs": [r.to_json() for r in self.runs]}
