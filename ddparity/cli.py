@@ -12,8 +12,10 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from ddparity import settings
 from ddparity.errors import UsageError
 
 EXIT_USAGE = 2
@@ -25,50 +27,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _world_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
-    if not sizes or any(ws < 1 for ws in sizes):
-        raise argparse.ArgumentTypeError(f"world sizes must be integers >= 1, got {text!r}")
-    return sizes
+def _text(parse: Callable[..., Any], where: str, *args: Any) -> Callable[[str], Any]:
+    """An argparse ``type``: the setting's own parser, its errors naming the flag."""
 
+    def convert(text: str) -> Any:
+        return parse(text, where, *args)
 
-def _modes(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _tolerance(text: str) -> str | float:
-    if text == "auto":
-        return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"tolerance must be 'auto' or a number, got {text!r}") from None
-    if value < 0 or value != value:
-        raise argparse.ArgumentTypeError(f"tolerance must be >= 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"timeout must be positive, got {text!r}")
-    return value
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,60 +46,45 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
     chk.add_argument("--demo-faults", action="store_true",
                      help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
-    chk.add_argument("--modes", type=_modes, default=("single", "ddp"), help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
-    chk.add_argument("--world-sizes", type=_world_sizes, default=None,
+    chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES, help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
+    chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
                      help="comma-separated, e.g. 1,2,4 (default 1,2,4; 2 with --demo-faults)")
     chk.add_argument("--backend", default="auto",
                      help="auto | gloo | nccl | threaded (simulated ranks: threads in one process)")
-    chk.add_argument("--steps", type=_positive_int, default=None, help="override the Case's number of steps")
-    chk.add_argument("--tolerance", type=_tolerance, default="auto",
+    chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None, help="override the Case's number of steps")
+    chk.add_argument("--tolerance", type=_text(settings.parse_tolerance, "--tolerance"), default="auto",
                      help="auto (calibrated noise floor) or a relative tolerance (0 = bit-exact)")
-    chk.add_argument("--timeout", type=_seconds, default=None,
-                     help="seconds without progress before a run counts as a hang (default 60; 5 with --demo-faults)")
+    chk.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=None,
+                     help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g}; "
+                          f"{settings.DEMO_FAULTS_TIMEOUT_S:g} with --demo-faults)")
     chk.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) here")
     prof = sub.add_parser("profile", help="time a Case's DDP communication at each world size")
     prof.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
     prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
-    prof.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4, 8), help="comma-separated (default 1,2,4,8)")
+    prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
+                      default=settings.PROFILE_WORLD_SIZES, help="comma-separated (default 1,2,4,8)")
     prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes)")
-    prof.add_argument("--steps", type=_positive_int, default=None, help="measured iterations per world size (default 10)")
-    prof.add_argument("--warmup", type=_non_negative_int, default=None, help="iterations run first and not measured (default 2)")
-    prof.add_argument("--timeout", type=_seconds, default=60.0, help="seconds without progress before a hang (default 60)")
+    prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
+                      help=f"measured iterations per world size (default {settings.PROFILE_STEPS})")
+    prof.add_argument("--warmup", type=_text(settings.parse_count, "--warmup", 0), default=settings.PROFILE_WARMUP,
+                      help=f"iterations run first and not measured (default {settings.PROFILE_WARMUP})")
+    prof.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+                      help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g})")
     prof.add_argument("--json", metavar="PATH", help="write the JSON profile (version 1) here")
     hl = sub.add_parser("health", help="check that this machine or cluster can train: collectives, compute, bandwidth")
-    hl.add_argument("--world-size", type=_positive_int, default=None,
+    hl.add_argument("--world-size", type=_text(settings.parse_count, "--world-size"), default=None,
                     help="local ranks (default: one per GPU, else 2 CPU ranks); under torchrun, torchrun decides")
     hl.add_argument("--backend", default="auto", help="auto | gloo | nccl")
-    hl.add_argument("--timeout", type=_seconds, default=60.0,
-                    help="seconds a rank may wait before the check counts as a hang (default 60)")
-    hl.add_argument("--min-busbw", type=_gbps, default=None, metavar="GBPS",
+    hl.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+                    help=f"seconds a rank may wait before the check counts as a hang (default {settings.TIMEOUT_S:g})")
+    hl.add_argument("--min-busbw", type=_text(settings.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
                     help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s)")
-    hl.add_argument("--sizes", type=_mib_list, default=None, metavar="MIB,MIB",
+    hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
                     help="all-reduce message sizes in MiB (default 1,8,32)")
     hl.add_argument("--json", metavar="PATH", help="write the JSON health report (version 1) here (rank 0)")
     prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
                                                         "bus bandwidth and scaling per world size (needs matplotlib)")
     return parser
-
-
-def _gbps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GB/s as a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected GB/s >= 0, got {text!r}")
-    return value
-
-
-def _mib_list(text: str) -> tuple[float, ...]:
-    try:
-        sizes = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of MiB, e.g. 1,8,32") from None
-    if not sizes or any(not s > 0 for s in sizes):
-        raise argparse.ArgumentTypeError(f"message sizes must be positive MiB, got {text!r}")
-    return sizes
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -166,20 +117,10 @@ def _health(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def _profile(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
     from ddparity.controller import default_pool
-    from ddparity.profiler import DEFAULT_STEPS, DEFAULT_WARMUP, profile
+    from ddparity.profiler import profile
 
     if args.demo and args.target:
         raise UsageError("give TARGET or --demo, not both")
@@ -198,8 +139,7 @@ def _profile(args: argparse.Namespace) -> int:
         case = load_case(args.target)
     try:
         report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout,
-                         steps=args.steps if args.steps is not None else DEFAULT_STEPS,
-                         warmup=args.warmup if args.warmup is not None else DEFAULT_WARMUP)
+                         steps=args.steps, warmup=args.warmup)
     finally:
         default_pool().close()
     print(report.render(), flush=True)
@@ -225,9 +165,9 @@ def _check(args: argparse.Namespace) -> int:
     if args.demo_faults:
         return _demo_faults(args)
     if args.timeout is None:
-        args.timeout = 60.0
+        args.timeout = settings.TIMEOUT_S
     if args.world_sizes is None:
-        args.world_sizes = (1, 2, 4)
+        args.world_sizes = settings.CHECK_WORLD_SIZES
     if args.demo:
         from ddparity.fixtures.models import DEMO_CASES
 
@@ -263,7 +203,7 @@ def _demo_faults(args: argparse.Namespace) -> int:
     sizes = args.world_sizes or (2,)
     if any(ws < 2 for ws in sizes):
         raise UsageError("fault injections need world sizes >= 2 (a fault fires on rank 1), e.g. --world-sizes 2,4")
-    timeout = args.timeout if args.timeout is not None else 5.0
+    timeout = args.timeout if args.timeout is not None else settings.DEMO_FAULTS_TIMEOUT_S
     rows, reports = [], []
     try:
         for fault in FAULTS.values():

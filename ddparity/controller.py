@@ -8,9 +8,7 @@ stuck or dead controller.
 from __future__ import annotations
 
 import atexit
-import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ddparity.case import Case
@@ -29,51 +27,15 @@ from ddparity.harness import rendezvous
 from ddparity.harness.modes import CaseError, ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.world import PendingTask, World
 from ddparity.report import Report, RunResult
-
-MODES = ("single", "dp", "ddp")
-CHECK_BACKENDS = ("auto", "gloo", "nccl", "threaded")
-
-REAL_RANKS_LIMIT = max(4, 2 * (os.cpu_count() or 1))
-"""With ``backend="auto"``, CPU world sizes above this run as simulated (threaded) ranks."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckOptions:
-    """What to run. Built once from the API, CLI or plugin; errors name the bad value."""
-
-    modes: tuple[str, ...] = ("single", "ddp")
-    world_sizes: tuple[int, ...] = (1, 2, 4)
-    backend: str = "auto"
-    timeout: float = 60.0
-    tolerance: str | float = "auto"
-    steps: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.modes:
-            raise UsageError("no modes given; use one or more of: single, dp, ddp")
-        for mode in self.modes:
-            if mode not in MODES:
-                raise UsageError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        if not self.world_sizes:
-            raise UsageError("no world sizes given; use e.g. --world-sizes 1,2,4")
-        for ws in self.world_sizes:
-            if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
-                raise UsageError(f"world size must be an integer >= 1, got {ws!r}")
-        if self.backend not in CHECK_BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}; choose one of {', '.join(CHECK_BACKENDS)}")
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            raise UsageError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        tol = self.tolerance
-        if tol != "auto" and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0):
-            raise UsageError(f"tolerance must be 'auto' or a number >= 0 (relative), got {tol!r}")
-        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1):
-            raise UsageError(f"steps must be an integer >= 1, got {self.steps!r}")
-
-
-def default_max_ranks(workers: int = 1) -> int:
-    """Live rank processes one pool keeps: ``max(8, 2 x CPUs)`` for the machine, shared
-    by ``workers`` pools (pytest-xdist workers) so that together they stay within it."""
-    return max(1, max(8, 2 * (os.cpu_count() or 1)) // max(1, workers))
+from ddparity.settings import (
+    CHECK_MODES,
+    CHECK_WORLD_SIZES,
+    REAL_RANKS_LIMIT,
+    TIMEOUT_S,
+    CheckOptions,
+    default_max_ranks,
+    validate_max_ranks,
+)
 
 
 class WorldPool:
@@ -85,10 +47,7 @@ class WorldPool:
     """
 
     def __init__(self, max_ranks: int | None = None) -> None:
-        if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int)
-                                      or max_ranks < 1):
-            raise UsageError(f"max_ranks must be an integer >= 1 or None, got {max_ranks!r}")
-        self.max_ranks = max_ranks
+        self.max_ranks = validate_max_ranks(max_ranks, "WorldPool(max_ranks=...)")
         self._worlds: dict[tuple[int, str, str], World] = {}  # least recently used first
         self.closed_for_room = 0
 
@@ -191,10 +150,10 @@ def _repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any) -> str:
 
 def check(
     case: Case,
-    modes: tuple[str, ...] | list[str] = ("single", "ddp"),
-    world_sizes: tuple[int, ...] | list[int] = (1, 2, 4),
+    modes: tuple[str, ...] | list[str] = CHECK_MODES,
+    world_sizes: tuple[int, ...] | list[int] = CHECK_WORLD_SIZES,
     backend: str = "auto",
-    timeout: float = 60.0,
+    timeout: float = TIMEOUT_S,
     tolerance: str | float = "auto",
     *,
     steps: int | None = None,
@@ -203,10 +162,8 @@ def check(
     """Run ``case`` in every mode and world size; compare each run to the reference."""
     if not isinstance(case, Case):
         raise UsageError(f"check() needs a ddparity.Case, got {type(case).__name__}")
-    opts = CheckOptions(
-        modes=tuple(modes), world_sizes=tuple(world_sizes), backend=backend,
-        timeout=timeout, tolerance=tolerance, steps=steps,
-    )
+    opts = CheckOptions.validated("check()", modes=modes, world_sizes=world_sizes, backend=backend,
+                                  timeout=timeout, tolerance=tolerance, steps=steps)
     case = case.with_steps(opts.steps).validate()
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()

@@ -14,9 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.checks.health import Bandwidth, Check, judge, render, to_json
-from ddparity.errors import UsageError, WorldFailure
+from ddparity.errors import WorldFailure
 from ddparity.harness import rendezvous
 from ddparity.harness.health_task import FAULT_ENV, HealthOptions, RankHealth, health_task, parse_fault
+from ddparity.settings import (
+    HEALTH_CPU_RANKS,
+    TIMEOUT_S,
+    validate_min_busbw,
+    validate_sizes_mib,
+    validate_timeout,
+    validate_world_size,
+)
 
 
 @dataclass
@@ -63,12 +71,11 @@ def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
     parse_fault(os.environ.get(FAULT_ENV))  # a bad fault drill is a usage error, before anything starts
     if sizes_mib is None:
         return HealthOptions()
-    if not sizes_mib or any(not s > 0 for s in sizes_mib):
-        raise UsageError(f"message sizes must be positive MiB, got {sizes_mib!r}")
+    validate_sizes_mib(sizes_mib, "health()")
     return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib))
 
 
-def health(world_size: int | None = None, backend: str = "auto", timeout: float = 60.0,
+def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
            min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> HealthReport:
     """Run the health checks on a local World of real ranks."""
     from ddparity.controller import failure_run
@@ -79,9 +86,8 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     _check_numbers(timeout, min_busbw)
     if world_size is None:
         gpus = rendezvous.cuda_device_count() if backend in ("auto", "nccl") else 0
-        world_size = gpus if gpus else 2
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"world size must be an integer >= 1, got {world_size!r}")
+        world_size = gpus if gpus else HEALTH_CPU_RANKS
+    validate_world_size(world_size, "health()")
     chosen = rendezvous.resolve_backend(backend, world_size)
     report = HealthReport("local", chosen, world_size, repro=_command("ddparity", f"--world-size {world_size} --backend {chosen}",
                                                                       timeout, min_busbw, opts))
@@ -99,7 +105,7 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     return report
 
 
-def health_under_torchrun(backend: str = "auto", timeout: float = 60.0, min_busbw: float | None = None,
+def health_under_torchrun(backend: str = "auto", timeout: float = TIMEOUT_S, min_busbw: float | None = None,
                           sizes_mib: tuple[float, ...] | None = None) -> tuple[Any, HealthReport | None]:
     """This process's part of a torchrun-launched health check: ``(ctx, report)``, the
     report on rank 0 only."""
@@ -125,11 +131,8 @@ def _command(program: str, head: str, timeout: float, min_busbw: float | None, o
 
 
 def _check_numbers(timeout: float, min_busbw: float | None) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if min_busbw is not None and (isinstance(min_busbw, bool) or not isinstance(min_busbw, (int, float))
-                                  or not min_busbw >= 0):
-        raise UsageError(f"--min-busbw must be a number of GB/s >= 0, got {min_busbw!r}")
+    validate_timeout(timeout, "health()")
+    validate_min_busbw(min_busbw, "health()")
 
 
 __all__ = ["HealthReport", "health", "health_under_torchrun"]

@@ -16,8 +16,6 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile, add_scaling, render, summarize
 from ddparity.controller import (
-    REAL_RANKS_LIMIT,
-    CheckOptions,
     WorldPool,
     _unrunnable,
     choose_backend,
@@ -29,9 +27,15 @@ from ddparity.harness.comm_task import profile_task
 from ddparity.harness.modes import prepare_task
 from ddparity.render import failure_detail
 from ddparity.report import exit_code
-
-DEFAULT_STEPS = 10
-DEFAULT_WARMUP = 2
+from ddparity.settings import (
+    PROFILE_STEPS,
+    PROFILE_WARMUP,
+    PROFILE_WORLD_SIZES,
+    REAL_RANKS_LIMIT,
+    TIMEOUT_S,
+    CheckOptions,
+    validate_count,
+)
 
 
 @dataclass
@@ -60,12 +64,12 @@ class ProfileReport:
 
 def profile(
     case: Case,
-    world_sizes: tuple[int, ...] | list[int] = (1, 2, 4, 8),
+    world_sizes: tuple[int, ...] | list[int] = PROFILE_WORLD_SIZES,
     backend: str = "auto",
-    timeout: float = 60.0,
+    timeout: float = TIMEOUT_S,
     *,
-    steps: int = DEFAULT_STEPS,
-    warmup: int = DEFAULT_WARMUP,
+    steps: int = PROFILE_STEPS,
+    warmup: int = PROFILE_WARMUP,
     pool: WorldPool | None = None,
 ) -> ProfileReport:
     """Time ``case`` under DDP at every world size: step, compute, exposed and total
@@ -75,10 +79,10 @@ def profile(
     if backend == "threaded":
         raise UsageError("profiling needs real rank processes: simulated (threaded) ranks share one process "
                          "and their timings mean nothing; use --backend auto, gloo or nccl")
-    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UsageError(f"{name} must be an integer >= {least}, got {value!r}")
-    opts = CheckOptions(modes=("ddp",), world_sizes=tuple(world_sizes), backend=backend, timeout=timeout)
+    validate_count(steps, "steps", "profile()")
+    validate_count(warmup, "warmup", "profile()", least=0)
+    opts = CheckOptions.validated("profile()", modes=("ddp",), world_sizes=world_sizes, backend=backend,
+                                  timeout=timeout)
     case = case.validate()
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()

@@ -25,19 +25,17 @@ from typing import Any
 
 import pytest
 
+from ddparity import settings
 from ddparity.errors import UsageError
-
-DEFAULT_WORLD_SIZES = (2,)
-BACKENDS = ("auto", "gloo", "nccl", "threaded")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PluginSettings:
     """The session's ddparity settings, each with where it came from (for errors)."""
 
-    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    world_sizes: tuple[int, ...] = settings.PLUGIN_WORLD_SIZES
     backend: str = "auto"
-    timeout: float = 60.0
+    timeout: float = settings.TIMEOUT_S
     report: str | None = None
     max_ranks: int | None = None
     """Live rank processes per pytest process; None: the machine's share (see module doc)."""
@@ -56,43 +54,22 @@ class PluginSettings:
                 return str(ini), f"ini ddparity_{name}"
             return None, "default"
 
+        parsers = {
+            "world_sizes": settings.parse_world_sizes,
+            "backend": lambda text, where: settings.validate_backend(text, where),
+            "timeout": settings.parse_timeout,
+            "report": lambda text, where: text,
+            "max_ranks": settings.parse_max_ranks,
+        }
         values: dict[str, Any] = {}
-        text, source = pick("world_sizes")
-        if text is not None:
-            values["world_sizes"] = parse_world_sizes(text, source)
-        text, source = pick("backend")
-        if text is not None:
-            if text not in BACKENDS:
-                raise pytest.UsageError(f"{source}: unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
-            values["backend"] = text
-        text, source = pick("timeout")
-        if text is not None:
-            try:
-                timeout = float(text)
-            except ValueError:
-                timeout = -1.0
-            if not timeout > 0:
-                raise pytest.UsageError(f"{source}: timeout must be a positive number of seconds, got {text!r}")
-            values["timeout"] = timeout
-        text, _ = pick("report")
-        if text is not None:
-            values["report"] = text
-        text, source = pick("max_ranks")
-        if text is not None:
-            if not text.isdigit() or int(text) < 1:
-                raise pytest.UsageError(f"{source}: max ranks must be an integer >= 1, got {text!r}")
-            values["max_ranks"] = int(text)
+        for name, parse in parsers.items():
+            text, source = pick(name)
+            if text is not None:
+                try:
+                    values[name] = parse(text, source)
+                except UsageError as exc:
+                    raise pytest.UsageError(str(exc)) from None
         return cls(**values)
-
-
-def parse_world_sizes(text: str, source: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.replace(" ", ",").split(",") if part)
-    except ValueError:
-        sizes = ()
-    if not sizes or any(s < 1 for s in sizes):
-        raise pytest.UsageError(f"{source}: world sizes must be integers >= 1 separated by commas, got {text!r}")
-    return sizes
 
 
 SETTINGS = pytest.StashKey[PluginSettings]()
@@ -107,7 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ddparity-backend", dest="ddparity_backend", metavar="NAME",
                     help="auto | gloo | nccl | threaded (default auto)")
     group.addoption("--ddparity-timeout", dest="ddparity_timeout", metavar="SECONDS",
-                    help="seconds without progress before a check counts as a hang (default 60)")
+                    help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g})")
     group.addoption("--ddparity-report", dest="ddparity_report", metavar="PATH",
                     help="write the JSON report of every check in the session here")
     group.addoption("--ddparity-max-ranks", dest="ddparity_max_ranks", metavar="N",
@@ -116,7 +93,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "shared by the xdist workers)")
     parser.addini("ddparity_world_sizes", "default world sizes, e.g. 2,4")
     parser.addini("ddparity_backend", "auto | gloo | nccl | threaded")
-    parser.addini("ddparity_timeout", "seconds without progress before a check counts as a hang")
+    parser.addini("ddparity_timeout", settings.TIMEOUT_HELP)
     parser.addini("ddparity_report", "path of the session's JSON report")
     parser.addini("ddparity_max_ranks", "rank processes one pytest process keeps alive between tests")
 
@@ -161,11 +138,11 @@ def world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def ddparity_pool(request: pytest.FixtureRequest) -> Any:
     """The session's warm worlds (one pool per process; under xdist, per worker)."""
-    from ddparity.controller import WorldPool, default_max_ranks
+    from ddparity.controller import WorldPool
 
     max_ranks = request.config.stash[SETTINGS].max_ranks
     if max_ranks is None:
-        max_ranks = default_max_ranks(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+        max_ranks = settings.default_max_ranks(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
     pool = WorldPool(max_ranks=max_ranks)
     request.addfinalizer(pool.close)
     return pool

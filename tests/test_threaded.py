@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ddparity import Case, check
-from ddparity.controller import REAL_RANKS_LIMIT, WorldPool
+from ddparity.controller import WorldPool
 from ddparity.fixtures import bugs
 from ddparity.fixtures.models import MLP, summed_mse
+from ddparity.settings import REAL_RANKS_LIMIT
 
 
 def classes(step, generator):

@@ -14,8 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from ddparity.errors import UsageError
-
-BACKENDS = ("auto", "gloo", "nccl")
+from ddparity.settings import WORLD_BACKENDS
 
 
 def loopback_ifname() -> str | None:
@@ -78,13 +77,13 @@ def cuda_driver_initialized() -> bool:
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """Turn ``auto`` into a concrete backend and reject what cannot run here."""
-    if backend not in BACKENDS:
+    if backend not in WORLD_BACKENDS:
         if backend == "threaded":
             raise UsageError(
                 "backend 'threaded' (simulated ranks, threads in one process) is for `ddparity check` "
                 "only; worlds, health checks and profiles need real processes: use gloo (CPU) or nccl (GPUs)"
             )
-        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(WORLD_BACKENDS)}")
     gpus = cuda_device_count()
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"

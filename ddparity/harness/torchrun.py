@@ -20,6 +20,7 @@ from typing import Any
 
 from ddparity.errors import UsageError, WorldStartError
 from ddparity.harness.protocol import RankContext
+from ddparity.settings import TIMEOUT_S
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 EXIT_HANG = 3
@@ -78,7 +79,7 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
 
-def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: float = 60.0) -> tuple[RankContext, list[Any] | None]:
+def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: float = TIMEOUT_S) -> tuple[RankContext, list[Any] | None]:
     """Join the process group, run ``task(ctx, *args)`` here, gather every rank's result
     on rank 0 (others get None). The process group stays up for :func:`agree`."""
     import torch
@@ -101,7 +102,7 @@ def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: fl
     return ctx, gathered
 
 
-def agree(ctx: RankContext, value: int, timeout: float = 60.0) -> int:
+def agree(ctx: RankContext, value: int, timeout: float = TIMEOUT_S) -> int:
     """Rank 0's ``value`` on every rank (e.g. the exit code), then leave the process group."""
     import torch.distributed as dist
 

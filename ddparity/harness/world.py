@@ -44,6 +44,7 @@ from ddparity.harness.protocol import (
 )
 from ddparity.harness.sidechannel import RankSignals, TaskChannel
 from ddparity.harness.stacks import py_spy_stacks
+from ddparity.settings import PG_TIMEOUT_MARGIN_S, WORLD_START_TIMEOUT_S, WORLD_TIMEOUT_S
 
 log = logging.getLogger("ddparity")
 
@@ -67,8 +68,8 @@ class WorldSpec:
 
     world_size: int
     backend: str = "gloo"
-    timeout: float = 300.0
-    start_timeout: float = 60.0
+    timeout: float = WORLD_TIMEOUT_S
+    start_timeout: float = WORLD_START_TIMEOUT_S
     threads_per_rank: int = 1
     error_grace: float = 0.5
 
@@ -245,7 +246,7 @@ class World:
             RankSpec(
                 rank=rank, world_size=n, backend=self.backend, device=self._device(rank),
                 store_host=store.host, store_port=store.port, store_prefix=self._store_prefix,
-                pg_timeout_s=self.spec.timeout + 60.0, threads=self.spec.threads_per_rank,
+                pg_timeout_s=self.spec.timeout + PG_TIMEOUT_MARGIN_S, threads=self.spec.threads_per_rank,
                 loopback_ifname=ifname, controller_pid=os.getpid(),
             )
             for rank in range(n)

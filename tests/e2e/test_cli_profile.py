@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from ddparity.controller import REAL_RANKS_LIMIT
+from ddparity.settings import REAL_RANKS_LIMIT
 from tests.e2e.test_cli import ddparity
 
 WIDE_MLP_PARAMS = 2_107_658  # ddparity.fixtures.models.WideMLP

@@ -123,7 +123,7 @@ def test_under_xdist_each_worker_owns_its_worlds_and_the_report_merges(pytester)
 
 
 def test_each_xdist_worker_keeps_at_most_its_share_of_rank_processes(pytester, monkeypatch):
-    from ddparity.controller import default_max_ranks
+    from ddparity.settings import default_max_ranks
 
     pytester.makepyfile(test_cap='''
 import os

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from ddparity.controller import WorldPool, default_max_ranks
+from ddparity.controller import WorldPool
 from ddparity.errors import UsageError
+from ddparity.settings import default_max_ranks
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

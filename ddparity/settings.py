@@ -1,0 +1,290 @@
+"""Every default, choice list and limit, and the one validator per setting that the API,
+the CLI and the pytest plugin share.
+
+Each validator takes the value and ``where`` it came from (``--timeout``,
+``$DDPARITY_TIMEOUT``, ``check()``) and raises :class:`UsageError` as
+``"{where}: {problem}, got {value!r}"`` (pytest-timeout's ``_validate_timeout(value,
+where)``). ``parse_*`` turn text (the CLI, environment variables, ini files) into values
+and validate them; ``validate_*`` check values given to the Python API.
+
+A leaf module: it imports nothing from the harness, and not torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.errors import UsageError
+
+# -- choices -----------------------------------------------------------------------------
+
+MODES = ("single", "dp", "ddp")
+"""Ways to train a Case: one device (the reference), DataParallel, DistributedDataParallel."""
+
+WORLD_BACKENDS = ("auto", "gloo", "nccl")
+"""Backends of real rank processes (worlds, profile, health, torchrun)."""
+
+CHECK_BACKENDS = (*WORLD_BACKENDS, "threaded")
+"""``check`` also simulates ranks as threads in one process (``threaded``)."""
+
+# -- defaults ----------------------------------------------------------------------------
+
+TIMEOUT_S = 60.0
+"""Seconds without progress (a step, a phase, a collective) before a run counts as a hang."""
+
+TIMEOUT_HELP = "seconds without progress before a run counts as a hang"
+
+DEMO_FAULTS_TIMEOUT_S = 5.0
+"""``--demo-faults`` injects hangs: a short timeout keeps the tour short."""
+
+CHECK_MODES = ("single", "ddp")
+CHECK_WORLD_SIZES = (1, 2, 4)
+PROFILE_WORLD_SIZES = (1, 2, 4, 8)
+PROFILE_STEPS = 10
+"""Measured iterations per world size."""
+PROFILE_WARMUP = 2
+"""Iterations run first and not measured."""
+PLUGIN_WORLD_SIZES = (2,)
+"""World sizes of ``@pytest.mark.world_size`` without arguments and unmarked ``parity`` tests."""
+
+WORLD_TIMEOUT_S = 300.0
+"""A :class:`ddparity.World`'s task timeout when none is given."""
+WORLD_START_TIMEOUT_S = 60.0
+"""How long a World's ranks may take to start and join their process group."""
+PG_TIMEOUT_MARGIN_S = 60.0
+"""torch's own process-group timeout sits this far beyond the World's, so that ddparity's
+watchdog, with its stacks, always fires first."""
+
+HEALTH_CPU_RANKS = 2
+"""Local ``health`` ranks on a machine without GPUs."""
+
+# -- limits ------------------------------------------------------------------------------
+
+REAL_RANKS_LIMIT = max(4, 2 * (os.cpu_count() or 1))
+"""With ``backend="auto"``, CPU world sizes above this run as simulated (threaded) ranks
+in ``check``, and are skipped by ``profile``."""
+
+
+def default_max_ranks(workers: int = 1) -> int:
+    """Live rank processes one pool keeps: ``max(8, 2 x CPUs)`` for the machine, shared
+    by ``workers`` pools (pytest-xdist workers) so that together they stay within it."""
+    return max(1, max(8, 2 * (os.cpu_count() or 1)) // max(1, workers))
+
+
+# -- validators (values from the API) ----------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate_modes(modes: Any, where: str) -> tuple[str, ...]:
+    modes = tuple(modes)
+    if not modes:
+        raise UsageError(f"{where}: no modes given; use one or more of: {', '.join(MODES)}")
+    for mode in modes:
+        if mode not in MODES:
+            raise UsageError(f"{where}: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def validate_world_sizes(sizes: Any, where: str) -> tuple[int, ...]:
+    sizes = tuple(sizes)
+    if not sizes:
+        raise UsageError(f"{where}: no world sizes given; use e.g. --world-sizes 1,2,4")
+    for ws in sizes:
+        validate_world_size(ws, where)
+    return sizes
+
+
+def validate_world_size(ws: Any, where: str) -> int:
+    if not _is_int(ws) or ws < 1:
+        raise UsageError(f"{where}: world size must be an integer >= 1, got {ws!r}")
+    return ws
+
+
+def validate_backend(backend: Any, where: str, choices: tuple[str, ...] = CHECK_BACKENDS) -> str:
+    if backend not in choices:
+        raise UsageError(f"{where}: unknown backend {backend!r}; choose from {', '.join(choices)}")
+    return str(backend)
+
+
+def validate_timeout(timeout: Any, where: str) -> float:
+    if not _is_number(timeout) or not timeout > 0:
+        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    return timeout
+
+
+def validate_tolerance(tolerance: Any, where: str) -> str | float:
+    if tolerance == "auto":
+        return "auto"
+    if not _is_number(tolerance) or not tolerance >= 0:
+        raise UsageError(f"{where}: tolerance must be 'auto' or a number >= 0 (relative), got {tolerance!r}")
+    return tolerance
+
+
+def validate_count(value: Any, name: str, where: str, least: int = 1) -> int:
+    """An integer setting such as ``steps`` (>= 1) or ``warmup`` (>= 0)."""
+    if not _is_int(value) or value < least:
+        raise UsageError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def validate_max_ranks(value: Any, where: str) -> int | None:
+    if value is not None and (not _is_int(value) or value < 1):
+        raise UsageError(f"{where}: max_ranks must be an integer >= 1 or None, got {value!r}")
+    return value
+
+
+def validate_min_busbw(value: Any, where: str) -> float | None:
+    if value is not None and (not _is_number(value) or not value >= 0):
+        raise UsageError(f"{where}: --min-busbw must be a number of GB/s >= 0, got {value!r}")
+    return value
+
+
+def validate_sizes_mib(sizes: Any, where: str) -> tuple[float, ...]:
+    sizes = tuple(sizes)
+    if not sizes or any(not _is_number(s) or not s > 0 for s in sizes):
+        raise UsageError(f"{where}: message sizes must be positive MiB, got {sizes!r}")
+    return sizes
+
+
+# -- parsers (text from the CLI, the environment, ini files) -------------------------------
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.replace(" ", ",").split(",") if part.strip()]
+
+
+def parse_world_sizes(text: str, where: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in _split(text))
+    except ValueError:
+        raise UsageError(f"{where}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
+    if not sizes or any(ws < 1 for ws in sizes):
+        raise UsageError(f"{where}: world sizes must be integers >= 1 separated by commas, got {text!r}")
+    return sizes
+
+
+def parse_modes(text: str, where: str) -> tuple[str, ...]:
+    return validate_modes(_split(text), where)
+
+
+def parse_timeout(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def parse_tolerance(text: str, where: str) -> str | float:
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise UsageError(f"{where}: tolerance must be 'auto' or a number >= 0 (relative), got {text!r}")
+    return value
+
+
+def parse_count(text: str, where: str, least: int = 1) -> int:
+    """A positive (``least=1``) or non-negative (``least=0``) integer."""
+    kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{where}: expected {kind}, got {text!r}") from None
+    if value < least:
+        raise UsageError(f"{where}: expected {kind}, got {text!r}")
+    return value
+
+
+def parse_max_ranks(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{where}: max ranks must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def parse_gbps(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{where}: expected GB/s as a number, got {text!r}") from None
+    if not value >= 0:
+        raise UsageError(f"{where}: expected GB/s >= 0, got {text!r}")
+    return value
+
+
+def parse_sizes_mib(text: str, where: str) -> tuple[float, ...]:
+    try:
+        sizes = tuple(float(part) for part in _split(text))
+    except ValueError:
+        raise UsageError(f"{where}: {text!r} is not a comma-separated list of MiB, e.g. 1,8,32") from None
+    if not sizes or any(not s > 0 for s in sizes):
+        raise UsageError(f"{where}: message sizes must be positive MiB, got {text!r}")
+    return sizes
+
+
+# -- resolved settings, one dataclass per concern -----------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckOptions:
+    """What ``check`` (and ``profile``) run. Built once from the API, CLI or plugin."""
+
+    modes: tuple[str, ...] = CHECK_MODES
+    """single, dp and/or ddp."""
+    world_sizes: tuple[int, ...] = CHECK_WORLD_SIZES
+    backend: str = "auto"
+    timeout: float = TIMEOUT_S
+    tolerance: str | float = "auto"
+    """``"auto"`` (calibrated noise floor) or a relative tolerance (0: bit-exact)."""
+    steps: int | None = None
+    """Overrides the Case's own number of steps."""
+
+    @classmethod
+    def validated(cls, where: str, **values: Any) -> CheckOptions:
+        """The options, each value checked by its validator; errors name ``where``."""
+        out: dict[str, Any] = {}
+        if "modes" in values:
+            out["modes"] = validate_modes(values["modes"], where)
+        if "world_sizes" in values:
+            out["world_sizes"] = validate_world_sizes(_sequence(values["world_sizes"], "world_sizes", where), where)
+        if "backend" in values:
+            out["backend"] = validate_backend(values["backend"], where)
+        if "timeout" in values:
+            out["timeout"] = validate_timeout(values["timeout"], where)
+        if "tolerance" in values:
+            out["tolerance"] = validate_tolerance(values["tolerance"], where)
+        if values.get("steps") is not None:
+            out["steps"] = validate_count(values["steps"], "steps", where)
+        return cls(**out)
+
+
+def _sequence(value: Any, name: str, where: str) -> Any:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise UsageError(f"{where}: {name} must be a sequence such as (1, 2, 4), got {value!r}")
+    return value
+
+
+__all__ = [
+    "CHECK_BACKENDS",
+    "MODES",
+    "REAL_RANKS_LIMIT",
+    "TIMEOUT_S",
+    "WORLD_BACKENDS",
+    "CheckOptions",
+    "default_max_ranks",
+]
