@@ -18,8 +18,8 @@ import time
 from torch import nn
 
 from ddparity import Case, check
-from ddparity.controller import WorldPool
 from ddparity.fixtures.models import MLP, vectors
+from ddparity.harness.pool import WorldPool
 
 
 class FaultAtStep1(nn.Module):

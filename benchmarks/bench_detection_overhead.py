@@ -30,17 +30,17 @@ def steps_task(ctx, detect: bool, steps: int) -> list[float]:  # noqa: ANN001
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.checks import ledger
-    from ddparity.checks.desync import fingerprint
     from ddparity.fixtures.models import MLP
+    from ddparity.harness import ddp_buckets, recorder
+    from ddparity.harness.fingerprint import fingerprint
 
     torch.manual_seed(0)
     model = MLP(SIZES)
-    rec = ledger.active() if detect else ledger.DISABLED
+    rec = recorder.active() if detect else recorder.DISABLED
     if not detect:
-        ledger.active().pause()
+        recorder.active().pause()
     ddp = DistributedDataParallel(model)
-    buckets = ledger.BucketLayout(ddp) if detect else None
+    buckets = ddp_buckets.BucketLayout(ddp) if detect else None
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(ctx.rank)
     times = []

@@ -17,10 +17,10 @@ import os
 import statistics
 import time
 
-from ddparity.controller import WorldPool
 from ddparity.fixtures.models import profile_demo
 from ddparity.harness.modes import prepare_task
-from ddparity.profiler import profile
+from ddparity.harness.pool import WorldPool
+from ddparity.verbs.profile import profile
 
 
 def plain_loop(ctx, case, state, steps, warmup):  # noqa: ANN001, ANN201 - runs on the ranks

@@ -11,8 +11,8 @@ import time
 import torch
 
 from ddparity import Case, check
-from ddparity.controller import WorldPool
 from ddparity.fixtures.models import MLP
+from ddparity.harness.pool import WorldPool
 
 
 def data(step: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ddparity import check
-from ddparity.controller import WorldPool
 from ddparity.fixtures import models
 from ddparity.harness.modes import ddp_task, initial_state
+from ddparity.harness.pool import WorldPool
 
 STEPS = 5
 

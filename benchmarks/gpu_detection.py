@@ -8,8 +8,7 @@ import sys
 import time
 
 from ddparity import World
-from ddparity.checks.desync import parse_fingerprints
-from ddparity.checks.ledger import parse_ledger
+from ddparity.records import parse_fingerprints, parse_ledger
 
 
 def task(ctx):  # noqa: ANN001, ANN201
@@ -17,16 +16,16 @@ def task(ctx):  # noqa: ANN001, ANN201
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.checks import ledger
-    from ddparity.checks.desync import fingerprint
     from ddparity.fixtures.models import MLP
+    from ddparity.harness import ddp_buckets, recorder
+    from ddparity.harness.fingerprint import fingerprint
 
     model = MLP((512, 2048, 1024, 512)).to(ctx.device)
     on_gpu = ctx.device.startswith("cuda")
     ddp = DistributedDataParallel(model, device_ids=[torch.device(ctx.device).index] if on_gpu else None)
-    layout = ledger.BucketLayout(ddp)
+    layout = ddp_buckets.BucketLayout(ddp)
     opt = torch.optim.Adam(ddp.parameters())
-    rec = ledger.active()
+    rec = recorder.active()
     times = []
     for step in range(6):
         x = torch.randn(64, 512, device=ctx.device)
@@ -49,8 +48,8 @@ def main() -> int:
     with World(1, backend="nccl") as world:
         [outcome] = world.execute(task)
     seconds, names = outcome.value
-    entries = parse_ledger(outcome.signals.ledger)
-    steps = parse_fingerprints(outcome.signals.fingerprints)
+    entries = parse_ledger(outcome.records.ledger)
+    steps = parse_fingerprints(outcome.records.fingerprints)
     print(f"full fingerprint on the GPU: {seconds * 1e3:.2f} ms (params + Adam state, 3.67 M params)")
     print(f"ledger entries: {len(entries)}; first: {entries[0].render() if entries else None}")
     print(f"fingerprinted steps: {sorted(steps)}; names include: {[n for n in names if 'rng' in n]}")

@@ -16,10 +16,10 @@ import torch
 
 from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance
-from ddparity.controller import WorldPool
 from ddparity.fixtures import models
 from ddparity.harness.modes import ddp_task, prepare_task, reference_task
-from ddparity.trace import KINDS
+from ddparity.harness.pool import WorldPool
+from ddparity.trace import RECORD_KINDS
 
 
 def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
@@ -29,7 +29,7 @@ def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
     tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
     ratio = 0.0
     for step, ref in enumerate(reference.steps):
-        for kind in KINDS:
+        for kind in RECORD_KINDS:
             for name, expected in ref.tensors(kind).items():
                 floor = tol(step, kind, name) / HEADROOM
                 for trace in traces:

@@ -12,27 +12,27 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ddparity.case import Case
-    from ddparity.controller import check
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.world import RankOutcome, World
-    from ddparity.healthcheck import HealthReport, health
-    from ddparity.profiler import ProfileReport, profile
-    from ddparity.report import Divergence, Report, RunResult
+    from ddparity.report import Divergence, HealthReport, ProfileReport, Report, RunResult
+    from ddparity.verbs.check import check
+    from ddparity.verbs.health import health
+    from ddparity.verbs.profile import profile
 
 _HOMES = {
     "Case": "ddparity.case",
-    "check": "ddparity.controller",
+    "check": "ddparity.verbs.check",
     "DdparityError": "ddparity.errors",
     "ParityError": "ddparity.errors",
     "UsageError": "ddparity.errors",
     "RankContext": "ddparity.harness.protocol",
     "RankOutcome": "ddparity.harness.world",
     "World": "ddparity.harness.world",
-    "HealthReport": "ddparity.healthcheck",
-    "health": "ddparity.healthcheck",
-    "ProfileReport": "ddparity.profiler",
-    "profile": "ddparity.profiler",
+    "HealthReport": "ddparity.report",
+    "health": "ddparity.verbs.health",
+    "ProfileReport": "ddparity.report",
+    "profile": "ddparity.verbs.profile",
     "Divergence": "ddparity.report",
     "Report": "ddparity.report",
     "RunResult": "ddparity.report",

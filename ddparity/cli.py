@@ -92,7 +92,7 @@ def _health(args: argparse.Namespace) -> int:
 
     if torchrun.launched():
         from ddparity.errors import WorldStartError
-        from ddparity.healthcheck import health_under_torchrun
+        from ddparity.verbs.health import health_under_torchrun
 
         if args.world_size is not None:
             raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
@@ -108,7 +108,7 @@ def _health(args: argparse.Namespace) -> int:
                 _write_data(args.json, report.to_json(), "JSON health report")
             code = report.exit_code
         return torchrun.agree(ctx, code, args.timeout)
-    from ddparity.healthcheck import health
+    from ddparity.verbs.health import health
 
     report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)
     print(report.render(), flush=True)
@@ -119,8 +119,8 @@ def _health(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
-    from ddparity.controller import default_pool
-    from ddparity.profiler import profile
+    from ddparity.harness.pool import default_pool
+    from ddparity.verbs.profile import profile
 
     if args.demo and args.target:
         raise UsageError("give TARGET or --demo, not both")
@@ -155,8 +155,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
-    from ddparity.controller import check, default_pool
+    from ddparity.harness.pool import default_pool
     from ddparity.report import Report
+    from ddparity.verbs.check import check
 
     if sum(map(bool, (args.demo, args.demo_faults, args.target))) > 1:
         raise UsageError("give one of TARGET, --demo or --demo-faults")
@@ -196,9 +197,10 @@ def _check(args: argparse.Namespace) -> int:
 
 def _demo_faults(args: argparse.Namespace) -> int:
     """Every fault injection, with its report, then whether each got the right verdict."""
-    from ddparity.controller import check, default_pool
     from ddparity.fixtures.faults import FAULTS, reported_ranks
+    from ddparity.harness.pool import default_pool
     from ddparity.render import table
+    from ddparity.verbs.check import check
 
     sizes = args.world_sizes or (2,)
     if any(ws < 2 for ws in sizes):

@@ -16,6 +16,10 @@ class UsageError(DdparityError):
     """The input cannot be run as given (bad target, bad option, bad Case)."""
 
 
+class CaseError(UsageError):
+    """The case itself cannot be run (its factory, data or loss raised)."""
+
+
 class ParityError(DdparityError):
     """A check found a divergence or desync; the message is the readable report."""
 
@@ -27,11 +31,11 @@ class ParityError(DdparityError):
 class WorldFailure(DdparityError):
     """A World could not run a task to completion on every rank.
 
-    ``signals`` holds what each rank left in the side channel (progress, collective
+    ``records`` holds what each rank left in the side channel (progress, collective
     ledger, fingerprints) and ``stacks`` the stacks taken before ranks were stopped.
     """
 
-    signals: dict = {}  # noqa: RUF012 - replaced per instance by the World
+    records: dict = {}  # noqa: RUF012 - replaced per instance by the World
     stacks: dict = {}  # noqa: RUF012
 
 
@@ -81,6 +85,17 @@ class TaskFailed(WorldFailure):
     @property
     def failed_ranks(self) -> list[int]:
         return [o.rank for o in self.outcomes if o is not None and not o.ok]
+
+
+class SimulatedRankError(RuntimeError):
+    """A simulated rank (a thread) raised; ``rank`` says which."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"simulated rank {rank}: {message}")
+        self.rank = rank
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
 
 
 class StillRunning(DdparityError):

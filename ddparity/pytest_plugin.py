@@ -138,7 +138,7 @@ def world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def ddparity_pool(request: pytest.FixtureRequest) -> Any:
     """The session's warm worlds (one pool per process; under xdist, per worker)."""
-    from ddparity.controller import WorldPool
+    from ddparity.harness.pool import WorldPool
 
     max_ranks = request.config.stash[SETTINGS].max_ranks
     if max_ranks is None:
@@ -153,7 +153,7 @@ def world(request: pytest.FixtureRequest, world_size: int, ddparity_pool: Any) -
     """A warm :class:`ddparity.World` of the test's world size, shared across tests; a
     world whose ranks died or hung is rebuilt before the next task."""
     settings = request.config.stash[SETTINGS]
-    from ddparity.controller import choose_backend
+    from ddparity.verbs.plan import choose_backend
 
     try:
         backend = choose_backend(settings.backend, (world_size,))
@@ -172,7 +172,8 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
     sizes = (request.getfixturevalue("world_size"),) if marked else settings.world_sizes
 
     def run(case: Any, modes: tuple[str, ...] | list[str] = ("single", "ddp"), **options: Any) -> Any:
-        from ddparity.controller import check, choose_backend
+        from ddparity.verbs.check import check
+        from ddparity.verbs.plan import choose_backend
 
         options.setdefault("backend", settings.backend)
         options.setdefault("timeout", settings.timeout)

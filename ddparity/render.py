@@ -1,5 +1,7 @@
-"""The human report: a table of runs, then, for each failure, what and where and how to
-reproduce it."""
+"""The human reports: ``check`` (a table of runs, then, for each failure, what and where
+and how to reproduce it), ``profile`` (figures per world size) and ``health`` (checks,
+bandwidth, ranks). Every report's text is written here, from the verdicts of
+:mod:`ddparity.checks`."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ddparity.checks.comm import WorldProfile
+    from ddparity.checks.health import Bandwidth, Check
+    from ddparity.measurements import RankHealth
     from ddparity.report import Divergence, Report, RunResult
 
 
@@ -163,3 +168,66 @@ def render_report(report: Report) -> str:
     out.append("")
     out.append(f"{verdict}: {passed} of {len(report.runs)} runs equivalent to the reference{tail}")
     return "\n".join(out)
+
+
+# -- profile -----------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f}"
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render_profile(label: str, runs: list[WorldProfile]) -> str:
+    """The table users read, one line per world size, then notes and failures."""
+    rows = []
+    for r in runs:
+        if r.status != "ok":
+            rows.append([str(r.world_size), r.backend, r.status.upper()] + ["-"] * 8)
+            continue
+        rows.append([
+            str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
+            _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
+            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"),
+        ])
+    header = ["world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
+              "overlap", "sent/step", "busbw GB/s", "scaling"]
+    lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
+    for r in runs:
+        for note in r.notes:
+            lines.append(f"  world size {r.world_size}: {note}")
+        if r.status != "ok" and r.reason:
+            lines.append(f"  world size {r.world_size} {r.status.upper()}: {r.reason}")
+            if r.repro and r.status in ("hang", "crash", "error"):
+                lines.append(f"  reproduce: {r.repro}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- health ------------------------------------------------------------------------------
+
+
+def render_health(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth], header: str) -> str:
+    """The health table: checks, bandwidth per size, every rank, then the verdict."""
+    lines = [header, *table([["check", "status", "detail"], *[[c.name, c.status.upper(), c.detail] for c in checks]]), ""]
+    if bandwidth:
+        lines += table([["size", "time", "algbw GB/s", "busbw GB/s"],
+                        *[[f"{b.bytes / 2**20:g} MiB", f"{b.seconds * 1e3:.2f} ms", f"{b.algbw_gbps:.3f}",
+                           "-" if b.busbw_gbps is None else f"{b.busbw_gbps:.3f}"] for b in bandwidth]])
+        lines.append("")
+    lines += table([["rank", "host", "device", "GFLOP/s", "barrier"],
+                    *[[str(r.rank), r.host, f"{r.device} ({r.device_name})", f"{r.gflops:.1f}",
+                       f"{r.barrier_s * 1e3:.1f} ms"] for r in sorted(ranks, key=lambda r: r.rank)]])
+    failed = [c for c in checks if c.status == "fail"]
+    lines.append("")
+    lines.append(f"UNHEALTHY: {', '.join(c.name for c in failed)} failed" if failed else
+                 f"HEALTHY: {len(checks)} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else ""))
+    return "\n".join(lines) + "\n"

@@ -1,13 +1,21 @@
-"""Results of a check: per-run results, the report, its text and JSON (SPEC version 1)."""
+"""The reports of the three verbs: ``check`` (:class:`Report` of :class:`RunResult`),
+``profile`` (:class:`ProfileReport`) and ``health`` (:class:`HealthReport`), with their
+exit codes and JSON (version 1). Their text is :mod:`ddparity.render`."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import os
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ddparity.errors import ParityError
+
+if TYPE_CHECKING:
+    from ddparity.checks.comm import WorldProfile
+    from ddparity.checks.health import Bandwidth, Check
+    from ddparity.measurements import RankHealth
 
 STATUSES = ("pass", "diverged", "desync", "hang", "crash", "error", "skipped")
 FAILING = ("diverged", "desync", "hang", "crash", "error")
@@ -131,3 +139,78 @@ class Report:
 
     def __str__(self) -> str:
         return self.render()
+
+
+@dataclass
+class ProfileReport:
+    """What ``profile`` measured: the figures of every world size."""
+
+    case: str
+    runs: list[WorldProfile] = field(default_factory=list)
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    @property
+    def exit_code(self) -> int:
+        """0 every world size profiled (or skipped), 2 bad input, 3 a hang or crash."""
+        return exit_code({r.status for r in self.runs})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    def render(self) -> str:
+        from ddparity.render import render_profile
+
+        return render_profile(self.case, self.runs)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+@dataclass
+class HealthReport:
+    """What ``health`` found: every check's verdict and the measurements behind it."""
+
+    launcher: str  # local | torchrun
+    backend: str
+    world_size: int
+    checks: list[Check] = field(default_factory=list)
+    bandwidth: list[Bandwidth] = field(default_factory=list)
+    ranks: list[RankHealth] = field(default_factory=list)
+    failure: dict[str, Any] | None = None  # {"status": "hang"|"crash"|"error", "reason", "hang", "crash"}
+    repro: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and not any(c.status == "fail" for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        """0 healthy, 1 a check failed, 2 bad input, 3 a hang or crash."""
+        if self.failure is not None:
+            return 2 if self.failure["status"] == "error" else 3
+        return 0 if self.healthy else 1
+
+    def render(self) -> str:
+        header = f"ddparity health: {self.world_size} rank(s), {self.backend}, {self.launcher}"
+        if self.failure is not None:
+            return f"{header}\n{self.failure['status'].upper()}: {self.failure['reason']}\nreproduce: {self.repro}\n"
+        from ddparity.render import render_health
+
+        text = render_health(self.checks, self.bandwidth, self.ranks, header)
+        return text if self.healthy else f"{text}reproduce: {self.repro}\n"
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"version": 1, "launcher": self.launcher, "backend": self.backend,
+                                "world_size": self.world_size}
+        if self.failure is not None:
+            return {**data, "healthy": False, "failure": self.failure, "checks": [], "bandwidth": [], "ranks": []}
+        return {**data, "healthy": self.healthy,
+                "checks": [asdict(c) for c in self.checks],
+                "bandwidth": [asdict(b) for b in self.bandwidth],
+                "ranks": [asdict(r) for r in sorted(self.ranks, key=lambda r: r.rank)]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)

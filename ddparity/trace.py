@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("loss", "grad", "param", "buffer")
+RECORD_KINDS = ("loss", "grad", "param", "buffer")
 """The order in which one step's records are compared: the first that differs names the
 kind of divergence (a wrong loss explains wrong gradients, which explain wrong params)."""
 

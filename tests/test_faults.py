@@ -9,9 +9,9 @@ import tempfile
 import pytest
 
 from ddparity import check
-from ddparity.controller import WorldPool
 from ddparity.fixtures import models
 from ddparity.fixtures.faults import FAULT_RANK, FAULTS, reported_ranks
+from ddparity.harness.pool import WorldPool
 from tests.conftest import stray_processes
 
 TIMEOUT = 3.0  # seconds without progress before a run counts as a hang

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ddparity.checks.verdict import judge_completed, judge_failure
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
-from ddparity.harness.sidechannel import RankSignals
 from ddparity.harness.threaded import SimulatedRankError
 from ddparity.harness.world import RankOutcome
+from ddparity.records import RankRecords
 from ddparity.report import Divergence, Report, RunResult
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "report_v1.json"
@@ -45,7 +45,7 @@ def report() -> Report:
                       tolerance="reference")]
 
     # a pass with a straggler: rank 1 arrives last, 0.2 s late, at every collective
-    late = {r: RankSignals(ledger="\n".join(line(s, 10.0 + s + 0.2 * r) for s in range(3)) + "\n")
+    late = {r: RankRecords(ledger="\n".join(line(s, 10.0 + s + 0.2 * r) for s in range(3)) + "\n")
             for r in range(2)}
     runs.append(judge_completed(run(notes=["a note"]), late, []))
 
@@ -57,29 +57,29 @@ def report() -> Report:
     runs.append(diverged)
 
     # ranks issued different collectives at slot 1
-    mismatch = {0: RankSignals(ledger=line(0, 1.0) + "\n" + line(1, 2.0) + "\n"),
-                1: RankSignals(ledger=line(0, 1.0) + "\n" + line(1, 2.0, "broadcast(tensor=float32[4], root=1)",
+    mismatch = {0: RankRecords(ledger=line(0, 1.0) + "\n" + line(1, 2.0) + "\n"),
+                1: RankRecords(ledger=line(0, 1.0) + "\n" + line(1, 2.0, "broadcast(tensor=float32[4], root=1)",
                                                                  via="DDP gradient bucket 0") + "\n")}
     runs.append(judge_completed(run(), mismatch, []))
 
     # replicas drift apart after step 1, rank 1 diverges from the reference there
     same = {"param w": 1, "rng cpu": 5}
-    drift = {0: RankSignals(fingerprints=fingerprints({0: same, 1: same})),
-             1: RankSignals(fingerprints=fingerprints({0: same, 1: {"param w": 2, "rng cpu": 5}}))}
+    drift = {0: RankRecords(fingerprints=fingerprints({0: same, 1: same})),
+             1: RankRecords(fingerprints=fingerprints({0: same, 1: {"param w": 2, "rng cpu": 5}}))}
     runs.append(judge_completed(run(), drift, [Divergence(1, "param", "w", 1, 0.1, 0.01, 1e-6)]))
 
     # a hang: rank 1 sits in forward, rank 0 waits inside collective #3
-    hung = {0: RankSignals(progress=progress(2, "backward", 3, [line(3, 5.0, step=2)])),
-            1: RankSignals(progress=progress(2, "forward", None, [line(2, 4.0, step=1)]))}
+    hung = {0: RankRecords(progress=progress(2, "backward", 3, [line(3, 5.0, step=2)])),
+            1: RankRecords(progress=progress(2, "forward", None, [line(2, 4.0, step=1)]))}
     timeout = TaskTimeout("ranks [0, 1] made no progress on task 3 for 5 s; the world was rebuilt", [0, 1],
                           {0: "Thread 1 (idle)\n    allreduce (gloo)\n", 1: "Thread 1\n    forward (model.py:3)\n"})
-    timeout.signals = hung
+    timeout.records = hung
     runs.append(judge_failure(run(), timeout))
 
     # a watcher stopped the task over mismatched collectives: a desync with stacks
     stopped = TaskStopped("task 4 was stopped: ranks issued different collectives", "differ", [0, 1],
                           {0: "stack 0\n", 1: "stack 1\n"})
-    stopped.signals = mismatch
+    stopped.records = mismatch
     runs.append(judge_failure(run(), stopped))
 
     # a rank died by a signal; its output has the rank loop's bootstrap frames below it
@@ -88,8 +88,8 @@ def report() -> Report:
               '  File "/x/multiprocessing/process.py", line 108 in run\n\n')
     crashed = RankCrashed("rank 1 died (signal SIGSEGV) while running task 5; the world will be rebuilt\nmore",
                           1, -11, output, {0: "Thread 1\n    allreduce\n"})
-    crashed.signals = {0: RankSignals(progress=progress(0, "backward", 1, [line(1, 1.0)])),
-                       1: RankSignals(progress=progress(0, "forward", None, [line(0, 0.5)]))}
+    crashed.records = {0: RankRecords(progress=progress(0, "backward", 1, [line(1, 1.0)])),
+                       1: RankRecords(progress=progress(0, "forward", None, [line(0, 0.5)]))}
     runs.append(judge_failure(run(), crashed))
 
     # a rank raised; the other was still waiting for it
@@ -98,8 +98,8 @@ def report() -> Report:
                     output="stack of 0\n"),
         RankOutcome(1, False, error=ValueError("bad shard"), traceback="Traceback...\nValueError: bad shard\n"),
     ])
-    raised.signals = {0: RankSignals(progress=progress(0, "backward", 0, [line(0, 1.0)])),
-                      1: RankSignals(progress=progress(0, "forward", None, []))}
+    raised.records = {0: RankRecords(progress=progress(0, "backward", 0, [line(0, 1.0)])),
+                      1: RankRecords(progress=progress(0, "forward", None, []))}
     runs.append(judge_failure(run(), raised))
 
     # a simulated rank raised (the threads' host process reports it)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ddparity import Case, check
-from ddparity.controller import WorldPool
 from ddparity.fixtures import bugs
 from ddparity.fixtures.models import MLP, summed_mse
+from ddparity.harness.pool import WorldPool
 from ddparity.settings import REAL_RANKS_LIMIT
 
 

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddparity.harness.comm_task import BucketTiming, RankProfile
+from ddparity.measurements import BucketTiming, RankProfile
 
 
 @dataclass(slots=True)
@@ -127,45 +127,4 @@ def add_scaling(runs: list[WorldProfile]) -> None:
             r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.2f}"
-
-
-def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def render(label: str, runs: list[WorldProfile]) -> str:
-    """The table users read, one line per world size, then notes and failures."""
-    from ddparity.render import table
-
-    rows = []
-    for r in runs:
-        if r.status != "ok":
-            rows.append([str(r.world_size), r.backend, r.status.upper()] + ["-"] * 8)
-            continue
-        rows.append([
-            str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
-            _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
-            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"),
-        ])
-    header = ["world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
-              "overlap", "sent/step", "busbw GB/s", "scaling"]
-    lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
-    for r in runs:
-        for note in r.notes:
-            lines.append(f"  world size {r.world_size}: {note}")
-        if r.status != "ok" and r.reason:
-            lines.append(f"  world size {r.world_size} {r.status.upper()}: {r.reason}")
-            if r.repro and r.status in ("hang", "crash", "error"):
-                lines.append(f"  reproduce: {r.repro}")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "render", "summarize"]
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "summarize"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ddparity.checks.tolerance import Tolerance, distance, max_abs
 from ddparity.report import Divergence
-from ddparity.trace import KINDS, Trace
+from ddparity.trace import RECORD_KINDS, Trace
 
 WORST_SHOWN = 5
 
@@ -14,7 +14,7 @@ def divergences(reference: Trace, runs: list[Trace], tolerance: Tolerance) -> li
     in the order they happened: step, then loss < grad < param < buffer, then model order."""
     found: list[Divergence] = []
     for step, ref in enumerate(reference.steps):
-        for kind in KINDS:
+        for kind in RECORD_KINDS:
             ref_tensors = ref.tensors(kind)
             for name, expected in ref_tensors.items():
                 for run in runs:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.checks.ledger import Position, parse_ledger, parse_progress, slots
+from ddparity.checks.collectives import slots
+from ddparity.records import Position, parse_ledger, parse_progress
 
 
-def positions(signals: dict[int, Any]) -> dict[int, Position | None]:
-    return {r: parse_progress(s.progress) for r, s in signals.items()}
+def positions(records: dict[int, Any]) -> dict[int, Position | None]:
+    return {r: parse_progress(s.progress) for r, s in records.items()}
 
 
 def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list[int]:
@@ -51,10 +52,10 @@ def _collective_text(pos: Position | None) -> tuple[int, str]:
     return last.seq, f"{state}: {last.render()}"
 
 
-def rank_report(signals: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, dict[str, Any]]:
+def rank_report(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, dict[str, Any]]:
     """Per rank: collective sequence position, the collective, step, phase and stack."""
     out: dict[str, dict[str, Any]] = {}
-    for rank, pos in sorted(positions(signals).items()):
+    for rank, pos in sorted(positions(records).items()):
         seq, text = _collective_text(pos)
         out[str(rank)] = {
             "collective_seq": seq,
@@ -67,11 +68,11 @@ def rank_report(signals: dict[int, Any], stacks: dict[int, str], pending: list[i
     return out
 
 
-def hang_report(signals: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, Any]:
+def hang_report(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, Any]:
     """SPEC ``hang`` field: suspect ranks and every rank's position and stack."""
     return {
-        "suspect_ranks": suspect_ranks(positions(signals), pending),
-        "ranks": rank_report(signals, stacks, pending),
+        "suspect_ranks": suspect_ranks(positions(records), pending),
+        "ranks": rank_report(records, stacks, pending),
     }
 
 
@@ -94,9 +95,9 @@ STRAGGLER_MIN_LATE_S = 0.05
 this much later than the first rank: smaller delays are ordinary scheduling noise."""
 
 
-def stragglers(signals: dict[int, Any]) -> list[Lateness]:
+def stragglers(records: dict[int, Any]) -> list[Lateness]:
     """Ranks that arrive last at most shared collectives, by a margin worth reporting."""
-    ledgers = {r: parse_ledger(s.ledger) for r, s in signals.items()}
+    ledgers = {r: parse_ledger(s.ledger) for r, s in records.items()}
     if len(ledgers) < 2:
         return []
     shared = [by_rank for by_rank in slots(ledgers).values() if len(by_rank) == len(ledgers)]

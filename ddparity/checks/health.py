@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from ddparity.checks.comm import bus_factor
-from ddparity.harness.health_task import RankHealth
+from ddparity.measurements import RankHealth
 
 MATMUL_REL_TOL = 5e-3
 """float32 (or TF32) against float64: ~1e-6 (~1e-3 with TF32); a wrong device is far off."""
@@ -134,29 +133,3 @@ def _bandwidth(rows: list[Bandwidth], n: int, min_busbw: float | None) -> Check:
     return Check("bandwidth", "pass", text + (f" (>= --min-busbw {min_busbw:g})" if min_busbw is not None else ""))
 
 
-def render(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth], header: str) -> str:
-    from ddparity.render import table
-
-    lines = [header, *table([["check", "status", "detail"], *[[c.name, c.status.upper(), c.detail] for c in checks]]), ""]
-    if bandwidth:
-        lines += table([["size", "time", "algbw GB/s", "busbw GB/s"],
-                        *[[f"{b.bytes / 2**20:g} MiB", f"{b.seconds * 1e3:.2f} ms", f"{b.algbw_gbps:.3f}",
-                           "-" if b.busbw_gbps is None else f"{b.busbw_gbps:.3f}"] for b in bandwidth]])
-        lines.append("")
-    lines += table([["rank", "host", "device", "GFLOP/s", "barrier"],
-                    *[[str(r.rank), r.host, f"{r.device} ({r.device_name})", f"{r.gflops:.1f}",
-                       f"{r.barrier_s * 1e3:.1f} ms"] for r in sorted(ranks, key=lambda r: r.rank)]])
-    failed = [c for c in checks if c.status == "fail"]
-    lines.append("")
-    lines.append(f"UNHEALTHY: {', '.join(c.name for c in failed)} failed" if failed else
-                 f"HEALTHY: {len(checks)} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else ""))
-    return "\n".join(lines) + "\n"
-
-
-def to_json(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth]) -> dict[str, Any]:
-    return {
-        "healthy": not any(c.status == "fail" for c in checks),
-        "checks": [asdict(c) for c in checks],
-        "bandwidth": [asdict(b) for b in bandwidth],
-        "ranks": [asdict(r) for r in sorted(ranks, key=lambda r: r.rank)],
-    }

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.trace import KINDS, Trace
+from ddparity.trace import RECORD_KINDS, Trace
 
 HEADROOM = 32.0
 """The twin samples *one* reordering; DDP is another. Across our sweep
@@ -77,7 +77,7 @@ def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -
     eps = torch.finfo(dtype).eps
     table: dict[tuple[int, str, str], float] = {}
     for step, (ref, cal) in enumerate(zip(reference.steps, twin.steps)):
-        for kind in KINDS:
+        for kind in RECORD_KINDS:
             ref_t, cal_t = ref.tensors(kind), cal.tensors(kind)
             for name, tensor in ref_t.items():
                 noise = distance(tensor, cal_t.get(name))
@@ -95,7 +95,7 @@ def fixed_tolerance(reference: Trace, relative: float) -> Tolerance:
     """``relative`` times each tensor's largest magnitude; ``0`` demands bit-exactness."""
     table: dict[tuple[int, str, str], float] = {}
     for step, ref in enumerate(reference.steps):
-        for kind in KINDS:
+        for kind in RECORD_KINDS:
             for name, tensor in ref.tensors(kind).items():
                 table[(step, kind, name)] = relative * max_abs(tensor)
     return Tolerance(f"fixed relative {relative:g}", table)

@@ -1,4 +1,4 @@
-"""From what a DDP run left behind (traces, side-channel signals, a world failure) to the
+"""From what a DDP run left behind (traces, side-channel records, a world failure) to the
 verdict of its :class:`RunResult`: pass, diverged, desync, hang or crash.
 
 Evidence is weighed root cause first: ranks that issued different collectives (desync)
@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddparity.checks.desync import Desync, first_desync, parse_fingerprints, trace_fingerprints
+from ddparity.checks.collectives import Mismatch, collective_mismatch
+from ddparity.checks.desync import Desync, first_desync
 from ddparity.checks.hang import hang_report, rank_report, stragglers
-from ddparity.checks.ledger import Entry, Mismatch, collective_mismatch, parse_ledger, parse_progress
-from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
-from ddparity.harness.stacks import tidy_traceback_dump
-from ddparity.harness.threaded import SimulatedRankError
+from ddparity.errors import (
+    RankCrashed,
+    SimulatedRankError,
+    StillRunning,
+    TaskFailed,
+    TaskStopped,
+    TaskTimeout,
+    WorldFailure,
+)
+from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.report import Divergence, RunResult
 
 
@@ -48,11 +55,11 @@ def state_desync(found: Desync) -> dict[str, Any]:
     }
 
 
-def _ledgers(signals: dict[int, Any]) -> dict[int, list[Entry]]:
+def _ledgers(records: dict[int, Any]) -> dict[int, list[Entry]]:
     """Each rank's ledger, completed with the recent entries of its progress record (a
     rank killed before its last ledger lines were written still has them there)."""
     out = {}
-    for rank, sig in signals.items():
+    for rank, sig in records.items():
         entries = parse_ledger(sig.ledger)
         seen = {(e.group, e.seq) for e in entries}
         position = parse_progress(sig.progress)
@@ -61,29 +68,29 @@ def _ledgers(signals: dict[int, Any]) -> dict[int, list[Entry]]:
     return out
 
 
-def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Divergence],
-                    traces: list[Any] | None = None) -> RunResult:
+def judge_completed(run: RunResult, records: dict[int, Any], found: list[Divergence],
+                    trace_prints: dict[int, dict[int, dict[str, int]]] | None = None) -> RunResult:
     """A run where every rank finished: collectives, then replica state, then numbers.
-    Without side-channel fingerprints (simulated ranks), the replicas' parameters in the
-    traces are fingerprinted instead."""
+    Without side-channel fingerprints (simulated ranks), ``trace_prints`` (fingerprints of
+    the parameters in the ranks' traces) are judged instead."""
     if found:
         run.status = "diverged"
         run.first_divergence = found[0]
-    mismatch = collective_mismatch(_ledgers(signals))
+    mismatch = collective_mismatch(_ledgers(records))
     if mismatch is not None:
         run.status = "desync"
         run.desync = mismatch_desync(mismatch)
     else:
         first_step = found[0].step if found else None
         wrong = tuple(sorted({d.rank for d in found if d.step == first_step}))
-        prints = {r: parse_fingerprints(s.fingerprints) for r, s in signals.items()}
-        if not any(prints.values()) and traces:
-            prints = trace_fingerprints(traces)
+        prints = {r: parse_fingerprints(s.fingerprints) for r, s in records.items()}
+        if not any(prints.values()) and trace_prints:
+            prints = trace_prints
         drift = first_desync(prints, wrong)
         if drift is not None:
             run.status = "desync"
             run.desync = state_desync(drift)
-    late = stragglers(signals)
+    late = stragglers(records)
     if late:
         run.stragglers = [x.to_json() for x in late]
     return run
@@ -92,8 +99,8 @@ def judge_completed(run: RunResult, signals: dict[int, Any], found: list[Diverge
 def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
     """A run the World could not finish: desync if the ranks' collectives disagree (the
     likely cause of the hang or error), else hang or crash, with every rank's place."""
-    signals = exc.signals or {}
-    mismatch = collective_mismatch(_ledgers(signals)) if signals else None
+    records = exc.records or {}
+    mismatch = collective_mismatch(_ledgers(records)) if records else None
     if mismatch is not None:
         run.status = "desync"
         run.desync = mismatch_desync(mismatch)
@@ -102,7 +109,7 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
         return run
     if isinstance(exc, (TaskTimeout, TaskStopped)):
         run.status = "hang"
-        run.hang = hang_report(signals, exc.stacks, exc.pending_ranks)
+        run.hang = hang_report(records, exc.stacks, exc.pending_ranks)
         run.reason = _first_line(exc)
     elif isinstance(exc, RankCrashed):
         run.status = "crash"
@@ -110,8 +117,8 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
             "rank": exc.rank,
             "exitcode": exc.exitcode,
             "error": _first_line(exc),
-            "output": tidy_traceback_dump(exc.output.strip())[-8000:],
-            "ranks": rank_report(signals, exc.stacks, sorted(exc.stacks)) if signals else {},
+            "output": _tidy_traceback_dump(exc.output.strip())[-8000:],
+            "ranks": rank_report(records, exc.stacks, sorted(exc.stacks)) if records else {},
         }
         run.reason = str(exc)
     elif isinstance(exc, TaskFailed):
@@ -126,8 +133,8 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
             "exitcode": None,
             "error": f"{type(head.error).__name__}: {head.error}",
             "traceback": head.traceback,
-            "ranks": rank_report(signals, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
-            if signals else {},
+            "ranks": rank_report(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
+            if records else {},
         }
         run.reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
     return run
@@ -135,3 +142,18 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _tidy_traceback_dump(text: str) -> str:
+    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
+    in a forked rank repeats the controller's whole stack)."""
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if skipping and (not line.strip() or not line.startswith("  ")):
+            skipping = False
+        if skipping:
+            continue
+        lines.append(line)
+        if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
+            skipping = True
+    return "\n".join(lines)

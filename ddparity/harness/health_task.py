@@ -19,11 +19,12 @@ import platform
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext
+from ddparity.measurements import RankHealth
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
 FAULTS = ("wrong_allreduce", "wrong_matmul", "slow_compute", "hang")
@@ -36,27 +37,6 @@ class HealthOptions:
     sizes_bytes: tuple[int, ...] = (1 << 20, 8 << 20, 32 << 20)
     iters: int = 5
     warmup: int = 2
-
-
-@dataclass(slots=True)
-class RankHealth:
-    rank: int
-    world_size: int
-    host: str
-    device: str
-    device_name: str
-    torch_version: str
-    cuda_version: str | None
-    python_version: str
-    barrier_s: float = 0.0
-    # collective results that were wrong on this rank: "all_reduce 1000 elements: ..."
-    collective_errors: list[str] = field(default_factory=list)
-    matmul_max_rel_error: float = 0.0
-    matmul_bits: int = 0
-    gflops: float = 0.0
-    latency_s: float = 0.0
-    # (bytes, seconds per all-reduce on this rank) for each size
-    allreduce: list[tuple[int, float]] = field(default_factory=list)
 
 
 def parse_fault(text: str | None) -> tuple[str, int] | None:

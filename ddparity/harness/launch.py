@@ -20,7 +20,8 @@ from ddparity.harness.output import OutputReader
 from ddparity.harness.protocol import RankReady, RankSpec, RankStartFailed
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
-           "ddparity.harness.rank", "ddparity.checks.ledger", "ddparity.harness.sidechannel", "ddparity.checks.desync"]
+           "ddparity.harness.rank", "ddparity.harness.recorder", "ddparity.harness.ddp_buckets",
+           "ddparity.harness.sidechannel", "ddparity.harness.fingerprint"]
 """Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
 first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
 

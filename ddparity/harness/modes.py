@@ -14,13 +14,9 @@ import copy
 from typing import Any
 
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
-from ddparity.errors import UsageError
+from ddparity.errors import CaseError
 from ddparity.harness.protocol import RankContext
 from ddparity.trace import StepRecord, Trace
-
-
-class CaseError(UsageError):
-    """The case itself cannot be run (its factory, data or loss raised)."""
 
 
 def _build_model(case: Case) -> Any:
@@ -357,12 +353,12 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.checks import ledger
-    from ddparity.checks.desync import fingerprint
+    from ddparity.harness import ddp_buckets, recorder
+    from ddparity.harness.fingerprint import fingerprint
 
-    rec = ledger.active() if detect else ledger.DISABLED
+    rec = recorder.active() if detect else recorder.DISABLED
     if not detect:
-        ledger.active().pause()
+        recorder.active().pause()
     rec.set_phase(-1, "build")
     model = _prepared(case, state, ctx.device)
     device_ids = [torch.device(ctx.device).index] if ctx.device.startswith("cuda") else None
@@ -372,11 +368,11 @@ def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool =
     # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
     # share one process and would otherwise share one state).
     hook_state = copy.deepcopy(case.comm_hook_state)
-    if detect and (case.comm_hook is not None or not ledger.BucketLayout.available(ddp)):
+    if detect and (case.comm_hook is not None or not ddp_buckets.BucketLayout.available(ddp)):
         # the case's own hook (or DDP's default one) wrapped to record each bucket
-        ddp.register_comm_hook(*ledger.ddp_comm_hook(case.comm_hook, hook_state))
+        ddp.register_comm_hook(*ddp_buckets.ddp_comm_hook(case.comm_hook, hook_state))
     elif detect:
-        buckets = ledger.BucketLayout(ddp)
+        buckets = ddp_buckets.BucketLayout(ddp)
     elif case.comm_hook is not None:
         ddp.register_comm_hook(hook_state, case.comm_hook)
     optimizer = make_optimizer(case, ddp.parameters())

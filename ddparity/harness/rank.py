@@ -1,8 +1,8 @@
 """The program a rank process runs: join the world, then run tasks until told to stop.
 
-This module is the rank side of the harness. It imports nothing from ``ddparity.checks``
-reporting, the CLI or the pytest plugin; it talks to the controller only through the
-messages of :mod:`ddparity.harness.protocol`.
+This module is the rank side of the harness. It imports nothing from ``ddparity.checks``,
+the reports, the CLI or the pytest plugin (a test pins it); it talks to the controller
+only through the messages of :mod:`ddparity.harness.protocol` and the side channel.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddparity.checks.ledger import Recorder
+    from ddparity.harness.recorder import Recorder
 
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
@@ -104,7 +104,7 @@ def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
 
 def _install_recorder(spec: RankSpec, client) -> Recorder:  # noqa: ANN001
     """The collective ledger and progress heartbeat, written to the controller's store."""
-    from ddparity.checks.ledger import install_recorder
+    from ddparity.harness.recorder import install_recorder
     from ddparity.harness.sidechannel import RankChannel
 
     return install_recorder(RankChannel(client, spec.store_prefix, spec.rank))

@@ -3,8 +3,8 @@ process group is wedged.
 
 The store server runs in the controller (a thread of the TCPStore), not behind any
 collective, so a rank stuck in ``all_reduce`` or one that died still leaves what it wrote
-here. This module is transport only: what the values mean is decoded by
-:mod:`ddparity.checks.ledger` and :mod:`ddparity.checks.desync`.
+here. This module is transport only: the values are written and read by the codec in
+:mod:`ddparity.records`.
 
 Keys of task ``T`` for rank ``r`` (all under ``<world prefix>/side/t<T>/``):
 
@@ -16,23 +16,16 @@ Keys of task ``T`` for rank ``r`` (all under ``<world prefix>/side/t<T>/``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("P", "L", "F")
+from ddparity.records import RankRecords
+
+KEY_LETTERS = ("P", "L", "F")
+"""Progress, ledger, fingerprints: the letter of each record's key."""
 
 
 def task_prefix(world_prefix: str, task_id: int) -> str:
     return f"{world_prefix}/side/t{task_id}/"
-
-
-@dataclass(frozen=True, slots=True)
-class RankSignals:
-    """What one rank left in the side channel for one task (decoded text)."""
-
-    progress: str = ""
-    ledger: str = ""
-    fingerprints: str = ""
 
 
 class RankChannel:
@@ -75,22 +68,22 @@ class TaskChannel:
         self._store = store
         self._prefix = task_prefix(world_prefix, task_id)
         self._n = world_size
-        self._keys = {kind: [f"{self._prefix}{kind}{r}" for r in range(world_size)] for kind in KINDS}
+        self._keys = {kind: [f"{self._prefix}{kind}{r}" for r in range(world_size)] for kind in KEY_LETTERS}
 
     def prepare(self) -> None:
-        keys = [k for kind in KINDS for k in self._keys[kind]]
+        keys = [k for kind in KEY_LETTERS for k in self._keys[kind]]
         self._store.multi_set(keys, [""] * len(keys))
 
     def progress(self) -> list[str]:
         return [v.decode("utf-8", "replace") for v in self._store.multi_get(self._keys["P"])]
 
-    def read(self) -> dict[int, RankSignals]:
+    def read(self) -> dict[int, RankRecords]:
         keys = self._keys["P"] + self._keys["L"] + self._keys["F"]
         values = [v.decode("utf-8", "replace") for v in self._store.multi_get(keys)]
         n = self._n
-        return {r: RankSignals(values[r], values[n + r], values[2 * n + r]) for r in range(n)}
+        return {r: RankRecords(values[r], values[n + r], values[2 * n + r]) for r in range(n)}
 
     def clear(self) -> None:
-        for kind in KINDS:
+        for kind in KEY_LETTERS:
             for key in self._keys[kind]:
                 self._store.delete_key(key)

@@ -52,21 +52,6 @@ def tidy_stack(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tidy_traceback_dump(text: str) -> str:
-    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
-    in a forked rank repeats the controller's whole stack)."""
-    lines, skipping = [], False
-    for line in text.splitlines():
-        if skipping and (not line.strip() or not line.startswith("  ")):
-            skipping = False
-        if skipping:
-            continue
-        lines.append(line)
-        if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
-            skipping = True
-    return "\n".join(lines)
-
-
 def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S, native: bool = True) -> dict[int, str]:
     """``py-spy dump --native`` of every pid, side by side; {} for those it cannot read
     (no py-spy, ptrace not permitted). Native frames show where C++ code (gloo, NCCL)

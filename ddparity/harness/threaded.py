@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.errors import UsageError
+from ddparity.errors import SimulatedRankError, UsageError
 from ddparity.harness.protocol import RankContext
 
 PRIVATE_API = "torch.testing._internal.distributed.multi_threaded_pg"
@@ -43,17 +43,6 @@ def threaded_pg() -> Any:
             "(no _install_threaded_pg / _set_thread_isolation_mode); use --backend gloo instead"
         )
     return module
-
-
-class SimulatedRankError(RuntimeError):
-    """A simulated rank (a thread) raised; ``rank`` says which."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"simulated rank {rank}: {message}")
-        self.rank = rank
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
 
 
 def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world_size: int) -> list[Any]:

@@ -42,8 +42,9 @@ from ddparity.harness.protocol import (
     Shutdown,
     TaskDone,
 )
-from ddparity.harness.sidechannel import RankSignals, TaskChannel
+from ddparity.harness.sidechannel import TaskChannel
 from ddparity.harness.stacks import py_spy_stacks
+from ddparity.records import RankRecords
 from ddparity.settings import PG_TIMEOUT_MARGIN_S, WORLD_START_TIMEOUT_S, WORLD_TIMEOUT_S
 
 log = logging.getLogger("ddparity")
@@ -97,7 +98,7 @@ class RankOutcome:
     traceback: str = ""
     output: str = ""
     seconds: float = 0.0
-    signals: RankSignals | None = None  # what the rank left in the side channel
+    records: RankRecords | None = None  # what the rank left in the side channel
 
 
 class PendingTask:
@@ -351,23 +352,23 @@ class World:
         try:
             outcomes = self._wait_for(task)
         except WorldFailure as exc:
-            exc.signals = self._signals(task)
+            exc.records = self._records(task)
             raise
-        signals = self._signals(task)
-        return [dataclasses.replace(o, signals=signals.get(o.rank)) for o in outcomes]
+        records = self._records(task)
+        return [dataclasses.replace(o, records=records.get(o.rank)) for o in outcomes]
 
-    def _signals(self, task: PendingTask) -> dict[int, RankSignals]:
+    def _records(self, task: PendingTask) -> dict[int, RankRecords]:
         """Read (then drop) what the ranks left in the side channel for this task."""
         if task._channel is None:
             return {}
         try:
-            signals = task._channel.read()
+            records = task._channel.read()
             task._channel.clear()
         except Exception:  # the store is gone (world closed meanwhile): nothing to read
             return {}
         finally:
             task._channel = None  # holds the store; a failed task's traceback may live on
-        return signals
+        return records
 
     def _wait_for(self, task: PendingTask) -> list[RankOutcome]:
         ranks = self._ranks

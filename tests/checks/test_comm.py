@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddparity.checks.comm import WorldProfile, add_scaling, bus_factor, busy_seconds, render, summarize
-from ddparity.harness.comm_task import BucketTiming, RankProfile, StepTiming
+from ddparity.checks.comm import WorldProfile, add_scaling, bus_factor, busy_seconds, summarize
+from ddparity.measurements import BucketTiming, RankProfile, StepTiming
+from ddparity.render import render_profile as render
 
 
 def b(start: float, end: float, nbytes: int = 1000, ops: tuple[str, ...] = ("all_reduce",)) -> BucketTiming:

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from ddparity.checks.desync import fingerprint, first_desync, parse_fingerprints
+from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
+from ddparity.checks.desync import first_desync
 from ddparity.checks.hang import stragglers, suspect_ranks
-from ddparity.checks.ledger import Entry, LiveWatch, Position, collective_mismatch, minority
-from ddparity.harness.sidechannel import RankSignals
+from ddparity.harness.fingerprint import fingerprint
 from ddparity.harness.stacks import tidy_stack
+from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
 
 
 def entry(seq: int, key: str = "all_reduce|SUM|None|tensor=float32[4]", t: float = 0.0, step: int = 0,
@@ -111,10 +112,10 @@ def test_stragglers_need_a_rank_that_is_late_most_of_the_time():
         return "\n".join(json.dumps({"g": "world", "s": i, "op": "all_reduce", "k": "x", "d": "x", "site": "s",
                                      "t": t}) for i, t in enumerate(times))
 
-    late = {0: RankSignals(ledger=ledger([0.0, 1.0, 2.0])), 1: RankSignals(ledger=ledger([0.3, 1.3, 2.01]))}
+    late = {0: RankRecords(ledger=ledger([0.0, 1.0, 2.0])), 1: RankRecords(ledger=ledger([0.3, 1.3, 2.01]))}
     [s] = stragglers(late)
     assert s.rank == 1 and s.last_count == 3 and s.mean_late_s > 0.2
-    close = {0: RankSignals(ledger=ledger([0.0, 1.0])), 1: RankSignals(ledger=ledger([0.001, 0.999]))}
+    close = {0: RankRecords(ledger=ledger([0.0, 1.0])), 1: RankRecords(ledger=ledger([0.001, 0.999]))}
     assert stragglers(close) == []
 
 

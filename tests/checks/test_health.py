@@ -6,9 +6,11 @@ import dataclasses
 
 import pytest
 
-from ddparity.checks.health import MATMUL_REL_TOL, judge, render
+from ddparity.checks.health import MATMUL_REL_TOL, judge
 from ddparity.errors import UsageError
-from ddparity.harness.health_task import RankHealth, parse_fault
+from ddparity.harness.health_task import parse_fault
+from ddparity.measurements import RankHealth
+from ddparity.render import render_health as render
 
 
 def rank(r: int, **changes) -> RankHealth:

@@ -67,7 +67,7 @@ def test_passes_fails_and_parametrizes_like_pytest(pytester):
     assert "ddp world_size=2 (gloo): DIVERGED" in out
     assert "first divergence: step 0, loss 'loss', rank 0" in out
     assert "reproduce: pytest 'test_user.py::test_summed_loss[ws2]' --ddparity-backend auto" in out
-    assert "Traceback" not in out and "ddparity/controller.py" not in out
+    assert "Traceback" not in out and "ddparity/verbs/check.py" not in out
 
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

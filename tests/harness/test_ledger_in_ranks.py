@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddparity import World
-from ddparity.checks.ledger import parse_ledger, parse_progress
+from ddparity.records import parse_ledger, parse_progress
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def collectives(ctx):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.checks import ledger
+    from ddparity.harness import ddp_buckets
 
     t = torch.ones(3)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -29,7 +29,7 @@ def collectives(ctx):
     work = dist.all_reduce(torch.ones(2, dtype=torch.float64), async_op=True)
     work.wait()
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
-    model.register_comm_hook(*ledger.ddp_comm_hook())
+    model.register_comm_hook(*ddp_buckets.ddp_comm_hook())
     model(torch.randn(3, 4)).sum().backward()
     dist.barrier()
     return out
@@ -38,7 +38,7 @@ def collectives(ctx):
 def test_every_collective_is_recorded_in_order_with_its_call_site(world2):
     outcomes = world2.execute(collectives)
     for o in outcomes:
-        entries = parse_ledger(o.signals.ledger)
+        entries = parse_ledger(o.records.ledger)
         ops = [(e.seq, e.op) for e in entries]
         assert ops == [(0, "all_reduce"), (1, "broadcast"), (2, "all_gather_object"), (3, "all_reduce"),
                        (4, "all_reduce"), (5, "barrier")], ops
@@ -48,7 +48,7 @@ def test_every_collective_is_recorded_in_order_with_its_call_site(world2):
         assert async_.is_async and "float64[2]" in async_.desc
         assert bucket.via == "DDP gradient bucket 0" and "float32[10]" in bucket.desc
         assert all("test_ledger_in_ranks.py" in e.site and "in collectives" in e.site for e in entries[:5])
-        progress = parse_progress(o.signals.progress)
+        progress = parse_progress(o.records.progress)
         assert progress.seq == 5 and progress.inflight is None
 
 
@@ -62,4 +62,4 @@ def test_nothing_is_recorded_outside_tasks_and_the_next_task_starts_afresh(world
     first = world2.execute(one)
     second = world2.execute(one)
     for o in first + second:
-        assert [e.seq for e in parse_ledger(o.signals.ledger)] == [0]
+        assert [e.seq for e in parse_ledger(o.records.ledger)] == [0]

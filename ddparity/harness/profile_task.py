@@ -19,43 +19,12 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case, make_optimizer, resolve_loss
 from ddparity.harness.modes import _cast, _data_fn, _forward, _global_batch, _prepared, batch_size, shard
 from ddparity.harness.protocol import RankContext
-
-
-@dataclass(slots=True)
-class BucketTiming:
-    """One gradient bucket's communication: the collectives its comm hook issued (op
-    names), their bytes, and when it ran, in seconds from the start of the backward pass."""
-
-    index: int
-    nbytes: int
-    start: float
-    end: float
-    ops: tuple[str, ...] = ("all_reduce",)
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """One measured iteration on one rank (seconds)."""
-
-    sync: float
-    no_sync: float
-    optimizer: float
-    buckets: list[BucketTiming] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RankProfile:
-    rank: int
-    world_size: int
-    device: str
-    samples: int  # this rank's samples per step
-    steps: list[StepTiming] = field(default_factory=list)
+from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
 class _Clock:
@@ -131,9 +100,9 @@ def profile_task(ctx: RankContext, case: Case, state: dict[str, Any], steps: int
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.checks import ledger
+    from ddparity.harness import recorder
 
-    rec = ledger.active()
+    rec = recorder.active()
     rec.pause()  # no ledger store writes inside the timed steps; phases keep hang detection informed
     rec.set_phase(-1, "build")
     model = _prepared(case, state, ctx.device)

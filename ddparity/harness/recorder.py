@@ -1,17 +1,15 @@
-"""The collective ledger: every collective of every rank, in order, readable while wedged.
+"""The rank side of the collective ledger: every collective a rank issues, recorded
+before it is issued, readable by the controller while the rank is wedged.
 
-Rank side (:class:`Recorder`): while a task runs, each ``torch.distributed`` collective —
-called directly, or by DDP's gradient buckets through :func:`ddp_comm_hook` — is recorded
-in Python, identically on every backend, *before* it is issued: its per-group sequence
-number, op, reduce op, root, split sizes, tensor shapes and dtypes, group, and the
-caller's source line. Entries go to the side channel (one line each, appended) and the
-rank's latest position (step, phase, recent entries, whether it is inside a blocking
-collective) overwrites its progress key. Both live in the controller's store, so they
-survive a rank stuck in the collective or killed in it.
-
-Controller side: :func:`parse_ledger`, :func:`parse_progress`, and
-:func:`collective_mismatch` — the first sequence slot where ranks issued different
-collectives, with the minority ranks.
+While a task runs, each ``torch.distributed`` collective — called directly, or by DDP's
+gradient buckets (:mod:`ddparity.harness.ddp_buckets`) — is recorded in Python,
+identically on every backend: its per-group sequence number, op, reduce op, root, split
+sizes, tensor shapes and dtypes, group, and the caller's source line. Entries go to the
+side channel (one line each, appended) and the rank's latest position (step, phase,
+recent entries, whether it is inside a blocking collective) overwrites its progress key.
+Both live in the controller's store, so they survive a rank stuck in the collective or
+killed in it. The record format is :mod:`ddparity.records`; what it means is judged in
+:mod:`ddparity.checks.collectives` and :mod:`ddparity.checks.hang`.
 
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is not used: its wrapper skips reduce-op and root
 mismatches and costs an extra collective per collective.
@@ -21,17 +19,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
+
+from ddparity.records import encode_entry, encode_fingerprints, encode_progress
 
 RECENT = 8
 """Entries repeated in the progress key, so the watchdog can compare ranks at a common
@@ -45,14 +43,6 @@ SPLIT = ("all_to_all", "all_to_all_single")  # per-rank split sizes may differ: 
 OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 P2P = ("send", "recv", "isend", "irecv")  # pairwise, not part of the group's sequence
 RECORDED = EXACT + ROOTED + SPLIT + OBJECT + P2P
-
-PHASES = ("", "build", "ddp", "forward", "backward", "optimizer", "fingerprint",
-          "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done")
-"""Phases of a training step in the order a rank passes them (for who is behind)."""
-
-
-# -- rank side ---------------------------------------------------------------------------
-
 
 def _short(obj: Any) -> str:
     import torch
@@ -77,11 +67,12 @@ def _group_name(group: Any) -> str:
 
 
 _TORCH_DIR = ""
-_THIS_FILE = os.path.abspath(__file__)
+_OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_buckets.py")}
+"""Frames skipped when looking for the caller: the recorder's and the DDP bucket hook's."""
 
 
 def _call_site(depth: int) -> str:
-    """The first frame outside torch and this module: where the user issued it."""
+    """The first frame outside torch and the recorder: where the user issued it."""
     global _TORCH_DIR
     if not _TORCH_DIR:
         import torch
@@ -90,7 +81,7 @@ def _call_site(depth: int) -> str:
     frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
+        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) not in _OWN_FILES:
             try:
                 shown = os.path.relpath(path)
                 if shown.startswith(".."):
@@ -220,7 +211,7 @@ class Recorder:
             self._local.via = previous
 
     def fingerprints(self, step: int, values: dict[str, int]) -> None:
-        line = json.dumps({"step": step, "fp": values}, separators=(",", ":"))
+        line = encode_fingerprints(step, values)
         with self._lock:
             self._prints.append(line)
             self._changed()
@@ -255,12 +246,9 @@ class Recorder:
         group = "p2p" if op in P2P else _group_name(args.get("group"))
         with self._lock:
             seq = self.seq[group] = self.seq.get(group, -1) + 1
-            entry = json.dumps(
-                {"g": group, "s": seq, "op": op, "k": key, "d": desc, "site": site or _call_site(3),
-                 "via": via or getattr(self._local, "via", ""), "step": self.step, "phase": self.phase,
-                 "t": round(time.time(), 6), "async": not blocking},
-                separators=(",", ":"),
-            )
+            entry = encode_entry(group, seq, op, key, desc, site or _call_site(3),
+                                 via or getattr(self._local, "via", ""), self.step, self.phase, time.time(),
+                                 not blocking)
             self.recent.append(entry)
             self._ledger.append(entry)
             self.inflight = seq if blocking and group == "world" else None
@@ -282,11 +270,7 @@ class Recorder:
     def _changed(self) -> None:
         """Render the progress record (call with ``_lock`` held); the publisher writes it."""
         self.events += 1
-        inflight = "null" if self.inflight is None else str(self.inflight)
-        self._progress = (
-            f'{{"n":{self.events},"step":{self.step},"phase":{json.dumps(self.phase)},'
-            f'"inflight":{inflight},"recent":[{",".join(self.recent)}]}}'
-        )
+        self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
         self._wake.set()
 
 
@@ -377,225 +361,3 @@ def install_recorder(channel: Any) -> Recorder:
             setattr(dist, op, wrapped)
     _active = Recorder(channel)
     return _active
-
-
-class BucketLayout:
-    """The gradient buckets of one DDP model, as (meta) tensors of their shape and dtype.
-
-    DDP's reducer issues one all-reduce per bucket from C++. Registering a Python comm
-    hook to see them would cost an extra pass over every gradient (the reducer divides
-    while copying into the bucket only when no hook is registered: 7% of a step in our
-    benchmark), so instead the ledger records them from the layout, at the start of
-    backward, before the reducer issues them. The layout is read at the first two
-    backwards only: DDP rebuilds its buckets once, after the first iteration.
-    """
-
-    def __init__(self, ddp: Any) -> None:
-        self._ddp = ddp
-        self._reads = 0
-        self._layout: list[Any] = []
-
-    @staticmethod
-    def available(ddp: Any) -> bool:
-        return hasattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets")
-
-    def current(self) -> list[Any]:
-        if self._reads < 2:
-            self._reads += 1
-            self._layout = [b.buffer().to("meta") for b in self._ddp.reducer._get_zeros_like_grad_buckets()]
-        return self._layout
-
-
-@dataclass(frozen=True, slots=True)
-class _HookState:
-    hook: Callable[..., Any] | None
-    state: Any
-
-
-def ddp_comm_hook(hook: Callable[..., Any] | None = None, state: Any = None) -> tuple[Any, Callable[..., Any]]:
-    """``(state, hook)`` to register on a DDP model so that its bucket all-reduces are
-    recorded (labelled with the bucket). Wraps the user's hook, or DDP's default
-    averaging all-reduce when there is none."""
-    return _HookState(hook, state), _ledger_hook
-
-
-def _ledger_hook(state: _HookState, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    with active().via(f"DDP gradient bucket {bucket.index()}"):
-        if state.hook is None:
-            return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
-        return state.hook(state.state, bucket)
-
-
-# -- controller side ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One recorded collective."""
-
-    group: str
-    seq: int
-    op: str
-    key: str
-    desc: str
-    site: str
-    via: str
-    step: int
-    phase: str
-    t: float
-    is_async: bool
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Entry:
-        return cls(d["g"], d["s"], d["op"], d["k"], d["d"], d["site"], d.get("via", ""), d.get("step", -1),
-                   d.get("phase", ""), d.get("t", 0.0), d.get("async", False))
-
-    @property
-    def comparable(self) -> bool:
-        return self.group != "p2p"
-
-    def render(self) -> str:
-        via = f" [{self.via}]" if self.via else ""
-        return f"#{self.seq} {self.desc}{via} at {self.site}"
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where a rank is: its step and phase, the blocking collective it is inside (if
-    any), and its most recent collectives."""
-
-    step: int = -1
-    phase: str = ""
-    inflight: int | None = None
-    recent: tuple[Entry, ...] = ()
-    events: int = 0
-
-    @property
-    def last(self) -> Entry | None:
-        world = [e for e in self.recent if e.group == "world"]
-        return world[-1] if world else None
-
-    @property
-    def seq(self) -> int:
-        last = self.last
-        return last.seq if last is not None else -1
-
-    def order(self) -> tuple[int, int, int]:
-        """Sortable progress: step, then phase, then collectives issued."""
-        phase = PHASES.index(self.phase) if self.phase in PHASES else 0
-        return (self.step, phase, self.seq)
-
-
-def parse_progress(text: str) -> Position | None:
-    if not text:
-        return None
-    try:
-        d = json.loads(text)
-        return Position(d["step"], d["phase"], d["inflight"], tuple(Entry.from_json(e) for e in d["recent"]), d["n"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def parse_ledger(text: str) -> list[Entry]:
-    entries = []
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                entries.append(Entry.from_json(json.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a dying rank
-    return entries
-
-
-def minority(groups: dict[str, list[int]], prefer_wrong: tuple[int, ...] = ()) -> list[int]:
-    """The ranks outside the group that agrees, given ranks grouped by what they hold.
-
-    A unique largest group of two or more ranks is the majority. Otherwise the ranks
-    known to be wrong (``prefer_wrong``: they diverge from the single-device reference)
-    decide: the one top group without such a rank is the majority; if every group has
-    one, every rank is reported. Without that evidence, two ranks that disagree are
-    judged against the lowest rank, and three or more that all disagree are all reported.
-    """
-    everyone = sorted(r for g in groups.values() for r in g)
-    ranked = sorted(groups.values(), key=len, reverse=True)
-    top = [g for g in ranked if len(g) == len(ranked[0])]
-    if len(top) == 1 and len(top[0]) > 1:
-        majority = top[0]
-    elif prefer_wrong:
-        clean = [g for g in top if not set(g) & set(prefer_wrong)]
-        if len(clean) != 1:
-            return everyone
-        majority = clean[0]
-    elif len(top[0]) == 1 and len(everyone) > 2:
-        return everyone
-    else:
-        majority = min(top, key=min)
-    return [r for r in everyone if r not in majority]
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """Ranks issued different collectives at the same place in a group's sequence."""
-
-    group: str
-    seq: int
-    entries: dict[int, Entry]
-    ranks: list[int] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return max(e.step for e in self.entries.values())
-
-    def what(self) -> str:
-        return f"collective #{self.seq} differs across ranks: " + "; ".join(
-            f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r in self.ranks
-        ) + " vs " + "; ".join(f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks)
-
-
-def slots(sequences: Mapping[int, Sequence[Entry]]) -> dict[tuple[str, int], dict[int, Entry]]:
-    """The comparable entries by (group, sequence number), then by rank."""
-    out: dict[tuple[str, int], dict[int, Entry]] = {}
-    for rank, entries in sequences.items():
-        for e in entries:
-            if e.comparable:
-                out.setdefault((e.group, e.seq), {})[rank] = e
-    return out
-
-
-def collective_mismatch(sequences: Mapping[int, Sequence[Entry]]) -> Mismatch | None:
-    """The first slot (per group) where the ranks holding it issued different collectives."""
-    for (group, seq), by_rank in sorted(slots(sequences).items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        keys: dict[str, list[int]] = {}
-        for rank, e in sorted(by_rank.items()):
-            keys.setdefault(e.key, []).append(rank)
-        if len(keys) > 1:
-            return Mismatch(group, seq, by_rank, minority(keys))
-    return None
-
-
-class LiveWatch:
-    """Called by the World with the ranks' progress while a task runs: returns a reason to
-    stop the task when ranks issued different collectives at the same slot. Waits until
-    every rank reached the slot (or ``settle`` seconds) so the minority is the right one."""
-
-    def __init__(self, settle: float = 1.0) -> None:
-        self.settle = settle
-        self.found: Mismatch | None = None
-        self._since: float | None = None
-
-    def __call__(self, progress: list[str]) -> str | None:
-        positions = {r: p for r, text in enumerate(progress) if (p := parse_progress(text)) is not None}
-        mismatch = collective_mismatch({r: p.recent for r, p in positions.items()})
-        if mismatch is None:
-            self._since = None
-            return None
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        everyone = len(mismatch.entries) == len(progress)
-        if not everyone and now - self._since < self.settle:
-            return None
-        self.found = mismatch
-        return "ranks issued different collectives: " + mismatch.what()

@@ -1,32 +1,24 @@
 """``profile``: a case's DDP communication at each world size (``ddparity profile``).
 
 Runs in the same warm worlds as :func:`ddparity.check`, with the same hang and crash
-detection; the rank side is :mod:`ddparity.harness.comm_task`, the figures
+detection; the rank side is :mod:`ddparity.harness.profile_task`, the figures
 :mod:`ddparity.checks.comm`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.comm import WorldProfile, add_scaling, render, summarize
-from ddparity.controller import (
-    WorldPool,
-    _unrunnable,
-    choose_backend,
-    default_pool,
-    failure_run,
-)
+from ddparity.checks.comm import WorldProfile, add_scaling, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
-from ddparity.harness.comm_task import profile_task
 from ddparity.harness.modes import prepare_task
+from ddparity.harness.pool import WorldPool, default_pool
+from ddparity.harness.profile_task import profile_task
 from ddparity.render import failure_detail
-from ddparity.report import exit_code
+from ddparity.report import ProfileReport
 from ddparity.settings import (
     PROFILE_STEPS,
     PROFILE_WARMUP,
@@ -36,30 +28,7 @@ from ddparity.settings import (
     CheckOptions,
     validate_count,
 )
-
-
-@dataclass
-class ProfileReport:
-    case: str
-    runs: list[WorldProfile] = field(default_factory=list)
-    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
-
-    @property
-    def exit_code(self) -> int:
-        """0 every world size profiled (or skipped), 2 bad input, 3 a hang or crash."""
-        return exit_code({r.status for r in self.runs})
-
-    def to_json(self) -> dict[str, Any]:
-        return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs]}
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
-
-    def render(self) -> str:
-        return render(self.case, self.runs)
-
-    def __str__(self) -> str:
-        return self.render()
+from ddparity.verbs.plan import cannot_run, choose_backend, failure_run, profile_repro
 
 
 def profile(
@@ -93,22 +62,14 @@ def profile(
     except WorldFailure as exc:
         report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
         for run in report.runs:
-            run.repro = _repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
+            run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
         return report
     for ws in opts.world_sizes:
         run = _profile_one(case, opts, chosen, ws, state, batch_sizes, steps, warmup, pool)
-        run.repro = _repro(case, ws, run.backend, steps, warmup, opts.timeout)
+        run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout)
         report.runs.append(run)
     add_scaling(report.runs)
     return report
-
-
-def _repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float) -> str:
-    if case.target:
-        return (f"ddparity profile {case.target} --world-sizes {ws} --backend {backend} --steps {steps} "
-                f"--warmup {warmup} --timeout {timeout:g}")
-    return (f"ddparity.profile(case, world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
-            f"steps={steps}, warmup={warmup})  # seed={case.seed}")
 
 
 def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: Any, batch_sizes: list[int],
@@ -119,7 +80,7 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: A
                             reason=f"{ws} ranks exceed this machine's limit for real processes ({REAL_RANKS_LIMIT}, "
                                    f"2 x CPUs); profiling needs real ones. Force it with --backend gloo "
                                    f"(oversubscribed: the figures will say more about the CPUs than the network)")
-    unrunnable = _unrunnable(case, opts, backend, ws, batch_sizes)
+    unrunnable = cannot_run(case, opts, backend, ws, batch_sizes)
     if unrunnable is not None:
         return WorldProfile(world_size=ws, backend=backend, status=unrunnable.status, reason=unrunnable.reason)
     try:
@@ -147,4 +108,4 @@ def _failed(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldPr
                         hang=run.hang, crash=run.crash, seconds=seconds)
 
 
-__all__ = ["ProfileReport", "profile"]
+__all__ = ["profile"]

@@ -1,0 +1,61 @@
+"""What ranks measure and send back, as plain data: the profile's step and bucket
+timings (:mod:`ddparity.harness.profile_task`) and a rank's health measurements
+(:mod:`ddparity.harness.health_task`). Judged by :mod:`ddparity.checks.comm` and
+:mod:`ddparity.checks.health`. A leaf module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class BucketTiming:
+    """One gradient bucket's communication: the collectives its comm hook issued (op
+    names), their bytes, and when it ran, in seconds from the start of the backward pass."""
+
+    index: int
+    nbytes: int
+    start: float
+    end: float
+    ops: tuple[str, ...] = ("all_reduce",)
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """One measured iteration on one rank (seconds)."""
+
+    sync: float
+    no_sync: float
+    optimizer: float
+    buckets: list[BucketTiming] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RankProfile:
+    rank: int
+    world_size: int
+    device: str
+    samples: int  # this rank's samples per step
+    steps: list[StepTiming] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RankHealth:
+    rank: int
+    world_size: int
+    host: str
+    device: str
+    device_name: str
+    torch_version: str
+    cuda_version: str | None
+    python_version: str
+    barrier_s: float = 0.0
+    # collective results that were wrong on this rank: "all_reduce 1000 elements: ..."
+    collective_errors: list[str] = field(default_factory=list)
+    matmul_max_rel_error: float = 0.0
+    matmul_bits: int = 0
+    gflops: float = 0.0
+    latency_s: float = 0.0
+    # (bytes, seconds per all-reduce on this rank) for each size
+    allreduce: list[tuple[int, float]] = field(default_factory=list)

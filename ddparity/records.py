@@ -1,0 +1,159 @@
+"""What ranks leave in the side channel, and its codec: each record's writer beside its
+reader.
+
+Three records per rank and task (see :mod:`ddparity.harness.sidechannel` for the keys):
+
+* the **progress** record, overwritten at every event: the rank's step, phase, the
+  blocking collective it is inside (if any) and its most recent collectives;
+* the **ledger**: one line per collective, appended;
+* the **fingerprints**: one line per training step, appended.
+
+The rank side (:mod:`ddparity.harness.recorder`) writes them with the ``encode_*``
+functions; the judging side (:mod:`ddparity.checks`) reads them with the ``parse_*``
+ones. A leaf module: plain data, no torch, no harness.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("", "build", "ddp", "forward", "backward", "optimizer", "fingerprint",
+          "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done")
+"""Phases of a training step in the order a rank passes them (for who is behind)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecords:
+    """What one rank left in the side channel for one task (decoded text)."""
+
+    progress: str = ""
+    ledger: str = ""
+    fingerprints: str = ""
+
+
+# -- one collective ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One recorded collective."""
+
+    group: str
+    """``world``, another process group's name, or ``p2p`` (pairwise: not compared)."""
+    seq: int
+    """Its place in the group's sequence on this rank, from 0."""
+    op: str
+    key: str
+    """What must agree across ranks (op, reduce op, root, shapes and dtypes)."""
+    desc: str
+    site: str
+    """The caller's source line (the first frame outside torch and ddparity)."""
+    via: str
+    """What issued it on the caller's behalf, e.g. ``DDP gradient bucket 0``."""
+    step: int
+    phase: str
+    t: float
+    is_async: bool
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Entry:
+        return cls(d["g"], d["s"], d["op"], d["k"], d["d"], d["site"], d.get("via", ""), d.get("step", -1),
+                   d.get("phase", ""), d.get("t", 0.0), d.get("async", False))
+
+    @property
+    def comparable(self) -> bool:
+        return self.group != "p2p"
+
+    def render(self) -> str:
+        via = f" [{self.via}]" if self.via else ""
+        return f"#{self.seq} {self.desc}{via} at {self.site}"
+
+
+def encode_entry(group: str, seq: int, op: str, key: str, desc: str, site: str, via: str, step: int,
+                 phase: str, t: float, is_async: bool) -> str:
+    """One ledger line (the inverse of :meth:`Entry.from_json`)."""
+    return json.dumps(
+        {"g": group, "s": seq, "op": op, "k": key, "d": desc, "site": site, "via": via, "step": step,
+         "phase": phase, "t": round(t, 6), "async": is_async},
+        separators=(",", ":"),
+    )
+
+
+def parse_ledger(text: str) -> list[Entry]:
+    entries = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                entries.append(Entry.from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a dying rank
+    return entries
+
+
+# -- where a rank is ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a rank is: its step and phase, the blocking collective it is inside (if
+    any), and its most recent collectives."""
+
+    step: int = -1
+    phase: str = ""
+    inflight: int | None = None
+    recent: tuple[Entry, ...] = ()
+    events: int = 0
+
+    @property
+    def last(self) -> Entry | None:
+        world = [e for e in self.recent if e.group == "world"]
+        return world[-1] if world else None
+
+    @property
+    def seq(self) -> int:
+        last = self.last
+        return last.seq if last is not None else -1
+
+    def order(self) -> tuple[int, int, int]:
+        """Sortable progress: step, then phase, then collectives issued."""
+        phase = PHASES.index(self.phase) if self.phase in PHASES else 0
+        return (self.step, phase, self.seq)
+
+
+def encode_progress(events: int, step: int, phase: str, inflight: int | None, recent: Iterable[str]) -> str:
+    """The progress record; ``recent`` are ledger lines from :func:`encode_entry`, embedded
+    as they are (this runs at every event of a rank: no re-encoding)."""
+    flight = "null" if inflight is None else str(inflight)
+    return (f'{{"n":{events},"step":{step},"phase":{json.dumps(phase)},'
+            f'"inflight":{flight},"recent":[{",".join(recent)}]}}')
+
+
+def parse_progress(text: str) -> Position | None:
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+        return Position(d["step"], d["phase"], d["inflight"], tuple(Entry.from_json(e) for e in d["recent"]), d["n"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# -- a replica's fingerprints after a step ---------------------------------------------
+
+
+def encode_fingerprints(step: int, values: dict[str, int]) -> str:
+    return json.dumps({"step": step, "fp": values}, separators=(",", ":"))
+
+
+def parse_fingerprints(text: str) -> dict[int, dict[str, int]]:
+    steps: dict[int, dict[str, int]] = {}
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+            steps[int(d["step"])] = d["fp"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps

@@ -1,0 +1,123 @@
+"""What ``check``, ``profile`` and ``health`` share: the planning of runs (which backend,
+which world sizes can run here), the turning of a world failure into a verdict, and the
+line that reproduces a run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.checks.verdict import judge_failure
+from ddparity.errors import CaseError, TaskFailed, UsageError, WorldFailure, WorldStartError
+from ddparity.harness import rendezvous
+from ddparity.report import RunResult
+from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
+
+# -- planning ----------------------------------------------------------------------------
+
+
+def choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
+    """One backend for the whole check, so every run is compared on the same device kind
+    (``threaded`` runs its simulated ranks in a gloo world's process)."""
+    if backend == "threaded":
+        from ddparity.harness.threaded import threaded_pg
+
+        threaded_pg()  # raises a UsageError naming the fix where torch lacks it
+        return "gloo"
+    if backend == "auto":
+        sizes = [ws for ws in world_sizes if ws <= REAL_RANKS_LIMIT] or [1]
+        return rendezvous.resolve_backend("auto", max(sizes))
+    if backend == "nccl" and rendezvous.cuda_device_count() == 0:
+        rendezvous.resolve_backend("nccl", 1)  # raises: no GPU at all is a usage error
+    return backend
+
+
+def run_backend(opts: CheckOptions, chosen: str, ws: int) -> str:
+    """The backend of the DDP run at ``ws``: ``threaded`` (simulated ranks) when asked for,
+    or with ``auto`` above :data:`REAL_RANKS_LIMIT` CPU ranks; else the check's backend."""
+    if opts.backend == "threaded" or (opts.backend == "auto" and chosen == "gloo" and ws > REAL_RANKS_LIMIT):
+        return "threaded"
+    return chosen
+
+
+def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: list[int]) -> RunResult | None:
+    """The ``error`` or ``skipped`` run that stands for a DDP run at ``ws`` which cannot
+    happen here (a batch that cannot be sharded, too few GPUs); None when it can run."""
+    repro = check_repro(case, "ddp", ws, backend, opts.tolerance)
+    if any(size < 1 for size in sizes):
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+                         reason="cannot find the batch dimension: the data function's inputs hold no tensor "
+                                "with a dim 0 to shard")
+    uneven = [(step, size) for step, size in enumerate(sizes) if size % ws]
+    if uneven:
+        step, size = uneven[0]
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+                         reason=f"the global batch of step {step} has {size} samples, which cannot be split "
+                                f"into {ws} equal shards; use a batch size divisible by every world size "
+                                f"(e.g. {math.lcm(*opts.world_sizes)})")
+    gpus = rendezvous.cuda_device_count() if backend == "nccl" else 0
+    if backend == "nccl" and gpus < ws:
+        return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
+                         reason=f"nccl needs {ws} CUDA devices, {gpus} visible")
+    return None
+
+
+# -- failures ----------------------------------------------------------------------------
+
+
+def user_error(exc: BaseException) -> str:
+    """The error as the user should read it, with the traceback from their code."""
+    if isinstance(exc, TaskFailed):
+        bad = [o for o in exc.outcomes if not o.ok]
+        head = bad[0]
+        return f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+    return f"{type(exc).__name__}: {exc}"
+
+
+def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
+    """The verdict on a run the World could not finish: ``error`` when the case itself
+    cannot run (its factory, data or loss raised; the world could not start), else the
+    desync, hang or crash that :func:`ddparity.checks.verdict.judge_failure` finds."""
+    run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
+    if isinstance(exc, TaskFailed) and any(isinstance(o.error, (CaseError, UsageError))
+                                           for o in exc.outcomes if not o.ok):
+        run.reason = user_error(exc)
+        return run
+    if isinstance(exc, WorldFailure) and not isinstance(exc, WorldStartError):
+        return judge_failure(run, exc)
+    run.reason = user_error(exc)
+    return run
+
+
+# -- reproduce lines ---------------------------------------------------------------------
+
+
+def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any) -> str:
+    if case.target:
+        return (
+            f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
+            f"--steps {case.steps} --tolerance {tolerance}"
+        )
+    return (
+        f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
+        f"tolerance={tolerance!r})  # seed={case.seed}, steps={case.steps}"
+    )
+
+
+def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float) -> str:
+    if case.target:
+        return (f"ddparity profile {case.target} --world-sizes {ws} --backend {backend} --steps {steps} "
+                f"--warmup {warmup} --timeout {timeout:g}")
+    return (f"ddparity.profile(case, world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
+            f"steps={steps}, warmup={warmup})  # seed={case.seed}")
+
+
+def health_repro(program: str, head: str, timeout: float, min_busbw: float | None,
+                 sizes_bytes: tuple[int, ...], fault_env: str) -> str:
+    sizes = ",".join(f"{b / 2**20:g}" for b in sizes_bytes)
+    floor = f" --min-busbw {min_busbw:g}" if min_busbw is not None else ""
+    drill = f"{fault_env}={os.environ[fault_env]} " if os.environ.get(fault_env) else ""
+    return f"{drill}{program} health {head} --sizes {sizes} --timeout {timeout:g}{floor}"
