@@ -18,8 +18,8 @@ import statistics
 import time
 
 from ddparity.fixtures.models import profile_demo
-from ddparity.harness.modes import prepare_task
 from ddparity.harness.pool import WorldPool
+from ddparity.harness.tasks import prepare_task
 from ddparity.verbs.profile import profile
 
 
@@ -29,17 +29,17 @@ def plain_loop(ctx, case, state, steps, warmup):  # noqa: ANN001, ANN201 - runs 
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.case import make_optimizer, resolve_loss
-    from ddparity.harness.modes import _cast, _data_fn, _global_batch, _prepared, shard
+    from ddparity.harness.training import cast, data_fn, global_batch, prepared, shard
 
-    model = DistributedDataParallel(_prepared(case, state, ctx.device), **case.ddp_options)
+    model = DistributedDataParallel(prepared(case, state, ctx.device), **case.ddp_options)
     optimizer = make_optimizer(case, model.parameters())
     loss_fn = resolve_loss(case.loss)
-    data, generator = _data_fn(case), torch.Generator().manual_seed(case.seed)
+    data, generator = data_fn(case), torch.Generator().manual_seed(case.seed)
     batches = []
     for step in range(case.steps):
-        x, y = _global_batch(case, data, step, generator)
-        batches.append((_cast(shard(x, ctx.rank, ctx.world_size), case, ctx.device),
-                        _cast(shard(y, ctx.rank, ctx.world_size), case, ctx.device)))
+        x, y = global_batch(data, step, generator)
+        batches.append((cast(shard(x, ctx.rank, ctx.world_size), case, ctx.device),
+                        cast(shard(y, ctx.rank, ctx.world_size), case, ctx.device)))
     timings = {"step": [], "no_sync": []}
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]

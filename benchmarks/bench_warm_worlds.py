@@ -28,8 +28,9 @@ import torch.multiprocessing as tmp
 
 from ddparity import check
 from ddparity.fixtures import models
-from ddparity.harness.modes import ddp_task, initial_state
 from ddparity.harness.pool import WorldPool
+from ddparity.harness.tasks import ddp_task
+from ddparity.harness.training import initial_state
 
 STEPS = 5
 

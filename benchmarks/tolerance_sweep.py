@@ -17,8 +17,8 @@ import torch
 from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance
 from ddparity.fixtures import models
-from ddparity.harness.modes import ddp_task, prepare_task, reference_task
 from ddparity.harness.pool import WorldPool
+from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
 from ddparity.trace import RECORD_KINDS
 
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ddparity.case import Case
     from ddparity.errors import DdparityError, ParityError, UsageError
+    from ddparity.harness.outcomes import RankOutcome
     from ddparity.harness.protocol import RankContext
-    from ddparity.harness.world import RankOutcome, World
+    from ddparity.harness.world import World
     from ddparity.report import Divergence, HealthReport, ProfileReport, Report, RunResult
     from ddparity.verbs.check import check
     from ddparity.verbs.health import health
@@ -27,7 +28,7 @@ _HOMES = {
     "ParityError": "ddparity.errors",
     "UsageError": "ddparity.errors",
     "RankContext": "ddparity.harness.protocol",
-    "RankOutcome": "ddparity.harness.world",
+    "RankOutcome": "ddparity.harness.outcomes",
     "World": "ddparity.harness.world",
     "HealthReport": "ddparity.report",
     "health": "ddparity.verbs.health",

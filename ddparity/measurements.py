@@ -1,5 +1,5 @@
 """What ranks measure and send back, as plain data: the profile's step and bucket
-timings (:mod:`ddparity.harness.profile_task`) and a rank's health measurements
+timings (:mod:`ddparity.harness.modes.timed`) and a rank's health measurements
 (:mod:`ddparity.harness.health_task`). Judged by :mod:`ddparity.checks.comm` and
 :mod:`ddparity.checks.health`. A leaf module.
 """

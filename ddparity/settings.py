@@ -273,6 +273,32 @@ class CheckOptions:
         return cls(**out)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorldSpec:
+    """How a world is built. Validated once; errors name the bad value and the fix."""
+
+    world_size: int
+    backend: str = "gloo"
+    timeout: float = WORLD_TIMEOUT_S
+    """Seconds a task may go without progress (see :meth:`ddparity.World.submit`)."""
+    start_timeout: float = WORLD_START_TIMEOUT_S
+    threads_per_rank: int = 1
+    error_grace: float = 0.5
+    """After a rank raised, how long the others may keep running before they are stopped."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise UsageError(f"world_size must be an int, got {self.world_size!r}")
+        if self.world_size < 1:
+            raise UsageError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("timeout", "start_timeout", "error_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
+            raise UsageError(f"threads_per_rank must be an int >= 1, got {self.threads_per_rank!r}")
+
+
 def _sequence(value: Any, name: str, where: str) -> Any:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise UsageError(f"{where}: {name} must be a sequence such as (1, 2, 4), got {value!r}")
@@ -286,5 +312,6 @@ __all__ = [
     "TIMEOUT_S",
     "WORLD_BACKENDS",
     "CheckOptions",
+    "WorldSpec",
     "default_max_ranks",
 ]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ddparity.checks.verdict import judge_completed, judge_failure
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
+from ddparity.harness.outcomes import RankOutcome
 from ddparity.harness.threaded import SimulatedRankError
-from ddparity.harness.world import RankOutcome
 from ddparity.records import RankRecords
 from ddparity.report import Divergence, Report, RunResult
 

@@ -2,7 +2,7 @@
 within a deadline. :class:`ddparity.World` decides when; this module knows how.
 
 Ranks are forked from this (already torch-importing) process, or from a forkserver that
-preloaded torch when forking here is unsafe (see ``World._start_method``).
+preloaded torch when forking here is unsafe (see :func:`start_method`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ddparity.errors import WorldStartError
+from ddparity.harness import rendezvous
 from ddparity.harness.output import OutputReader
 from ddparity.harness.protocol import RankReady, RankSpec, RankStartFailed
 
@@ -56,6 +57,18 @@ DNS_HINT = (" They were waiting for a reverse DNS lookup: torch's TCPStore clien
             " query (glibc retries after 5 s). Starting the process (pytest, ddparity) with"
             " RES_OPTIONS='timeout:1 attempts:1' bounds such a wait to 1 s.")
 """Added to the warning when stuck ranks' stacks show that lookup."""
+
+
+def start_method(backend: str, threads_per_rank: int) -> str:
+    """Fork from here when it is safe, else from a forkserver that preloaded torch.
+
+    Unsafe: a CUDA world, a process whose CUDA driver is initialised, and ranks with
+    more than one intra-op thread (libgomp hangs in a child forked after the parent
+    ran a parallel region; with one thread it never enters one).
+    """
+    if backend == "gloo" and threads_per_rank == 1 and not rendezvous.cuda_driver_initialized():
+        return "fork"
+    return "forkserver"
 
 
 class JoinTimeout(Exception):

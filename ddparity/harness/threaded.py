@@ -50,7 +50,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
     import torch
     import torch.distributed as dist
 
-    from ddparity.harness.modes import ddp_task
+    from ddparity.harness.tasks import ddp_task
 
     module = threaded_pg()
     isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")  # noqa: B009 - private

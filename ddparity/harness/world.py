@@ -4,7 +4,8 @@ The controller's only door to the ranks. Start-up is cheap because ranks are for
 this (already torch-importing) process, or from a forkserver that preloaded torch when
 forking here is unsafe (a CUDA world, or ranks that want more than one intra-op thread:
 libgomp in a forked child hangs if the parent ever ran a multi-threaded region); how a
-process is started and joined is :mod:`ddparity.harness.launch`.
+process is started and joined is :mod:`ddparity.harness.launch`, how a failed task
+becomes evidence and an exception :mod:`ddparity.harness.outcomes`.
 
 Ranks die with their controller (``PR_SET_PDEATHSIG``), so even a SIGKILLed parent leaves
 no process behind; every wait here has a deadline.
@@ -16,25 +17,16 @@ import dataclasses
 import itertools
 import logging
 import os
-import signal
 import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ddparity.errors import (
-    RankCrashed,
-    StillRunning,
-    TaskFailed,
-    TaskStopped,
-    TaskTimeout,
-    UsageError,
-    WorldFailure,
-)
-from ddparity.harness import launch, rendezvous
+from ddparity.errors import UsageError, WorldFailure
+from ddparity.harness import launch, outcomes, rendezvous
+from ddparity.harness.outcomes import RankOutcome
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
     RankSpec,
@@ -43,14 +35,10 @@ from ddparity.harness.protocol import (
     TaskDone,
 )
 from ddparity.harness.sidechannel import TaskChannel
-from ddparity.harness.stacks import py_spy_stacks
 from ddparity.records import RankRecords
-from ddparity.settings import PG_TIMEOUT_MARGIN_S, WORLD_START_TIMEOUT_S, WORLD_TIMEOUT_S
+from ddparity.settings import PG_TIMEOUT_MARGIN_S, WorldSpec
 
 log = logging.getLogger("ddparity")
-
-STACK_DUMP_WAIT_S = 1.0
-"""How long to wait for ranks to print their stacks (SIGUSR1) before they are killed."""
 
 POLL_S = 0.1
 """How often the controller reads the ranks' progress while a task runs."""
@@ -61,44 +49,6 @@ FAILURE_QUIET_S = 0.25
 
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WorldSpec:
-    """How a world is built. Validated once; errors name the bad value and the fix."""
-
-    world_size: int
-    backend: str = "gloo"
-    timeout: float = WORLD_TIMEOUT_S
-    start_timeout: float = WORLD_START_TIMEOUT_S
-    threads_per_rank: int = 1
-    error_grace: float = 0.5
-
-    def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
-            raise UsageError(f"world_size must be an int, got {self.world_size!r}")
-        if self.world_size < 1:
-            raise UsageError(f"world_size must be >= 1, got {self.world_size}")
-        for name in ("timeout", "start_timeout", "error_grace"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
-            raise UsageError(f"threads_per_rank must be an int >= 1, got {self.threads_per_rank!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class RankOutcome:
-    """What one rank made of one task."""
-
-    rank: int
-    ok: bool
-    value: Any = None
-    error: BaseException | None = None
-    traceback: str = ""
-    output: str = ""
-    seconds: float = 0.0
-    records: RankRecords | None = None  # what the rank left in the side channel
 
 
 class PendingTask:
@@ -219,21 +169,6 @@ class World:
     def _store_prefix(self) -> str:
         return f"ddparity/gen{self._generation}"
 
-    def _start_method(self) -> str:
-        """Fork from here when it is safe, else from a forkserver that preloaded torch.
-
-        Unsafe: a CUDA world, a process whose CUDA driver is initialised, and ranks with
-        more than one intra-op thread (libgomp hangs in a child forked after the parent
-        ran a parallel region; with one thread it never enters one).
-        """
-        if (
-            self.backend == "gloo"
-            and self.spec.threads_per_rank == 1
-            and not rendezvous.cuda_driver_initialized()
-        ):
-            return "fork"
-        return "forkserver"
-
     def _device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.backend == "nccl" else "cpu"
 
@@ -261,7 +196,7 @@ class World:
         launch.preload()
         if self._store is None:
             self._store = rendezvous.LoopbackStore(timeout_s=self.spec.start_timeout)
-        method = self._start_method()
+        method = launch.start_method(self.backend, self.spec.threads_per_rank)
         if method == "fork":
             try:
                 self._start_ranks("fork", min(self.spec.start_timeout, launch.FORK_JOIN_S))
@@ -271,7 +206,7 @@ class World:
                 # query costs 5 s a try (see launch.DNS_HINT). A child could also inherit a lock a
                 # controller thread held at fork. Either way, start this generation again
                 # from the forkserver rather than wait.
-                stacks = self._dump_stacks(stuck.ranks)
+                stacks = outcomes.dump_stacks(self._ranks, stuck.ranks)
                 text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in stacks.items())
                 log.warning(
                     "forked ranks %s of a %d-rank world did not join within %g s; starting them "
@@ -374,7 +309,7 @@ class World:
         ranks = self._ranks
         n = self.spec.world_size
         task_id, limit = task._task_id, task._limit
-        outcomes: list[RankOutcome | None] = [None] * n
+        results: list[RankOutcome | None] = [None] * n
         pending = set(range(n))
         first_failure: float | None = None
         last_progress = time.monotonic()
@@ -408,21 +343,20 @@ class World:
                 # A message can still be queued behind a rank's death: read it first.
                 for done in launch.queued(ranks.controls[rank]):
                     if isinstance(done, TaskDone) and done.task_id == task_id and rank in pending:
-                        outcomes[rank] = self._decode(done)
+                        results[rank] = self._decode(done)
                         pending.discard(rank)
                         last_progress = time.monotonic()
                         if not done.ok and first_failure is None:
                             first_failure = time.monotonic()
                 if rank in pending and not isinstance(obj, Connection):
-                    self._crashed(rank, task_id, outcomes)
+                    outcomes.crashed(ranks, self._kill, rank, task_id, results)
         if stop_reason:
-            self._stopped(sorted(pending), task_id, stop_reason)
+            outcomes.stopped(ranks, self._kill, sorted(pending), task_id, stop_reason)
         if pending:
-            self._stuck(sorted(pending), task_id, outcomes, limit, timed_out=first_failure is None)
-        final = [o for o in outcomes if o is not None]
-        if not all(o.ok for o in final):
-            bad = [o for o in final if not o.ok]
-            raise TaskFailed(_failure_summary(bad), final)
+            outcomes.stuck(ranks, self._kill, sorted(pending), task_id, results, limit,
+                           timed_out=first_failure is None, error_grace=self.spec.error_grace)
+        final = [o for o in results if o is not None]
+        outcomes.raise_if_failed(final)
         return final
 
     def _progress(self, task: PendingTask) -> list[str] | None:
@@ -442,40 +376,9 @@ class World:
             return RankOutcome(done.rank, True, value, None, "", output, done.seconds)
         return RankOutcome(done.rank, False, None, value, done.traceback, output, done.seconds)
 
-    def _dump_stacks(self, ranks_to_dump: list[int], native: bool = True) -> dict[int, str]:
-        """Every thread's stack of each live rank: py-spy where it can attach, else the
-        rank's own faulthandler dump on SIGUSR1. Native frames (where gloo or NCCL
-        waits) for hangs; for the bystanders of a crash the Python stacks, which py-spy
-        takes in milliseconds even from busy ranks (native unwinding of 7 busy ranks on
-        2 cores took 1.4 s)."""
-        pids = {r: p.pid for r in ranks_to_dump if (p := self._ranks.procs[r]).is_alive() and p.pid}
-        stacks = py_spy_stacks(pids, native=native)
-        fallback = [r for r in ranks_to_dump if not stacks.get(r)]
-        if fallback:
-            for rank in fallback:
-                pid = pids.get(rank)
-                if pid:
-                    try:
-                        os.kill(pid, signal.SIGUSR1)
-                    except OSError:
-                        pass
-            self._await_quiet_output(fallback, STACK_DUMP_WAIT_S)
-            for rank in fallback:
-                text = self._ranks.readers[rank].take_all()
-                stacks[rank] = f"(py-spy unavailable; faulthandler dump)\n{text}" if text.strip() else ""
-        return stacks
-
-    def _await_quiet_output(self, ranks: list[int], limit: float) -> None:
-        """Until every rank printed something and then nothing more for 0.1 s (a
-        faulthandler dump is written at once), or ``limit`` seconds."""
-        deadline = time.monotonic() + limit
-        sizes: list[int] = []
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = [self._ranks.readers[r].buffered for r in ranks]
-            if all(now) and now == sizes:
-                return
-            sizes = now
+    def _kill(self) -> None:
+        self._ranks.kill()
+        self._live = False
 
     def _replace_dead_ranks(self) -> None:
         """A rank that died after its last task finished (a crash in teardown, a
@@ -489,71 +392,3 @@ class World:
                         launch.signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
             self.restart()
 
-    def _stop(self, ranks: list[int], native: bool) -> dict[int, str]:
-        """Take the stacks of ``ranks`` (evidence first), then kill the generation."""
-        stacks = self._dump_stacks(ranks, native=native)
-        self._kill()
-        return stacks
-
-    def _kill(self) -> None:
-        self._ranks.kill()
-        self._live = False
-
-    def _stopped(self, pending: list[int], task_id: int, reason: str) -> None:
-        stacks = self._stop(pending, native=False)
-        head = f"task {task_id} was stopped: {reason}; the world was rebuilt"
-        raise TaskStopped(_with_stacks(head, stacks), reason, pending, stacks)
-
-    def _crashed(self, rank: int, task_id: int, outcomes: list[RankOutcome | None]) -> None:
-        proc = self._ranks.procs[rank]
-        proc.join(timeout=1)
-        others = [r for r in range(self.spec.world_size) if r != rank and outcomes[r] is None]
-        stacks = self._dump_stacks(others, native=False)  # first: "at that moment"
-        output = self._ranks.readers[rank].take_all(settle=1.0)
-        self._kill()
-        how = launch.signal_name(proc.exitcode)
-        lines = [f"rank {rank} died ({how}) while running task {task_id}; the world will be rebuilt"]
-        if output.strip():
-            lines.append(f"--- rank {rank} output ---\n{output.rstrip()}")
-        for r, text in stacks.items():
-            if text.strip():
-                lines.append(f"--- rank {r} at that moment ---\n{text.rstrip()}")
-        raise RankCrashed("\n".join(lines), rank, proc.exitcode, output, stacks)
-
-    def _stuck(
-        self,
-        pending: list[int],
-        task_id: int,
-        outcomes: list[RankOutcome | None],
-        limit: float,
-        timed_out: bool,
-    ) -> None:
-        stacks = self._stop(pending, native=timed_out)
-        if timed_out:
-            head = f"ranks {pending} made no progress on task {task_id} for {limit:g} s; the world was rebuilt"
-            raise TaskTimeout(_with_stacks(head, stacks), pending, stacks)
-        failed = [o.rank for o in outcomes if o is not None and not o.ok]
-        for r in pending:
-            outcomes[r] = RankOutcome(
-                r,
-                False,
-                error=StillRunning(
-                    f"rank {r} was still running {self.spec.error_grace:g} s after rank(s) "
-                    f"{failed} failed (most likely waiting for them in a collective)"
-                ),
-                output=stacks.get(r, ""),
-            )
-
-
-def _with_stacks(head: str, stacks: dict[int, str]) -> str:
-    return "\n".join([head] + [f"--- rank {r} stack ---\n{t.rstrip() or '(no stack printed)'}"
-                                for r, t in stacks.items()])
-
-
-def _failure_summary(bad: list[RankOutcome]) -> str:
-    head = bad[0]
-    ranks = ", ".join(str(o.rank) for o in bad)
-    text = f"task failed on rank(s) {ranks}: {type(head.error).__name__}: {head.error}"
-    if head.traceback:
-        text += f"\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}"
-    return text

@@ -17,8 +17,8 @@ from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
 from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.fingerprint import trace_fingerprints
-from ddparity.harness.modes import ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.pool import WorldPool, default_pool
+from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.world import PendingTask
 from ddparity.report import Report, RunResult
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions

@@ -1,7 +1,7 @@
 """``profile``: a case's DDP communication at each world size (``ddparity profile``).
 
 Runs in the same warm worlds as :func:`ddparity.check`, with the same hang and crash
-detection; the rank side is :mod:`ddparity.harness.profile_task`, the figures
+detection; the rank side is :mod:`ddparity.harness.modes.timed`, the figures
 :mod:`ddparity.checks.comm`.
 """
 
@@ -14,9 +14,8 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile, add_scaling, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
-from ddparity.harness.modes import prepare_task
 from ddparity.harness.pool import WorldPool, default_pool
-from ddparity.harness.profile_task import profile_task
+from ddparity.harness.tasks import prepare_task, profile_task
 from ddparity.render import failure_detail
 from ddparity.report import ProfileReport
 from ddparity.settings import (

@@ -1,4 +1,5 @@
-"""Rank side of ``ddparity profile``: time a case's DDP steps and its gradient buckets.
+"""Mode ``timed``, the rank side of ``ddparity profile``: a case's DDP steps and its
+gradient buckets, timed.
 
 Each measured iteration runs the same global batch shard three ways, every one started
 together behind a barrier (and a device synchronisation on CUDA):
@@ -12,18 +13,19 @@ together behind a barrier (and a device synchronisation on CUDA):
 
 ``sync - no_sync`` is the communication the backward pass did not hide (exposed); the
 buckets' busy time is the communication itself. The controller turns these into the
-figures (``ddparity.checks.comm``).
+figures (``ddparity.checks.comm``). Batches cycle through the case's ``case.steps``
+global batches (a data function may only know those).
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.case import Case, make_optimizer, resolve_loss
-from ddparity.harness.modes import _cast, _data_fn, _forward, _global_batch, _prepared, batch_size, shard
-from ddparity.harness.protocol import RankContext
+from ddparity.harness import recorder
+from ddparity.harness.training import Replica, batch_size, forward, shard
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
@@ -90,68 +92,72 @@ def _bucket(mark: list[Any], origin: Any, clock: _Clock) -> BucketTiming:
                         tuple(op for op, _ in sent))
 
 
-def profile_task(ctx: RankContext, case: Case, state: dict[str, Any], steps: int, warmup: int) -> RankProfile:
-    """Time ``warmup + steps`` iterations of the case under DDP; keep the last ``steps``.
+@dataclass
+class TimedMode:
+    rank: int
+    world_size: int
+    device: str
+    measured: int
+    """Iterations measured, after ``warmup`` that are not."""
+    warmup: int
+    comm_hook: Any = None
+    comm_hook_state: Any = None
+    ddp_options: Any = None
+    name: str = "ddp"
+    profile: RankProfile = field(init=False)
 
-    Batches cycle through the case's ``case.steps`` global batches (a data function may
-    only know those).
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    def __post_init__(self) -> None:
+        self.recorder = recorder.active()
+        self.recorder.pause()  # no ledger store writes inside the timed steps; phases keep hang detection informed
+        self.steps = self.warmup + self.measured
+        self.clock = _Clock(self.device)
+        self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
 
-    from ddparity.harness import recorder
+    def wrap(self, model: Any) -> Any:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
 
-    rec = recorder.active()
-    rec.pause()  # no ledger store writes inside the timed steps; phases keep hang detection informed
-    rec.set_phase(-1, "build")
-    model = _prepared(case, state, ctx.device)
-    device_ids = [torch.device(ctx.device).index] if ctx.device.startswith("cuda") else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, **case.ddp_options)
-    clock = _Clock(ctx.device)
-    timer = _BucketTimer(case.comm_hook, copy.deepcopy(case.comm_hook_state), clock, rec)
-    ddp.register_comm_hook(timer, _timed_hook)
-    optimizer = make_optimizer(case, ddp.parameters())
-    loss_fn = resolve_loss(case.loss)
-    data = _data_fn(case)
-    batches = []
-    generator = torch.Generator().manual_seed(case.seed)
-    for step in range(case.steps):
-        inputs, targets = _global_batch(case, data, step, generator)
-        batches.append((_cast(shard(inputs, ctx.rank, ctx.world_size), case, ctx.device),
-                        _cast(shard(targets, ctx.rank, ctx.world_size), case, ctx.device)))
+        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **(self.ddp_options or {}))
+        self.timer = _BucketTimer(self.comm_hook, copy.deepcopy(self.comm_hook_state), self.clock, self.recorder)
+        ddp.register_comm_hook(self.timer, _timed_hook)
+        return ddp
 
-    def forward_backward(inputs: Any, targets: Any, step: int = -1) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(_forward(ddp, inputs), targets)
-        if step >= 0:
-            rec.set_phase(step, "profile backward")  # a rank waiting here is ahead of one still in forward
-        loss.backward()
+    def share(self, batch: Any, size: int | None) -> Any:
+        return shard(batch, self.rank, self.world_size)
 
-    def timed(fn: Any, *args: Any) -> tuple[float, Any]:
-        """Seconds ``fn`` took, started on every rank at once, and its start mark."""
-        dist.barrier()
-        clock.sync()
-        first = clock.mark()
-        fn(*args)
-        last = clock.mark()
-        clock.sync()
-        return clock.seconds(first, last), first
+    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> None:
+        import torch.distributed as dist
 
-    profile = RankProfile(ctx.rank, ctx.world_size, ctx.device, samples=batch_size(batches[0][0]) or 0)
-    for i in range(warmup + steps):
-        rec.set_phase(i, "profile no_sync")
-        inputs, targets = batches[i % len(batches)]
+        rec, ddp, clock, timer = self.recorder, replica.wrapped, self.clock, self.timer
+        if step == 0:
+            self.profile.samples = batch_size(inputs) or 0
+
+        def forward_backward(phase_step: int = -1) -> None:
+            replica.optimizer.zero_grad(set_to_none=True)
+            loss = replica.loss_fn(forward(ddp, inputs), targets)
+            if phase_step >= 0:
+                rec.set_phase(phase_step, "profile backward")  # a rank waiting here is ahead of one in forward
+            loss.backward()
+
+        def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+            """Seconds ``fn`` took, started on every rank at once, and its start mark."""
+            dist.barrier()
+            clock.sync()
+            first = clock.mark()
+            fn(*args)
+            last = clock.mark()
+            clock.sync()
+            return clock.seconds(first, last), first
+
+        rec.set_phase(step, "profile no_sync")
         with ddp.no_sync():
-            no_sync, _ = timed(forward_backward, inputs, targets)
-        rec.set_phase(i, "profile forward")
+            no_sync, _ = timed(forward_backward)
+        rec.set_phase(step, "profile forward")
         timer.marks.clear()
-        sync, origin = timed(forward_backward, inputs, targets, i)
-        rec.set_phase(i, "profile optimizer")
-        opt, _ = timed(optimizer.step)
-        if i < warmup:
-            continue
-        buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
-        profile.steps.append(StepTiming(sync, no_sync, opt, buckets))
-    rec.set_phase(warmup + steps, "done")
-    return profile
+        sync, origin = timed(forward_backward, step)
+        rec.set_phase(step, "profile optimizer")
+        opt, _ = timed(replica.optimizer.step)
+        if step >= self.warmup:
+            buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
+            self.profile.steps.append(StepTiming(sync, no_sync, opt, buckets))

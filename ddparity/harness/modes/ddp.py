@@ -1,0 +1,86 @@
+"""Mode ``ddp``: this rank's contiguous shard of every global batch under
+``DistributedDataParallel`` (real rank processes, or each simulated rank of the threaded
+backend).
+
+With detection (real ranks) the rank reports its phase at every stage of a step, its
+DDP bucket all-reduces are recorded (:mod:`ddparity.harness.ddp_buckets`, wrapping the
+case's own comm hook, if any), and the fingerprints of its replica are published after
+every optimizer step, so the controller can judge hangs and desync.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.harness import ddp_buckets, recorder
+from ddparity.harness.fingerprint import fingerprint
+from ddparity.harness.training import Replica, finish_step, forward, shard, snapshot
+from ddparity.trace import StepRecord
+
+
+@dataclass
+class DDPMode:
+    steps: int
+    rank: int
+    world_size: int
+    device: str
+    comm_hook: Any = None
+    comm_hook_state: Any = None
+    ddp_options: Any = None
+    detect: bool = True
+    name: str = "ddp"
+
+    def __post_init__(self) -> None:
+        self.recorder = recorder.active() if self.detect else recorder.DISABLED
+        if not self.detect:
+            recorder.active().pause()
+        self._buckets: ddp_buckets.BucketLayout | None = None
+
+    def wrap(self, model: Any) -> Any:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.recorder.set_phase(-1, "ddp")
+        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **(self.ddp_options or {}))
+        # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
+        # share one process and would otherwise share one state).
+        hook_state = copy.deepcopy(self.comm_hook_state)
+        if self.detect and (self.comm_hook is not None or not ddp_buckets.BucketLayout.available(ddp)):
+            # the case's own hook (or DDP's default one) wrapped to record each bucket
+            ddp.register_comm_hook(*ddp_buckets.ddp_comm_hook(self.comm_hook, hook_state))
+        elif self.detect:
+            self._buckets = ddp_buckets.BucketLayout(ddp)
+        elif self.comm_hook is not None:
+            ddp.register_comm_hook(hook_state, self.comm_hook)
+        return ddp
+
+    def share(self, batch: Any, size: int | None) -> Any:
+        return shard(batch, self.rank, self.world_size)
+
+    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
+        import torch.distributed as dist
+
+        rec, ddp, model = self.recorder, replica.wrapped, replica.model
+        replica.optimizer.zero_grad(set_to_none=True)
+        loss = replica.loss_fn(forward(ddp, inputs), targets)
+        rec.set_phase(step, "backward")
+        if self._buckets is not None:
+            rec.ddp_buckets(self._buckets.current())
+        loss.backward()  # returns after DDP's gradient all-reduce has finished
+        # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        global_loss /= self.world_size
+        record = snapshot(model, global_loss)
+        rec.set_phase(step, "optimizer")
+        replica.optimizer.step()
+        finish_step(record, model)
+        if self.detect:
+            rec.set_phase(step, "fingerprint")
+            part = None if step == self.steps - 1 else step  # everything at the last step
+            rec.fingerprints(step, fingerprint(model, replica.optimizer, buffers=not ddp.broadcast_buffers,
+                                               part=part))
+        return record

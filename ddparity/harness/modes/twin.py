@@ -1,0 +1,146 @@
+"""The calibration twin of mode ``single``: the same training, summed in another order,
+with the rounding a W-rank run may add. Its distance to the reference is the noise floor
+of ``tolerance="auto"`` (:mod:`ddparity.checks.tolerance` explains the reasoning).
+
+Every global batch is trained in reversed sample order (the same mathematics for any
+model that treats the batch as a set), and every gradient is nudged towards zero, before
+the optimizer step, by W ulps of the size of its summands. The twin's distance to the
+reference therefore contains both the reordering noise and what the optimizer and later
+steps make of worst-case rounding (Adam turns ulps of a near-zero gradient into visible
+update differences). It also records the size of the summands (per-sample, or per-shard)
+for the tolerance floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.harness.recorder import DISABLED
+from ddparity.harness.training import (
+    Replica,
+    batch_size,
+    finish_step,
+    forward,
+    map_tensors,
+    reverse_samples,
+    run_step,
+    shard,
+    snapshot,
+)
+from ddparity.trace import StepRecord
+
+
+@dataclass
+class TwinMode:
+    steps: int
+    twin_world_size: int
+    """The largest world size the reference is compared with (W)."""
+    name: str = "single"
+    rank: int = 0
+    world_size: int = 1
+    recorder: Any = DISABLED
+
+    def wrap(self, model: Any) -> Any:
+        return model
+
+    def share(self, batch: Any, size: int | None) -> Any:
+        return reverse_samples(batch, size) if self.twin_world_size and size else batch
+
+    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
+        model, ws = replica.model, self.twin_world_size
+        loss = run_step(replica, inputs, targets)
+        scales = None
+        if ws > 1:
+            scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
+            size = batch_size(inputs)
+            if scales is None and size and size % ws == 0:
+                scales = shard_magnitudes(model, replica.loss_fn, inputs, targets, ws)
+            nudge_towards_zero(model, scales[1] if scales else {}, ws, replica.case.torch_dtype)
+        record = snapshot(model, loss)
+        if scales is not None:
+            record.loss_scale, record.grad_scales = scales
+        replica.optimizer.step()
+        finish_step(record, model)
+        return record
+
+
+def shard_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any, shards: int) -> tuple[Any, dict]:
+    """Mean over ``shards`` contiguous shards of |shard loss| and |shard gradient|.
+
+    DDP sums the shards' gradients; the rounding of that sum is bounded by the size of its
+    terms, not of its result, which can be far smaller when the terms cancel. These are
+    the terms' sizes. The model's gradients, buffers (BatchNorm statistics) and RNG
+    state are restored, so the reference trajectory is untouched.
+    """
+    import torch
+
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    loss_scale = torch.zeros((), dtype=torch.float64)
+    grad_scale: dict[str, Any] = {}
+    for rank in range(shards):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(model, shard(inputs, rank, shards)), shard(targets, rank, shards))
+        loss.backward()
+        loss_scale += loss.detach().abs().double().cpu() / shards
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                term = p.grad.detach().abs().double().cpu() / shards
+                grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return loss_scale, grad_scale
+
+
+def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tuple[Any, dict] | None:
+    """Mean over samples of |sample loss| and |per-sample gradient|, in one vmapped pass.
+
+    Every reordering of the batch sum (by shards, by all-reduce) rounds in proportion to
+    the size of these terms. Returns None where per-sample gradients are not defined or
+    not computable by ``torch.func`` (BatchNorm in training, randomness, exotic inputs);
+    the caller then falls back to shard magnitudes.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+
+    def one(params: dict, x: Any, y: Any) -> Any:
+        batch = map_tensors(x, lambda t: t.unsqueeze(0))
+        args = batch if isinstance(batch, tuple) else (batch,)
+        loss = loss_fn(functional_call(model, (params, buffers), args), map_tensors(y, lambda t: t.unsqueeze(0)))
+        return loss, loss
+
+    try:
+        if isinstance(inputs, dict):
+            return None
+        per_grad, per_loss = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))(params, inputs, targets)
+    except Exception:  # not expressible per sample: use shards instead
+        return None
+    loss_scale = per_loss.detach().abs().double().mean().cpu()
+    grad_scales = {n: g.detach().abs().double().mean(dim=0).cpu() for n, g in per_grad.items()}
+    return loss_scale, grad_scales
+
+
+def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
+    """Move every gradient towards zero by the rounding a correct W-rank run may add:
+    ``world_size`` ulps of the size of its summands (of itself where that is unknown)."""
+    import torch
+
+    eps = torch.finfo(dtype).eps
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            scale = grad_scales.get(n)
+            size = scale.to(p.grad.device, p.grad.dtype) if scale is not None else p.grad.abs()
+            p.grad.sub_(world_size * eps * size * torch.sign(p.grad))

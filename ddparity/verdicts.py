@@ -1,0 +1,188 @@
+"""The verdicts a run can carry, typed: a :class:`Divergence` from the reference, a
+:class:`Desync` across ranks, a :class:`Hang`, a :class:`Crash`, and the
+:class:`Straggler` notes of a passing run. Decided once in :mod:`ddparity.checks`; the
+same objects become the text (:mod:`ddparity.render`), the JSON (``to_json``: the SPEC's
+version-1 fields, pinned byte for byte by ``tests/test_report_json.py``), the JUnit
+properties and the exit code.
+
+Each verdict also reads like its version-1 JSON object (``run.hang["suspect_ranks"]``),
+as :class:`ddparity.RunResult`'s fields did when they were plain dicts.
+
+A leaf module: plain data, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _ReadsAsJson(Mapping[str, Any]):
+    """A read-only mapping over the verdict's ``to_json()``."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity; an infinite error (shape or NaN mismatch) is written as null."""
+    return x if math.isfinite(x) else None
+
+
+def _by_rank(values: Mapping[int, Any]) -> dict[str, Any]:
+    return {str(r): v.to_json() if hasattr(v, "to_json") else v for r, v in sorted(values.items())}
+
+
+@dataclass(frozen=True)
+class Divergence(_ReadsAsJson):
+    """The first (or a worst) tensor of a run beyond its tolerance of the reference."""
+
+    step: int
+    kind: str
+    """loss | grad | param | buffer"""
+    name: str
+    rank: int
+    max_abs: float
+    max_rel: float
+    tolerance: float
+
+    @property
+    def excess(self) -> float:
+        """How many tolerances away the run is (inf when the tolerance is 0)."""
+        return self.max_abs / self.tolerance if self.tolerance else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "kind": self.kind, "name": self.name, "rank": self.rank,
+                "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel), "tolerance": self.tolerance}
+
+
+@dataclass(frozen=True)
+class IssuedCollective(_ReadsAsJson):
+    """What one rank issued at a mismatched slot of the collective sequence."""
+
+    collective: str
+    site: str
+    via: str
+    step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"collective": self.collective, "site": self.site, "via": self.via, "step": self.step}
+
+
+@dataclass(frozen=True)
+class MismatchedSlot(_ReadsAsJson):
+    """The place in a group's collective sequence where ranks issued different collectives."""
+
+    group: str
+    seq: int
+    ranks: dict[int, IssuedCollective]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "seq": self.seq, "ranks": _by_rank(self.ranks)}
+
+
+@dataclass(frozen=True)
+class Desync(_ReadsAsJson):
+    """Ranks that should agree do not: they issued different collectives (``collective``),
+    or their replicas drifted apart after a step (``differs``, ``agreeing_ranks``)."""
+
+    step: int
+    what: str
+    ranks: list[int]
+    """The minority: the ranks that differ from the others."""
+    collective: MismatchedSlot | None = None
+    differs: list[str] | None = None
+    """Replica state that differs (``param w``, ``rng cpu``), in model order."""
+    agreeing_ranks: list[int] | None = None
+    stacks: dict[int, str] | None = None
+    """Every rank's stack when a watcher stopped the task over the mismatch."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "what": self.what, "ranks": self.ranks}
+        if self.collective is not None:
+            out["collective"] = self.collective.to_json()
+        if self.differs is not None:
+            out["differs"] = self.differs
+            out["agreeing_ranks"] = self.agreeing_ranks
+        if self.stacks is not None:
+            out["stacks"] = _by_rank(self.stacks)
+        return out
+
+
+@dataclass(frozen=True)
+class RankPlace(_ReadsAsJson):
+    """Where one rank was when a run hung or crashed."""
+
+    collective_seq: int
+    collective: str
+    step: int
+    phase: str
+    finished: bool
+    stack: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"collective_seq": self.collective_seq, "collective": self.collective, "step": self.step,
+                "phase": self.phase, "finished": self.finished, "stack": self.stack}
+
+
+@dataclass(frozen=True)
+class Hang(_ReadsAsJson):
+    """Ranks made no progress: the suspects, and where every rank was."""
+
+    suspect_ranks: list[int]
+    ranks: dict[int, RankPlace] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"suspect_ranks": self.suspect_ranks, "ranks": _by_rank(self.ranks)}
+
+
+@dataclass(frozen=True)
+class Crash(_ReadsAsJson):
+    """A rank raised (``exitcode`` None, its ``traceback``) or died (its exit code or
+    signal, its last ``output``), and where the other ranks were."""
+
+    rank: int
+    exitcode: int | None
+    error: str
+    output: str | None = None
+    traceback: str | None = None
+    ranks: dict[int, RankPlace] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "exitcode": self.exitcode, "error": self.error}
+        if self.output is not None:
+            out["output"] = self.output
+        if self.traceback is not None:
+            out["traceback"] = self.traceback
+        out["ranks"] = _by_rank(self.ranks)
+        return out
+
+
+@dataclass(frozen=True)
+class Straggler(_ReadsAsJson):
+    """A rank that arrives last at most collectives every rank issued."""
+
+    rank: int
+    arrived_last: int
+    collectives: int
+    mean_late_s: float
+    """Mean delay behind the first rank to arrive."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "arrived_last": self.arrived_last, "collectives": self.collectives,
+                "mean_late_s": round(self.mean_late_s, 4)}
+
+
+def json_or_none(verdict: _ReadsAsJson | None) -> dict[str, Any] | None:
+    return verdict.to_json() if verdict is not None else None
