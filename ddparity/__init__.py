@@ -16,10 +16,11 @@ if TYPE_CHECKING:
     from ddparity.harness.outcomes import RankOutcome
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.world import World
-    from ddparity.report import Divergence, HealthReport, ProfileReport, Report, RunResult
+    from ddparity.report import HealthReport, ProfileReport, Report, RunResult
     from ddparity.verbs.check import check
     from ddparity.verbs.health import health
     from ddparity.verbs.profile import profile
+    from ddparity.verdicts import Divergence
 
 _HOMES = {
     "Case": "ddparity.case",
@@ -34,7 +35,7 @@ _HOMES = {
     "health": "ddparity.verbs.health",
     "ProfileReport": "ddparity.report",
     "profile": "ddparity.verbs.profile",
-    "Divergence": "ddparity.report",
+    "Divergence": "ddparity.verdicts",
     "Report": "ddparity.report",
     "RunResult": "ddparity.report",
 }

@@ -215,12 +215,12 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
         if run.first_divergence is not None:
             d = run.first_divergence
             props.append((f"{tag} first_divergence", f"step {d.step} {d.kind} {d.name} rank {d.rank}"))
-        if run.desync:
-            props.append((f"{tag} desync", f"step {run.desync['step']} ranks {run.desync['ranks']}"))
-        if run.hang:
-            props.append((f"{tag} hang suspects", str(run.hang["suspect_ranks"])))
-        if run.crash:
-            props.append((f"{tag} crash", f"rank {run.crash['rank']}: {run.crash['error']}"))
+        if run.desync is not None:
+            props.append((f"{tag} desync", f"step {run.desync.step} ranks {run.desync.ranks}"))
+        if run.hang is not None:
+            props.append((f"{tag} hang suspects", str(run.hang.suspect_ranks)))
+        if run.crash is not None:
+            props.append((f"{tag} crash", f"rank {run.crash.rank}: {run.crash.error}"))
 
 
 def _failure_text(request: pytest.FixtureRequest, report: Any) -> str:

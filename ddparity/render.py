@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
-    from ddparity.report import Divergence, Report, RunResult
+    from ddparity.report import Report, RunResult
+    from ddparity.verdicts import Crash, Desync, Divergence, Hang, RankPlace
 
 
 def _sci(x: float | None) -> str:
@@ -27,64 +28,59 @@ def _indent(text: str, pad: str = "    ") -> list[str]:
     return [pad + line for line in (text or "(none)").rstrip().splitlines()]
 
 
-def _position(rank: str, info: dict) -> str:
-    step = info.get("step", -1)
-    where = f"step {step}, {info.get('phase') or 'no phase'}" if step is not None and step >= 0 else (
-        info.get("phase") or "before the first step")
-    if info.get("finished"):
+def _position(rank: int, place: RankPlace) -> str:
+    step = place.step
+    where = f"step {step}, {place.phase or 'no phase'}" if step >= 0 else (place.phase or "before the first step")
+    if place.finished:
         where = "finished the task"
-    return f"    rank {rank}: {where}; collective {info.get('collective')}"
+    return f"    rank {rank}: {where}; collective {place.collective}"
 
 
-def _render_desync(desync: dict) -> list[str]:
-    lines = [f"  desync at step {desync['step']}: ranks {desync['ranks']} differ from the others"]
-    coll = desync.get("collective")
-    if coll:
-        lines.append(f"    collective #{coll['seq']} of group {coll['group']!r} is not the same on every rank:")
-        for rank, info in sorted(coll["ranks"].items(), key=lambda kv: int(kv[0])):
-            via = f" [{info['via']}]" if info.get("via") else ""
-            mark = "  <-" if int(rank) in desync["ranks"] else ""
-            lines.append(f"      rank {rank}: {info['collective']}{via}  at {info['site']}{mark}")
+def _render_desync(desync: Desync) -> list[str]:
+    lines = [f"  desync at step {desync.step}: ranks {desync.ranks} differ from the others"]
+    slot = desync.collective
+    if slot is not None:
+        lines.append(f"    collective #{slot.seq} of group {slot.group!r} is not the same on every rank:")
+        for rank, issued in sorted(slot.ranks.items()):
+            via = f" [{issued.via}]" if issued.via else ""
+            mark = "  <-" if rank in desync.ranks else ""
+            lines.append(f"      rank {rank}: {issued.collective}{via}  at {issued.site}{mark}")
     else:
-        lines.append(f"    {desync['what']}")
-        if desync.get("agreeing_ranks"):
-            lines.append(f"    the other ranks ({desync['agreeing_ranks']}) agree")
-    for rank, stack in sorted((desync.get("stacks") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"    {desync.what}")
+        if desync.agreeing_ranks:
+            lines.append(f"    the other ranks ({desync.agreeing_ranks}) agree")
+    for rank, stack in sorted((desync.stacks or {}).items()):
         lines.append(f"  --- rank {rank} stack when stopped ---")
         lines.extend(_indent(stack))
     return lines
 
 
-def _render_hang(hang: dict) -> list[str]:
-    lines = [f"  suspect ranks: {hang['suspect_ranks']}"]
-    ranks = sorted(hang["ranks"].items(), key=lambda kv: int(kv[0]))
-    lines.extend(_position(rank, info) for rank, info in ranks)
-    for rank, info in ranks:
-        if not info.get("finished"):
+def _render_hang(hang: Hang) -> list[str]:
+    lines = [f"  suspect ranks: {hang.suspect_ranks}"]
+    ranks = sorted(hang.ranks.items())
+    lines.extend(_position(rank, place) for rank, place in ranks)
+    for rank, place in ranks:
+        if not place.finished:
             lines.append(f"  --- rank {rank} stack ---")
-            lines.extend(_indent(info.get("stack") or ""))
+            lines.extend(_indent(place.stack))
     return lines
 
 
-def _render_crash(crash: dict) -> list[str]:
-    if crash.get("exitcode") is None:
-        lines = [f"  rank {crash['rank']} raised: {crash['error']}"]
-    else:
-        lines = [f"  {crash['error']}"]
-    if crash.get("traceback"):
-        lines.extend(_indent(crash["traceback"]))
-    if crash.get("output"):
-        lines.append(f"  --- rank {crash['rank']} output ---")
-        lines.extend(_indent(crash["output"]))
-    others = sorted((crash.get("ranks") or {}).items(), key=lambda kv: int(kv[0]))
-    others = [(r, i) for r, i in others if int(r) != crash["rank"]]
+def _render_crash(crash: Crash) -> list[str]:
+    lines = [f"  rank {crash.rank} raised: {crash.error}"] if crash.exitcode is None else [f"  {crash.error}"]
+    if crash.traceback:
+        lines.extend(_indent(crash.traceback))
+    if crash.output:
+        lines.append(f"  --- rank {crash.rank} output ---")
+        lines.extend(_indent(crash.output))
+    others = [(r, place) for r, place in sorted(crash.ranks.items()) if r != crash.rank]
     if others:
         lines.append("  the other ranks at that moment:")
-        lines.extend(_position(rank, info) for rank, info in others)
-        for rank, info in others:
-            if info.get("stack") and not info.get("finished"):
+        lines.extend(_position(rank, place) for rank, place in others)
+        for rank, place in others:
+            if place.stack and not place.finished:
                 lines.append(f"  --- rank {rank} stack ---")
-                lines.extend(_indent(info["stack"]))
+                lines.extend(_indent(place.stack))
     return lines
 
 
@@ -102,8 +98,8 @@ def table(rows: Sequence[Sequence[str]], rule: bool = True) -> list[str]:
 def render_notes(run: RunResult) -> list[str]:
     """Notes that do not fail a run: late ranks, DataParallel pitfalls."""
     return [f"  {run.mode} world_size={run.world_size}: {note}" for note in run.notes] + [
-        f"  straggler: rank {s['rank']} arrived last at {s['arrived_last']} of {s['collectives']} collectives, "
-        f"{s['mean_late_s']:.3g} s after the first rank on average"
+        f"  straggler: rank {s.rank} arrived last at {s.last_count} of {s.collectives} collectives, "
+        f"{round(s.mean_late_s, 4):.3g} s after the first rank on average"
         for s in run.stragglers
     ]
 

@@ -5,12 +5,12 @@ exit codes and JSON (version 1). Their text is :mod:`ddparity.render`."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddparity.errors import ParityError
+from ddparity.verdicts import Crash, Desync, Divergence, Hang, Straggler, json_or_none
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
@@ -19,38 +19,6 @@ if TYPE_CHECKING:
 
 STATUSES = ("pass", "diverged", "desync", "hang", "crash", "error", "skipped")
 FAILING = ("diverged", "desync", "hang", "crash", "error")
-
-
-@dataclass(frozen=True)
-class Divergence:
-    step: int
-    kind: str  # loss | grad | param | buffer
-    name: str
-    rank: int
-    max_abs: float
-    max_rel: float
-    tolerance: float
-
-    @property
-    def excess(self) -> float:
-        """How many tolerances away the run is (inf when the tolerance is 0)."""
-        return self.max_abs / self.tolerance if self.tolerance else math.inf
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "name": self.name,
-            "rank": self.rank,
-            "max_abs": _finite(self.max_abs),
-            "max_rel": _finite(self.max_rel),
-            "tolerance": self.tolerance,
-        }
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no infinity; an infinite error (shape or NaN mismatch) is written as null."""
-    return x if math.isfinite(x) else None
 
 
 @dataclass
@@ -63,10 +31,10 @@ class RunResult:
     reason: str | None = None
     first_divergence: Divergence | None = None
     worst: list[Divergence] = field(default_factory=list)
-    desync: dict[str, Any] | None = None
-    hang: dict[str, Any] | None = None
-    crash: dict[str, Any] | None = None
-    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    desync: Desync | None = None
+    hang: Hang | None = None
+    crash: Crash | None = None
+    stragglers: list[Straggler] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     tolerance: str = ""
@@ -85,10 +53,10 @@ class RunResult:
             "status": self.status,
             "reason": self.reason,
             "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
-            "desync": self.desync,
-            "hang": self.hang,
-            "crash": self.crash,
-            "stragglers": self.stragglers,
+            "desync": json_or_none(self.desync),
+            "hang": json_or_none(self.hang),
+            "crash": json_or_none(self.crash),
+            "stragglers": [s.to_json() for s in self.stragglers],
             "notes": self.notes,
             "seconds": round(self.seconds, 4),
             "worst": [d.to_json() for d in self.worst],

@@ -174,13 +174,14 @@ class Straggler(_ReadsAsJson):
     """A rank that arrives last at most collectives every rank issued."""
 
     rank: int
-    arrived_last: int
+    last_count: int
+    """Collectives at which it arrived last (``arrived_last`` in the JSON)."""
     collectives: int
     mean_late_s: float
     """Mean delay behind the first rank to arrive."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "arrived_last": self.arrived_last, "collectives": self.collectives,
+        return {"rank": self.rank, "arrived_last": self.last_count, "collectives": self.collectives,
                 "mean_late_s": round(self.mean_late_s, 4)}
 
 

@@ -19,10 +19,11 @@ the steps, medians. Definitions, for a world of ``n`` ranks:
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ddparity.measurements import BucketTiming, RankProfile
+from ddparity.verdicts import Crash, Hang, json_or_none
 
 
 @dataclass(slots=True)
@@ -49,13 +50,16 @@ class WorldProfile:
     samples_per_s: float | None = None
     scaling_efficiency: float | None = None
     notes: list[str] = field(default_factory=list)
-    hang: dict[str, Any] | None = None
-    crash: dict[str, Any] | None = None
+    hang: Hang | None = None
+    crash: Crash | None = None
     seconds: float = 0.0
     repro: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hang"], out["crash"] = json_or_none(self.hang), json_or_none(self.crash)
+        out["notes"] = list(self.notes)
+        return out
 
 
 def busy_seconds(buckets: list[BucketTiming]) -> float:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from ddparity.checks.collectives import minority
 
 
 @dataclass(frozen=True, slots=True)
-class Desync:
+class ReplicaDrift:
     """The first step at which the ranks' replicas differ."""
 
     step: int
@@ -28,12 +27,10 @@ class Desync:
         more = f" (+{len(self.names) - limit} more)" if len(self.names) > limit else ""
         return f"{shown}{more}"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "what": self.what(), "ranks": self.ranks, "differs": self.names}
 
 
 def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
-                 prefer_wrong: tuple[int, ...] = ()) -> Desync | None:
+                 prefer_wrong: tuple[int, ...] = ()) -> ReplicaDrift | None:
     """The first step where ranks' fingerprints differ (only steps every rank reported).
 
     ``prefer_wrong``: ranks known to diverge from the single-device reference, which
@@ -58,7 +55,7 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
             votes.setdefault(signature, []).append(r)
         ranks = minority(votes, prefer_wrong)
         agreeing = sorted(r for r in prints if r not in ranks)
-        return Desync(step, _order(differing), ranks, agreeing)
+        return ReplicaDrift(step, _order(differing), ranks, agreeing)
     return None
 
 

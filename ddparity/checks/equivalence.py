@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ddparity.checks.tolerance import Tolerance, distance, max_abs
-from ddparity.report import Divergence
 from ddparity.trace import RECORD_KINDS, Trace
+from ddparity.verdicts import Divergence
 
 WORST_SHOWN = 5
 

@@ -6,11 +6,11 @@ they are wedged) plus their stacks, taken by the World before it killed them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from ddparity.checks.collectives import slots
 from ddparity.records import Position, parse_ledger, parse_progress
+from ddparity.verdicts import Hang, RankPlace, Straggler
 
 
 def positions(records: dict[int, Any]) -> dict[int, Position | None]:
@@ -52,42 +52,25 @@ def _collective_text(pos: Position | None) -> tuple[int, str]:
     return last.seq, f"{state}: {last.render()}"
 
 
-def rank_report(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, dict[str, Any]]:
+def rank_places(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[int, RankPlace]:
     """Per rank: collective sequence position, the collective, step, phase and stack."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[int, RankPlace] = {}
     for rank, pos in sorted(positions(records).items()):
         seq, text = _collective_text(pos)
-        out[str(rank)] = {
-            "collective_seq": seq,
-            "collective": text,
-            "step": pos.step if pos else -1,
-            "phase": (pos.phase or "") if pos else "",
-            "finished": rank not in pending,
-            "stack": stacks.get(rank, "") if rank in pending else "(finished the task)",
-        }
+        out[rank] = RankPlace(
+            collective_seq=seq,
+            collective=text,
+            step=pos.step if pos else -1,
+            phase=(pos.phase or "") if pos else "",
+            finished=rank not in pending,
+            stack=stacks.get(rank, "") if rank in pending else "(finished the task)",
+        )
     return out
 
 
-def hang_report(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> dict[str, Any]:
-    """SPEC ``hang`` field: suspect ranks and every rank's position and stack."""
-    return {
-        "suspect_ranks": suspect_ranks(positions(records), pending),
-        "ranks": rank_report(records, stacks, pending),
-    }
-
-
-@dataclass(frozen=True, slots=True)
-class Lateness:
-    """How late each rank arrives at the collectives every rank issued."""
-
-    rank: int
-    last_count: int  # collectives at which it arrived last
-    collectives: int
-    mean_late_s: float  # mean delay behind the first rank to arrive
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "arrived_last": self.last_count, "collectives": self.collectives,
-                "mean_late_s": round(self.mean_late_s, 4)}
+def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> Hang:
+    """The suspect ranks and every rank's position and stack."""
+    return Hang(suspect_ranks(positions(records), pending), rank_places(records, stacks, pending))
 
 
 STRAGGLER_MIN_LATE_S = 0.05
@@ -95,7 +78,7 @@ STRAGGLER_MIN_LATE_S = 0.05
 this much later than the first rank: smaller delays are ordinary scheduling noise."""
 
 
-def stragglers(records: dict[int, Any]) -> list[Lateness]:
+def stragglers(records: dict[int, Any]) -> list[Straggler]:
     """Ranks that arrive last at most shared collectives, by a margin worth reporting."""
     ledgers = {r: parse_ledger(s.ledger) for r, s in records.items()}
     if len(ledgers) < 2:
@@ -112,5 +95,5 @@ def stragglers(records: dict[int, Any]) -> list[Lateness]:
         for r, e in by_rank.items():
             late[r] += e.t - first
     n = len(shared)
-    found = [Lateness(r, last[r], n, late[r] / n) for r in ledgers]
+    found = [Straggler(r, last[r], n, late[r] / n) for r in ledgers]
     return [x for x in found if x.last_count * 2 >= n and x.mean_late_s >= STRAGGLER_MIN_LATE_S]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.checks.collectives import Mismatch, collective_mismatch
-from ddparity.checks.desync import Desync, first_desync
-from ddparity.checks.hang import hang_report, rank_report, stragglers
+from ddparity.checks.desync import ReplicaDrift, first_desync
+from ddparity.checks.hang import judge_hang, rank_places, stragglers
 from ddparity.errors import (
     RankCrashed,
     SimulatedRankError,
@@ -24,35 +24,21 @@ from ddparity.errors import (
     WorldFailure,
 )
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
-from ddparity.report import Divergence, RunResult
+from ddparity.report import RunResult
+from ddparity.verdicts import Crash, Desync, Divergence, IssuedCollective, MismatchedSlot
 
 
-def mismatch_desync(mismatch: Mismatch) -> dict[str, Any]:
-    """SPEC ``desync`` for ranks that issued different collectives at one slot."""
-    return {
-        "step": mismatch.step,
-        "what": mismatch.what(),
-        "ranks": mismatch.ranks,
-        "collective": {
-            "group": mismatch.group,
-            "seq": mismatch.seq,
-            "ranks": {
-                str(r): {"collective": e.desc, "site": e.site, "via": e.via, "step": e.step}
-                for r, e in sorted(mismatch.entries.items())
-            },
-        },
-    }
+def mismatch_desync(mismatch: Mismatch, stacks: dict[int, str] | None = None) -> Desync:
+    """The desync of ranks that issued different collectives at one slot."""
+    issued = {r: IssuedCollective(e.desc, e.site, e.via, e.step) for r, e in sorted(mismatch.entries.items())}
+    return Desync(step=mismatch.step, what=mismatch.what(), ranks=mismatch.ranks,
+                  collective=MismatchedSlot(mismatch.group, mismatch.seq, issued), stacks=stacks)
 
 
-def state_desync(found: Desync) -> dict[str, Any]:
-    """SPEC ``desync`` for replicas whose fingerprints differ after a step."""
-    return {
-        "step": found.step,
-        "what": f"{found.what()} differ across ranks after step {found.step}",
-        "ranks": found.ranks,
-        "differs": found.names,
-        "agreeing_ranks": found.agreeing,
-    }
+def state_desync(found: ReplicaDrift) -> Desync:
+    """The desync of replicas whose fingerprints differ after a step."""
+    return Desync(step=found.step, what=f"{found.what()} differ across ranks after step {found.step}",
+                  ranks=found.ranks, differs=found.names, agreeing_ranks=found.agreeing)
 
 
 def _ledgers(records: dict[int, Any]) -> dict[int, list[Entry]]:
@@ -92,7 +78,7 @@ def judge_completed(run: RunResult, records: dict[int, Any], found: list[Diverge
             run.desync = state_desync(drift)
     late = stragglers(records)
     if late:
-        run.stragglers = [x.to_json() for x in late]
+        run.stragglers = late
     return run
 
 
@@ -103,23 +89,18 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
     mismatch = collective_mismatch(_ledgers(records)) if records else None
     if mismatch is not None:
         run.status = "desync"
-        run.desync = mismatch_desync(mismatch)
-        run.desync["stacks"] = {str(r): text for r, text in sorted(exc.stacks.items())}
+        run.desync = mismatch_desync(mismatch, stacks=dict(exc.stacks))
         run.reason = _first_line(exc)
         return run
     if isinstance(exc, (TaskTimeout, TaskStopped)):
         run.status = "hang"
-        run.hang = hang_report(records, exc.stacks, exc.pending_ranks)
+        run.hang = judge_hang(records, exc.stacks, exc.pending_ranks)
         run.reason = _first_line(exc)
     elif isinstance(exc, RankCrashed):
         run.status = "crash"
-        run.crash = {
-            "rank": exc.rank,
-            "exitcode": exc.exitcode,
-            "error": _first_line(exc),
-            "output": _tidy_traceback_dump(exc.output.strip())[-8000:],
-            "ranks": rank_report(records, exc.stacks, sorted(exc.stacks)) if records else {},
-        }
+        run.crash = Crash(rank=exc.rank, exitcode=exc.exitcode, error=_first_line(exc),
+                          output=_tidy_traceback_dump(exc.output.strip())[-8000:],
+                          ranks=rank_places(records, exc.stacks, sorted(exc.stacks)) if records else {})
         run.reason = str(exc)
     elif isinstance(exc, TaskFailed):
         bad = [o for o in exc.outcomes if not o.ok]
@@ -128,14 +109,10 @@ def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
         failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
         run.status = "crash"
-        run.crash = {
-            "rank": failing_rank,
-            "exitcode": None,
-            "error": f"{type(head.error).__name__}: {head.error}",
-            "traceback": head.traceback,
-            "ranks": rank_report(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
-            if records else {},
-        }
+        run.crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
+                          traceback=head.traceback,
+                          ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
+                          if records else {})
         run.reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
     return run
 

@@ -26,6 +26,7 @@ from ddparity.settings import (
     validate_world_size,
 )
 from ddparity.verbs.plan import failure_run, health_repro
+from ddparity.verdicts import json_or_none
 
 
 def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
@@ -55,7 +56,8 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
         outcomes = world.start().run(health_task, opts, timeout=timeout)
     except WorldFailure as exc:
         run = failure_run("health", world_size, chosen, exc, 0.0, "")
-        report.failure = {"status": run.status, "reason": failure_detail(run), "hang": run.hang, "crash": run.crash}
+        report.failure = {"status": run.status, "reason": failure_detail(run), "hang": json_or_none(run.hang),
+                          "crash": json_or_none(run.crash)}
         return report
     finally:
         world.close()
