@@ -37,6 +37,10 @@ def _text(parse: Callable[..., Any], where: str, *args: Any) -> Callable[[str], 
     return convert
 
 
+def _csv(values: tuple[object, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddparity", description="Prove that data-parallel training matches one device.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -48,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
     chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES, help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
     chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
-                     help="comma-separated, e.g. 1,2,4 (default 1,2,4; 2 with --demo-faults)")
+                     help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
+                          f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")
     chk.add_argument("--backend", default="auto",
                      help="auto | gloo | nccl | threaded (simulated ranks: threads in one process)")
     chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None, help="override the Case's number of steps")
@@ -62,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
     prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
     prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
-                      default=settings.PROFILE_WORLD_SIZES, help="comma-separated (default 1,2,4,8)")
+                      default=settings.PROFILE_WORLD_SIZES,
+                      help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")
     prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes)")
     prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
                       help=f"measured iterations per world size (default {settings.PROFILE_STEPS})")
@@ -80,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     hl.add_argument("--min-busbw", type=_text(settings.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
                     help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s)")
     hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
-                    help="all-reduce message sizes in MiB (default 1,8,32)")
+                    help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
     hl.add_argument("--json", metavar="PATH", help="write the JSON health report (version 1) here (rank 0)")
     prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
                                                         "bus bandwidth and scaling per world size (needs matplotlib)")
@@ -202,7 +208,7 @@ def _demo_faults(args: argparse.Namespace) -> int:
     from ddparity.render import table
     from ddparity.verbs.check import check
 
-    sizes = args.world_sizes or (2,)
+    sizes = args.world_sizes or settings.DEMO_FAULTS_WORLD_SIZES
     if any(ws < 2 for ws in sizes):
         raise UsageError("fault injections need world sizes >= 2 (a fault fires on rank 1), e.g. --world-sizes 2,4")
     timeout = args.timeout if args.timeout is not None else settings.DEMO_FAULTS_TIMEOUT_S

@@ -60,6 +60,10 @@ watchdog, with its stacks, always fires first."""
 
 HEALTH_CPU_RANKS = 2
 """Local ``health`` ranks on a machine without GPUs."""
+HEALTH_SIZES_MIB = (1, 8, 32)
+"""All-reduce message sizes ``health`` measures bandwidth at."""
+DEMO_FAULTS_WORLD_SIZES = (2,)
+"""World sizes of ``--demo-faults`` (a fault fires on rank 1)."""
 
 # -- limits ------------------------------------------------------------------------------
 

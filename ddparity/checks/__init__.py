@@ -1,1 +1,3 @@
-"""What is true about the runs: equivalence, tolerances (and later desync, hangs, comm)."""
+"""Everything that judges: pure functions from recorded data (traces, side-channel
+records, measurements, a world failure) to typed verdicts (:mod:`ddparity.verdicts`).
+Imports nothing from :mod:`ddparity.harness`, so it reads and tests without a process."""

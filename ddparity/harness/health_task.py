@@ -25,6 +25,7 @@ from typing import Any
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext
 from ddparity.measurements import RankHealth
+from ddparity.settings import HEALTH_SIZES_MIB
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
 FAULTS = ("wrong_allreduce", "wrong_matmul", "slow_compute", "hang")
@@ -34,7 +35,7 @@ CORRECTNESS_NUMELS = (1, 1000, 262_144)
 
 @dataclass(frozen=True, slots=True)
 class HealthOptions:
-    sizes_bytes: tuple[int, ...] = (1 << 20, 8 << 20, 32 << 20)
+    sizes_bytes: tuple[int, ...] = tuple(mib << 20 for mib in HEALTH_SIZES_MIB)
     iters: int = 5
     warmup: int = 2
 

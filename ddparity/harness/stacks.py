@@ -1,5 +1,5 @@
-"""Every rank's stack, from outside: py-spy (native frames included), and the tidying
-that makes py-spy's and faulthandler's dumps readable in a report."""
+"""Every rank's stack, from outside: py-spy (native frames included), tidied for a report
+(a faulthandler dump's tidying is the judge's: :mod:`ddparity.checks.verdict`)."""
 
 from __future__ import annotations
 
