@@ -47,7 +47,7 @@ def reference_task(
     """The single-device reference and its calibration twin for the largest world size
     to be compared."""
     reference = train(case, state, ctx.device, SingleMode(case.steps))
-    twin = train(case, state, ctx.device, TwinMode(case.steps, max(world_sizes, default=1)))
+    twin = train(case, state, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)))
     return reference, twin
 
 

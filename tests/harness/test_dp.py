@@ -83,6 +83,7 @@ def test_emulation_matches_real_dataparallel():
     torch.testing.assert_close(real, emulated)
 
 
+@pytest.mark.usefixtures("no_leftover_processes")  # the default pool is closed after
 def test_mode_dp_passes_on_clean_models_and_is_labelled_simulated():
     report = check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(1, 2, 3))
     assert report.ok, report.render()
@@ -93,6 +94,7 @@ def test_mode_dp_passes_on_clean_models_and_is_labelled_simulated():
     assert "cpu (simulated)" in report.render()
 
 
+@pytest.mark.usefixtures("no_leftover_processes")  # the default pool is closed after
 def test_dp_pitfalls_are_flagged_with_an_explanation():
     bn = check(bugs.batchnorm_on_shards(), modes=("single", "dp"), world_sizes=(2,))
     assert bn.runs[1].status == "diverged"
@@ -124,6 +126,7 @@ class HangsOnChunks(nn.Module):
         return self.fc(x)
 
 
+@pytest.mark.usefixtures("no_leftover_processes")  # the default pool is closed after
 def test_a_hanging_dp_run_is_a_hang_and_the_next_check_passes():
     report = check(Case(model=HangsOnChunks, data=models.vectors, steps=1), modes=("single", "dp"),
                    world_sizes=(2,), timeout=3)

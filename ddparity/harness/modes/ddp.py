@@ -39,12 +39,8 @@ class DDPMode:
         self._buckets: ddp_buckets.BucketLayout | None = None
 
     def wrap(self, model: Any) -> Any:
-        import torch
-        from torch.nn.parallel import DistributedDataParallel
-
         self.recorder.set_phase(-1, "ddp")
-        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **(self.ddp_options or {}))
+        ddp = distributed(model, self.device, self.ddp_options)
         # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
         # share one process and would otherwise share one state).
         hook_state = copy.deepcopy(self.comm_hook_state)
@@ -84,3 +80,12 @@ class DDPMode:
             rec.fingerprints(step, fingerprint(model, replica.optimizer, buffers=not ddp.broadcast_buffers,
                                                part=part))
         return record
+
+
+def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
+    """``model`` under ``DistributedDataParallel`` on ``device``, with the case's options."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids, **(options or {}))

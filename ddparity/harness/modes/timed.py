@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.harness import recorder
+from ddparity.harness.modes.ddp import distributed
 from ddparity.harness.training import Replica, batch_size, forward, shard
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
@@ -114,11 +115,7 @@ class TimedMode:
         self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
 
     def wrap(self, model: Any) -> Any:
-        import torch
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **(self.ddp_options or {}))
+        ddp = distributed(model, self.device, self.ddp_options)
         self.timer = _BucketTimer(self.comm_hook, copy.deepcopy(self.comm_hook_state), self.clock, self.recorder)
         ddp.register_comm_hook(self.timer, _timed_hook)
         return ddp

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.recorder import DISABLED
+from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.training import (
     Replica,
     batch_size,
@@ -32,17 +32,9 @@ from ddparity.trace import StepRecord
 
 
 @dataclass
-class TwinMode:
-    steps: int
-    twin_world_size: int
+class TwinMode(SingleMode):
+    twin_world_size: int = 1
     """The largest world size the reference is compared with (W)."""
-    name: str = "single"
-    rank: int = 0
-    world_size: int = 1
-    recorder: Any = DISABLED
-
-    def wrap(self, model: Any) -> Any:
-        return model
 
     def share(self, batch: Any, size: int | None) -> Any:
         return reverse_samples(batch, size) if self.twin_world_size and size else batch
