@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
     from ddparity.report import Report, RunResult
-    from ddparity.verdicts import Crash, Desync, Divergence, Hang, RankPlace
+    from ddparity.verdicts import Crash, Desync, Divergence, Failure, Hang, RankPlace
 
 
 def _sci(x: float | None) -> str:
@@ -104,10 +104,21 @@ def render_notes(run: RunResult) -> list[str]:
     ]
 
 
-def failure_detail(run: RunResult) -> str:
-    """A failed run's evidence without its head line, for reports with their own heading
-    (``profile``, ``health``)."""
-    return "\n".join(render_run_failure(run)[1:]).strip() or (run.reason or run.status)
+def render_failure(failure: Failure) -> str:
+    """A failure's evidence, for reports with their own heading (``profile``, ``health``)."""
+    lines = _render_desync(failure.desync) if failure.desync is not None else []
+    lines += _how_it_ended(failure.crash, failure.hang, failure.reason, failure.desync)
+    return "\n".join(lines).strip() or (failure.reason or failure.status)
+
+
+def _how_it_ended(crash: Crash | None, hang: Hang | None, reason: str | None, desync: Desync | None) -> list[str]:
+    if crash is not None:
+        return _render_crash(crash)
+    if hang is not None:
+        return [f"  {(reason or 'hang').splitlines()[0]}", *_render_hang(hang)]
+    if reason and desync is None:
+        return ["  " + s for s in reason.rstrip().splitlines()]
+    return []
 
 
 def render_run_failure(run: RunResult) -> list[str]:
@@ -130,13 +141,7 @@ def render_run_failure(run: RunResult) -> list[str]:
                     f"    {w.kind:<6} {w.name:<{width}}  step {w.step}  rank {w.rank}  "
                     f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}"
                 )
-    if run.crash:
-        lines.extend(_render_crash(run.crash))
-    elif run.hang:
-        lines.append(f"  {(run.reason or 'hang').splitlines()[0]}")
-        lines.extend(_render_hang(run.hang))
-    elif run.reason and not run.desync:
-        lines.extend("  " + s for s in run.reason.rstrip().splitlines())
+    lines.extend(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
     lines.extend(render_notes(run))
     if run.repro:
         lines.append(f"  reproduce: {run.repro}")

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddparity.errors import ParityError
-from ddparity.verdicts import Crash, Desync, Divergence, Hang, Straggler, json_or_none
+from ddparity.verdicts import Crash, Desync, Divergence, Failure, Hang, Straggler, json_or_none
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
@@ -43,6 +43,12 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status not in FAILING
+
+    def failed(self, failure: Failure) -> RunResult:
+        """This run, ended by ``failure`` (its status, reason and verdict)."""
+        self.status, self.reason = failure.status, failure.reason
+        self.desync, self.hang, self.crash = failure.desync, failure.hang, failure.crash
+        return self
 
     def to_json(self) -> dict[str, Any]:
         return {

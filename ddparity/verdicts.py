@@ -185,5 +185,18 @@ class Straggler(_ReadsAsJson):
                 "mean_late_s": round(self.mean_late_s, 4)}
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a run could not finish: the status (``desync``, ``hang``, ``crash`` or
+    ``error``), the one-line reason, and the verdict that explains it. Shared by every
+    verb: a check's run, a profiled world size and a health check carry it alike."""
+
+    status: str
+    reason: str | None = None
+    desync: Desync | None = None
+    hang: Hang | None = None
+    crash: Crash | None = None
+
+
 def json_or_none(verdict: _ReadsAsJson | None) -> dict[str, Any] | None:
     return verdict.to_json() if verdict is not None else None

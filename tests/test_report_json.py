@@ -74,13 +74,13 @@ def report() -> Report:
     timeout = TaskTimeout("ranks [0, 1] made no progress on task 3 for 5 s; the world was rebuilt", [0, 1],
                           {0: "Thread 1 (idle)\n    allreduce (gloo)\n", 1: "Thread 1\n    forward (model.py:3)\n"})
     timeout.records = hung
-    runs.append(judge_failure(run(), timeout))
+    runs.append(run().failed(judge_failure(timeout)))
 
     # a watcher stopped the task over mismatched collectives: a desync with stacks
     stopped = TaskStopped("task 4 was stopped: ranks issued different collectives", "differ", [0, 1],
                           {0: "stack 0\n", 1: "stack 1\n"})
     stopped.records = mismatch
-    runs.append(judge_failure(run(), stopped))
+    runs.append(run().failed(judge_failure(stopped)))
 
     # a rank died by a signal; its output has the rank loop's bootstrap frames below it
     output = ('Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n'
@@ -90,7 +90,7 @@ def report() -> Report:
                           1, -11, output, {0: "Thread 1\n    allreduce\n"})
     crashed.records = {0: RankRecords(progress=progress(0, "backward", 1, [line(1, 1.0)])),
                        1: RankRecords(progress=progress(0, "forward", None, [line(0, 0.5)]))}
-    runs.append(judge_failure(run(), crashed))
+    runs.append(run().failed(judge_failure(crashed)))
 
     # a rank raised; the other was still waiting for it
     raised = TaskFailed("task failed on rank(s) 0, 1", [
@@ -100,12 +100,12 @@ def report() -> Report:
     ])
     raised.records = {0: RankRecords(progress=progress(0, "backward", 0, [line(0, 1.0)])),
                       1: RankRecords(progress=progress(0, "forward", None, []))}
-    runs.append(judge_failure(run(), raised))
+    runs.append(run().failed(judge_failure(raised)))
 
     # a simulated rank raised (the threads' host process reports it)
     simulated = TaskFailed("task failed on rank(s) 0", [
         RankOutcome(0, False, error=SimulatedRankError(5, "ValueError: bad shard"), traceback="Traceback...\n")])
-    runs.append(judge_failure(run(simulated=True), simulated))
+    runs.append(run(simulated=True).failed(judge_failure(simulated)))
 
     runs.append(run(status="error", reason="the global batch of step 0 has 3 samples, which cannot be split"))
     runs.append(run(status="skipped", reason="nccl needs 2 CUDA devices, 0 visible"))

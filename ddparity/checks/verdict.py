@@ -25,7 +25,7 @@ from ddparity.errors import (
 )
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.report import RunResult
-from ddparity.verdicts import Crash, Desync, Divergence, IssuedCollective, MismatchedSlot
+from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot
 
 
 def mismatch_desync(mismatch: Mismatch, stacks: dict[int, str] | None = None) -> Desync:
@@ -82,39 +82,33 @@ def judge_completed(run: RunResult, records: dict[int, Any], found: list[Diverge
     return run
 
 
-def judge_failure(run: RunResult, exc: WorldFailure) -> RunResult:
+def judge_failure(exc: WorldFailure) -> Failure:
     """A run the World could not finish: desync if the ranks' collectives disagree (the
     likely cause of the hang or error), else hang or crash, with every rank's place."""
     records = exc.records or {}
     mismatch = collective_mismatch(_ledgers(records)) if records else None
     if mismatch is not None:
-        run.status = "desync"
-        run.desync = mismatch_desync(mismatch, stacks=dict(exc.stacks))
-        run.reason = _first_line(exc)
-        return run
+        return Failure("desync", _first_line(exc), desync=mismatch_desync(mismatch, stacks=dict(exc.stacks)))
     if isinstance(exc, (TaskTimeout, TaskStopped)):
-        run.status = "hang"
-        run.hang = judge_hang(records, exc.stacks, exc.pending_ranks)
-        run.reason = _first_line(exc)
-    elif isinstance(exc, RankCrashed):
-        run.status = "crash"
-        run.crash = Crash(rank=exc.rank, exitcode=exc.exitcode, error=_first_line(exc),
-                          output=_tidy_traceback_dump(exc.output.strip())[-8000:],
-                          ranks=rank_places(records, exc.stacks, sorted(exc.stacks)) if records else {})
-        run.reason = str(exc)
-    elif isinstance(exc, TaskFailed):
+        return Failure("hang", _first_line(exc), hang=judge_hang(records, exc.stacks, exc.pending_ranks))
+    if isinstance(exc, RankCrashed):
+        return Failure("crash", str(exc), crash=Crash(
+            rank=exc.rank, exitcode=exc.exitcode, error=_first_line(exc),
+            output=_tidy_traceback_dump(exc.output.strip())[-8000:],
+            ranks=rank_places(records, exc.stacks, sorted(exc.stacks)) if records else {}))
+    if isinstance(exc, TaskFailed):
         bad = [o for o in exc.outcomes if not o.ok]
         raised = [o for o in bad if not isinstance(o.error, StillRunning)] or bad
         head = raised[0]
         failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
-        run.status = "crash"
-        run.crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
-                          traceback=head.traceback,
-                          ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
-                          if records else {})
-        run.reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
-    return run
+        crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
+                      traceback=head.traceback,
+                      ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
+                      if records else {})
+        reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+        return Failure("crash", reason, crash=crash)
+    return Failure("error")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ from ddparity.checks.health import judge
 from ddparity.errors import WorldFailure
 from ddparity.harness import rendezvous
 from ddparity.harness.health_task import FAULT_ENV, HealthOptions, health_task, parse_fault
-from ddparity.render import failure_detail
+from ddparity.render import render_failure
 from ddparity.report import HealthReport
 from ddparity.settings import (
     HEALTH_CPU_RANKS,
@@ -25,7 +25,7 @@ from ddparity.settings import (
     validate_timeout,
     validate_world_size,
 )
-from ddparity.verbs.plan import failure_run, health_repro
+from ddparity.verbs.plan import failure, health_repro
 from ddparity.verdicts import json_or_none
 
 
@@ -55,9 +55,9 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     try:
         outcomes = world.start().run(health_task, opts, timeout=timeout)
     except WorldFailure as exc:
-        run = failure_run("health", world_size, chosen, exc, 0.0, "")
-        report.failure = {"status": run.status, "reason": failure_detail(run), "hang": json_or_none(run.hang),
-                          "crash": json_or_none(run.crash)}
+        ended = failure(exc)
+        report.failure = {"status": ended.status, "reason": render_failure(ended), "hang": json_or_none(ended.hang),
+                          "crash": json_or_none(ended.crash)}
         return report
     finally:
         world.close()

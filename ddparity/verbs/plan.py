@@ -15,6 +15,7 @@ from ddparity.errors import CaseError, TaskFailed, UsageError, WorldFailure, Wor
 from ddparity.harness import rendezvous
 from ddparity.report import RunResult
 from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
+from ddparity.verdicts import Failure
 
 # -- planning ----------------------------------------------------------------------------
 
@@ -77,19 +78,22 @@ def user_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
-    """The verdict on a run the World could not finish: ``error`` when the case itself
-    cannot run (its factory, data or loss raised; the world could not start), else the
-    desync, hang or crash that :func:`ddparity.checks.verdict.judge_failure` finds."""
-    run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
+def failure(exc: BaseException) -> Failure:
+    """Why a run the World could not finish ended: ``error`` when the case itself cannot
+    run (its factory, data or loss raised; the world could not start), else the desync,
+    hang or crash that :func:`ddparity.checks.verdict.judge_failure` finds."""
     if isinstance(exc, TaskFailed) and any(isinstance(o.error, (CaseError, UsageError))
                                            for o in exc.outcomes if not o.ok):
-        run.reason = user_error(exc)
-        return run
+        return Failure("error", user_error(exc))
     if isinstance(exc, WorldFailure) and not isinstance(exc, WorldStartError):
-        return judge_failure(run, exc)
-    run.reason = user_error(exc)
-    return run
+        return judge_failure(exc)
+    return Failure("error", user_error(exc))
+
+
+def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
+    """A check's run at ``ws`` that ``exc`` ended (see :func:`failure`)."""
+    run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
+    return run.failed(failure(exc))
 
 
 # -- reproduce lines ---------------------------------------------------------------------

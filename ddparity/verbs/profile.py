@@ -16,7 +16,7 @@ from ddparity.checks.comm import WorldProfile, add_scaling, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
 from ddparity.harness.pool import WorldPool, default_pool
 from ddparity.harness.tasks import prepare_task, profile_task
-from ddparity.render import failure_detail
+from ddparity.render import render_failure
 from ddparity.report import ProfileReport
 from ddparity.settings import (
     PROFILE_STEPS,
@@ -27,7 +27,7 @@ from ddparity.settings import (
     CheckOptions,
     validate_count,
 )
-from ddparity.verbs.plan import cannot_run, choose_backend, failure_run, profile_repro
+from ddparity.verbs.plan import cannot_run, choose_backend, failure, profile_repro
 
 
 def profile(
@@ -102,9 +102,9 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: A
 
 def _failed(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
     """A hang, crash or error while profiling, with the evidence ``check`` would give."""
-    run = failure_run("ddp", ws, backend, exc, seconds, "")
-    return WorldProfile(world_size=ws, backend=backend, status=run.status, reason=failure_detail(run),
-                        hang=run.hang, crash=run.crash, seconds=seconds)
+    ended = failure(exc)
+    return WorldProfile(world_size=ws, backend=backend, status=ended.status, reason=render_failure(ended),
+                        hang=ended.hang, crash=ended.crash, seconds=seconds)
 
 
 __all__ = ["profile"]
