@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
                      help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
                           f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")
-    chk.add_argument("--backend", default="auto",
+    chk.add_argument("--backend", type=_text(settings.validate_backend, "--backend"), default="auto",
                      help="auto | gloo | nccl | threaded (simulated ranks: threads in one process)")
     chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None, help="override the Case's number of steps")
     chk.add_argument("--tolerance", type=_text(settings.parse_tolerance, "--tolerance"), default="auto",

@@ -69,7 +69,7 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
 # -- failures ----------------------------------------------------------------------------
 
 
-def user_error(exc: BaseException) -> str:
+def _user_error(exc: BaseException) -> str:
     """The error as the user should read it, with the traceback from their code."""
     if isinstance(exc, TaskFailed):
         bad = [o for o in exc.outcomes if not o.ok]
@@ -84,10 +84,10 @@ def failure(exc: BaseException) -> Failure:
     hang or crash that :func:`ddparity.checks.verdict.judge_failure` finds."""
     if isinstance(exc, TaskFailed) and any(isinstance(o.error, (CaseError, UsageError))
                                            for o in exc.outcomes if not o.ok):
-        return Failure("error", user_error(exc))
+        return Failure("error", _user_error(exc))
     if isinstance(exc, WorldFailure) and not isinstance(exc, WorldStartError):
         return judge_failure(exc)
-    return Failure("error", user_error(exc))
+    return Failure("error", _user_error(exc))
 
 
 def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
