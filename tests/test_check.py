@@ -101,6 +101,22 @@ def test_a_factory_that_raises_is_an_error_for_every_run():
     assert report.exit_code == 2
 
 
+def test_a_training_that_blows_up_is_never_a_pass():
+    # lr 1e30: the loss is inf at step 1, then NaN; every mode agrees on it bit for bit
+    report = check(bugs.exploding_training(), modes=("single", "dp", "ddp"), world_sizes=(1, 2))
+    assert not report.ok and report.exit_code == 2
+    assert {r.status for r in report.runs} == {"error"}, report.render()
+    for run in report.runs:
+        assert "non-finite loss 'loss' at step 1" in run.reason and "learning rate" in run.reason
+        assert run.repro, run
+    # a real divergence before the blow-up is still the verdict, with the steps compared said
+    summed = Case(model=models.MLP, data=models.regression, loss=models.summed_mse, optimizer="sgd", lr=1e30,
+                  steps=3)
+    run = check(summed, world_sizes=(2,)).runs[1]
+    assert run.status == "diverged" and run.first_divergence.step == 0, run
+    assert any("compared up to step 1 only" in note for note in run.notes), run.notes
+
+
 def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
     strict = check(models.mlp_sgd(), modes=("ddp",), world_sizes=(1,), tolerance=0.0)
     assert strict.ok  # one rank, no reordering: bit-exact

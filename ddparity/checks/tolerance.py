@@ -42,7 +42,8 @@ def max_abs(t: Any) -> float:
 
 
 def distance(a: Any, b: Any) -> float:
-    """Largest elementwise difference; NaN in the same place counts as equal."""
+    """Largest elementwise difference; equal infinities (a mask's ``-inf``) are equal, a
+    NaN equals nothing, not even a NaN (infinite distance)."""
     import torch
 
     if a is None or b is None:
@@ -52,8 +53,7 @@ def distance(a: Any, b: Any) -> float:
     if not a.numel():
         return 0.0
     x, y = a.detach().double(), b.detach().double()
-    both_nan = torch.isnan(x) & torch.isnan(y)
-    diff = (x - y).abs().masked_fill(both_nan, 0.0)
+    diff = (x - y).abs().masked_fill(x == y, 0.0)
     if torch.isnan(diff).any():
         return float("inf")
     return float(diff.max())

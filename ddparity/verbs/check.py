@@ -12,7 +12,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
-from ddparity.checks.equivalence import divergences, worst
+from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
 from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
@@ -70,10 +70,13 @@ def check(
             except WorldFailure:
                 pass
         return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
+    blowup = first_non_finite(reference)
     if "single" in opts.modes:
         report.runs.append(
-            RunResult(mode="single", world_size=1, backend=chosen, status="pass",
-                      seconds=time.perf_counter() - started, tolerance="reference")
+            RunResult(mode="single", world_size=1, backend=chosen, status="error" if blowup else "pass",
+                      reason=blowup.reason() if blowup else None, seconds=time.perf_counter() - started,
+                      tolerance="reference",
+                      repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
         )
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, state, dp_sizes, timeout=opts.timeout) if dp_sizes else None
@@ -83,15 +86,28 @@ def check(
             ddp_runs.append(unrunnable)
             continue
         launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, state)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin))
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin, blowup))
     if dp_pending is not None:
-        report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin))
+        report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin, blowup))
     report.runs.extend(ddp_runs)
     return report
 
 
+def _compared_up_to(run: RunResult, blowup: NonFinite | None) -> RunResult:
+    """A run compared only up to the reference's blow-up: never a pass."""
+    if blowup is None:
+        return run
+    if run.status == "desync" and run.desync is not None and run.desync.step >= blowup.step:
+        run.status, run.desync = "pass", None  # replicas of NaN: their bits say nothing
+    if run.status == "pass":
+        run.status, run.reason = "error", blowup.reason() + f"; steps before {blowup.step} matched"
+    else:
+        run.notes.append(f"compared up to step {blowup.step} only: {blowup.reason()}")
+    return run
+
+
 def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, ...], pending: PendingTask,
-               started: float, reference: Any, twin: Any) -> list[RunResult]:
+               started: float, reference: Any, twin: Any, blowup: NonFinite | None) -> list[RunResult]:
     """DataParallel runs (real where enough GPUs exist, else simulated) against the reference."""
     try:
         [results] = [o.value for o in pending.result()]
@@ -102,7 +118,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
     for ws in sizes:
         trace, notes, simulated = results[ws]
         tol = _tolerance(case, opts, reference, twin, ws)
-        found = divergences(reference, [trace], tol)
+        found = divergences(reference, [trace], tol, until=blowup.step if blowup else None)
         device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
@@ -111,7 +127,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         if found:
             run.first_divergence, run.worst = found[0], worst(found)
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
-        runs.append(run)
+        runs.append(_compared_up_to(run, blowup))
     return runs
 
 
@@ -152,8 +168,8 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
                                   repro=check_repro(case, "ddp", ws, backend, opts.tolerance))
 
 
-def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
-                launched: tuple[float, PendingTask | RunResult], reference: Any, twin: Any) -> RunResult:
+def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched: tuple[float, PendingTask | RunResult],
+                reference: Any, twin: Any, blowup: NonFinite | None) -> RunResult:
     started, pending = launched
     if isinstance(pending, RunResult):
         return pending
@@ -165,7 +181,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
     tol = _tolerance(case, opts, reference, twin, ws)
     simulated = backend == "threaded"
     traces = outcomes[0].value if simulated else [o.value for o in outcomes]
-    found = divergences(reference, traces, tol)
+    found = divergences(reference, traces, tol, until=blowup.step if blowup else None)
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
     run.worst = worst(found)
@@ -173,7 +189,8 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int,
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
-    return judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
+    judged = judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
+    return _compared_up_to(judged, blowup)
 
 
 def _tolerance(case: Case, opts: CheckOptions, reference: Any, twin: Any, ws: int) -> Any:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ddparity.checks.equivalence import divergences, worst
+from ddparity.checks.equivalence import divergences, first_non_finite, worst
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance, fixed_tolerance
 from ddparity.trace import StepRecord, Trace
 
@@ -62,10 +62,13 @@ def test_worst_offenders_rank_by_excess_once_per_tensor():
     assert [(d.kind, d.name) for d in top] == [("buffer", "bn.running_mean"), ("grad", "a.weight")]
 
 
-def test_nan_in_the_same_place_is_equal_but_a_new_nan_is_infinite():
+def test_a_nan_equals_nothing_not_even_a_nan_but_equal_infinities_are_equal():
     a = torch.tensor([1.0, float("nan")])
-    assert distance(a, a.clone()) == 0.0
+    assert distance(a, a.clone()) == math.inf  # SPEC: a NaN never equals a NaN
     assert distance(torch.tensor([1.0, 2.0]), a) == math.inf
+    mask = torch.tensor([0.0, float("-inf")])  # an attention mask kept as a buffer
+    assert distance(mask, mask.clone()) == 0.0
+    assert distance(mask, torch.tensor([0.0, float("inf")])) == math.inf
     assert distance(None, None) == 0.0
     assert distance(torch.ones(2), None) == math.inf
     assert distance(torch.ones(2), torch.ones(3)) == math.inf
@@ -80,3 +83,14 @@ def test_auto_tolerance_is_calibrated_noise_times_headroom_with_an_ulp_floor():
     assert math.isclose(tol(0, "grad", "a.weight"), HEADROOM * 4 * eps * 1.0)
     tol64 = auto_tolerance(ref, make_trace(), world_size=4, dtype=torch.float64)
     assert tol64(0, "grad", "a.weight") < tol(0, "grad", "a.weight")
+
+
+def test_the_first_non_finite_loss_gradient_or_parameter_of_the_reference_is_named():
+    ref = make_trace()
+    assert first_non_finite(ref) is None
+    ref.steps[1].grads["a.weight"] = torch.tensor([[1.0, float("nan")]])
+    ref.steps[1].buffers = {"mask": torch.tensor([float("-inf")])}  # buffers may hold infinities
+    found = first_non_finite(ref)
+    assert (found.step, found.kind, found.name) == (1, "grad", "a.weight") and math.isnan(found.value)
+    assert "step 1" in found.reason() and "'a.weight'" in found.reason()
+    assert divergences(ref, [ref], fixed_tolerance(ref, 0.0), until=found.step) == []
