@@ -44,6 +44,7 @@ OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatte
 P2P = ("send", "recv", "isend", "irecv")  # pairwise, not part of the group's sequence
 RECORDED = EXACT + ROOTED + SPLIT + OBJECT + P2P
 
+
 def _short(obj: Any) -> str:
     import torch
 
