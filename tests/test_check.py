@@ -117,6 +117,32 @@ def test_a_training_that_blows_up_is_never_a_pass():
     assert any("compared up to step 1 only" in note for note in run.notes), run.notes
 
 
+class Output(dict):
+    """What a transformers model returns: a ModelOutput is a dict with attribute access."""
+
+    __getattr__ = dict.get
+
+
+class ReturnsModelOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return Output(logits=self.fc(x))
+
+
+def test_ddparitys_own_messages_for_a_model_output_with_a_named_loss_and_syncbatchnorm_on_cpu():
+    report = check(Case(model=ReturnsModelOutput, data=models.vectors), world_sizes=(2,))
+    assert {r.status for r in report.runs} == {"error"}, report.render()
+    reason = report.runs[0].reason
+    assert "returned a Output object, not a tensor" in reason and "out.logits" in reason and "Traceback" not in reason
+    sync = check(Case(model=lambda: nn.Sequential(nn.Linear(16, 8), nn.SyncBatchNorm(8), nn.Linear(8, 4)),
+                      data=models.vectors), world_sizes=(2,))
+    assert {r.status for r in sync.runs} == {"error"}, sync.render()
+    assert "SyncBatchNorm ('1')" in sync.runs[1].reason and "--backend nccl" in sync.runs[1].reason
+
+
 def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
     strict = check(models.mlp_sgd(), modes=("ddp",), world_sizes=(1,), tolerance=0.0)
     assert strict.ok  # one rank, no reordering: bit-exact

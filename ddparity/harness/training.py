@@ -97,9 +97,27 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
 def run_step(replica: Replica, inputs: Any, targets: Any) -> Any:
     """Forward and backward of a plain step; the loss."""
     replica.optimizer.zero_grad(set_to_none=True)
-    loss = replica.loss_fn(forward(replica.wrapped, inputs), targets)
+    loss = compute_loss(replica, forward(replica.wrapped, inputs), targets)
     loss.backward()
     return loss
+
+
+def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
+    """The case's loss of ``outputs``; a named loss given a model output that is not a
+    tensor (a transformers ``ModelOutput``, a dict, a tuple) is a :class:`CaseError`
+    that says what to write instead, not torch's TypeError."""
+    import torch
+
+    name = replica.case.loss
+    if isinstance(name, str) and not isinstance(outputs, torch.Tensor):
+        own = " (it computed its own loss: use out.loss)" if getattr(outputs, "loss", None) is not None else ""
+        field = "logits" if getattr(outputs, "logits", None) is not None else "<the tensor>"
+        raise CaseError(
+            f"the model returned a {type(outputs).__name__} object, not a tensor, so the named loss {name!r} cannot "
+            f"use it{own}; give the loss as a function of the output, e.g. "
+            f"Case(loss=lambda out, y: torch.nn.functional.{name}(out.{field}, y))"
+        )
+    return replica.loss_fn(outputs, targets)
 
 
 def snapshot(module: Any, loss: Any) -> StepRecord:
@@ -152,6 +170,13 @@ def prepared(case: Case, state: dict[str, Any], device: str) -> Any:
     import torch
 
     model = build_model(case)
+    sync = [repr(n) if n else "the model" for n, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if sync and not device.startswith("cuda"):
+        raise CaseError(
+            f"the model has SyncBatchNorm ({', '.join(sync[:3])}{', ...' if len(sync) > 3 else ''}), which runs "
+            f"only on GPUs, and this check runs on {device}: check it on GPUs (--backend nccl), or build the model "
+            f"with nn.BatchNorm here (SyncBatchNorm is what makes BatchNorm under DDP match one device)"
+        )
     model.load_state_dict(state)
     model.to(device=device, dtype=case.torch_dtype)
     torch.manual_seed(case.seed)  # any randomness in forward starts from the same point

@@ -69,12 +69,19 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
 # -- failures ----------------------------------------------------------------------------
 
 
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n"
+
+
 def _user_error(exc: BaseException) -> str:
-    """The error as the user should read it, with the traceback from their code."""
+    """The error as the user should read it, with the traceback from their code (for
+    ddparity's own messages about the case, only the traceback of what caused them)."""
     if isinstance(exc, TaskFailed):
         bad = [o for o in exc.outcomes if not o.ok]
         head = bad[0]
-        return f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+        tb = head.traceback
+        if isinstance(head.error, (CaseError, UsageError)):
+            tb = tb.split(_CAUSE)[0] if _CAUSE in tb else ""
+        return f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{tb}".rstrip()
     return f"{type(exc).__name__}: {exc}"
 
 

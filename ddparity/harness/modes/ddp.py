@@ -16,7 +16,7 @@ from typing import Any
 
 from ddparity.harness import ddp_buckets, recorder
 from ddparity.harness.fingerprint import fingerprint
-from ddparity.harness.training import Replica, finish_step, forward, shard, snapshot
+from ddparity.harness.training import Replica, compute_loss, finish_step, forward, shard, snapshot
 from ddparity.trace import StepRecord
 
 
@@ -61,7 +61,7 @@ class DDPMode:
 
         rec, ddp, model = self.recorder, replica.wrapped, replica.model
         replica.optimizer.zero_grad(set_to_none=True)
-        loss = replica.loss_fn(forward(ddp, inputs), targets)
+        loss = compute_loss(replica, forward(ddp, inputs), targets)
         rec.set_phase(step, "backward")
         if self._buckets is not None:
             rec.ddp_buckets(self._buckets.current())

@@ -9,7 +9,7 @@ from typing import Any
 
 from ddparity.harness import dp_emulation
 from ddparity.harness.recorder import DISABLED
-from ddparity.harness.training import Replica, finish_step, snapshot
+from ddparity.harness.training import Replica, compute_loss, finish_step, snapshot
 from ddparity.trace import StepRecord
 
 
@@ -53,7 +53,7 @@ class DataParallelMode:
         else:
             outputs, found = dp_emulation.forward(model, self.world_size, args, kwargs)
         self.notes.update(found.items)
-        loss = replica.loss_fn(outputs, targets)
+        loss = compute_loss(replica, outputs, targets)
         loss.backward()
         record = snapshot(model, loss)
         replica.optimizer.step()

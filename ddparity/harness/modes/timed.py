@@ -26,7 +26,7 @@ from typing import Any
 
 from ddparity.harness import recorder
 from ddparity.harness.modes.ddp import distributed
-from ddparity.harness.training import Replica, batch_size, forward, shard
+from ddparity.harness.training import Replica, batch_size, compute_loss, forward, shard
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
@@ -132,7 +132,7 @@ class TimedMode:
 
         def forward_backward(phase_step: int = -1) -> None:
             replica.optimizer.zero_grad(set_to_none=True)
-            loss = replica.loss_fn(forward(ddp, inputs), targets)
+            loss = compute_loss(replica, forward(ddp, inputs), targets)
             if phase_step >= 0:
                 rec.set_phase(phase_step, "profile backward")  # a rank waiting here is ahead of one in forward
             loss.backward()
