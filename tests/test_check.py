@@ -51,6 +51,19 @@ def test_known_bugs_are_flagged_at_the_right_step_and_kind(factory, step, kind, 
         report.raise_for_failure()
 
 
+def test_the_likely_cause_is_named_for_known_signatures_and_only_for_them():
+    def causes(report):
+        return [note for run in report.runs for note in run.notes if note.startswith("likely cause")]
+
+    summed = check(bugs.summed_loss(), world_sizes=(2, 4))
+    assert [c.split(":")[1] for c in causes(summed)] == [" a loss summed over the batch (reduction='sum')"] * 2
+    assert "1 - 1/4 = 0.75" in causes(summed)[1] and "reduction='mean'" in causes(summed)[1]
+    bn = causes(check(bugs.batchnorm_on_shards(), world_sizes=(2,)))
+    assert len(bn) == 1 and "BatchNorm on shards (bn)" in bn[0] and "SyncBatchNorm" in bn[0], bn
+    for clean_or_other in (models.mlp_sgd(), bugs.corrupted_grad_on_one_rank()):
+        assert causes(check(clean_or_other, world_sizes=(2,))) == []
+
+
 def test_summed_loss_is_equivalent_at_world_size_one():
     report = check(bugs.summed_loss(), world_sizes=(1,))
     assert report.ok, report.render()

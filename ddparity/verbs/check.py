@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ddparity.case import Case
+from ddparity.checks.causes import likely_cause
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
@@ -190,6 +191,9 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
     judged = judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
+    cause = likely_cause(found, ws) if judged.status == "diverged" else None
+    if cause:
+        judged.notes.append(cause)
     return _compared_up_to(judged, blowup)
 
 
