@@ -75,19 +75,19 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
-    drawn: list[tuple[Any, Any, int | None]] = []  # kept only when the mode runs past the case's steps
+    drawn: list[tuple[Any, Any]] = []  # kept only when the mode runs past the case's steps
     for step in range(mode.steps):
         rec.set_phase(step, "forward")
         if step < case.steps:
             inputs, targets = global_batch(data, step, generator)
             size = batch_size(inputs)
             trace.batch_sizes.append(size if size is not None else -1)
-            shares = (cast(mode.share(inputs, size), case, device), cast(mode.share(targets, size), case, device), size)
+            inputs, targets = cast(mode.share(inputs, size), case, device), cast(mode.share(targets, size), case, device)
             if mode.steps > case.steps:
-                drawn.append(shares)
+                drawn.append((inputs, targets))
         else:
-            shares = drawn[step % case.steps]
-        record = mode.step(step, replica, shares[0], shares[1])
+            inputs, targets = drawn[step % case.steps]
+        record = mode.step(step, replica, inputs, targets)
         if record is not None:
             trace.steps.append(record)
     rec.set_phase(mode.steps, "done")
