@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddparity.case import Case
+    from ddparity.case import Case, whole
+    from ddparity.harness.stepping import StepContext
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.outcomes import RankOutcome
     from ddparity.harness.protocol import RankContext
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "Case": "ddparity.case",
+    "whole": "ddparity.case",
+    "StepContext": "ddparity.harness.stepping",
     "check": "ddparity.verbs.check",
     "DdparityError": "ddparity.errors",
     "ParityError": "ddparity.errors",
@@ -51,11 +54,13 @@ __all__ = [
     "RankOutcome",
     "Report",
     "RunResult",
+    "StepContext",
     "UsageError",
     "World",
     "check",
     "health",
     "profile",
+    "whole",
 ]
 __version__ = "0.1.0"
 

@@ -36,6 +36,11 @@ class Case:
     ``data(step, generator)`` returns the GLOBAL batch ``(inputs, targets)`` of a step;
     ``loss`` names a ``torch.nn.functional`` loss or is ``(outputs, targets) -> scalar``;
     ``optimizer`` is ``"sgd" | "adam" | "adamw"`` or ``(params) -> Optimizer``.
+    ``train_step(model, batch, optimizer, ctx)`` (optional) is your own step, run in every
+    mode instead of ddparity's (then ``data`` may return any nest of tensors, and ``loss``
+    is not used); see :class:`ddparity.harness.stepping.StepContext` for ``ctx``.
+    Tensors whose dim 0 is the global batch size are split between replicas, the others
+    reach every replica whole; wrap one in :func:`whole` to say it is not batched.
     ``ddp_options`` are passed to ``DistributedDataParallel``; ``comm_hook`` (optional)
     is registered with ``DistributedDataParallel.register_comm_hook(comm_hook_state, comm_hook)``;
     every run gets its own copy of ``comm_hook_state``.
@@ -52,6 +57,7 @@ class Case:
     ddp_options: dict[str, Any] = field(default_factory=dict)
     comm_hook: Callable[..., Any] | None = None
     comm_hook_state: Any = None
+    train_step: Callable[[Any, Any, Any, Any], Any] | str | None = None
     name: str | None = None
     target: str | None = None  # "module:function" it was loaded from, for repro commands
 
@@ -86,6 +92,11 @@ class Case:
             raise UsageError(
                 f"unknown DDP option(s) {unknown}; ddparity passes these through: {', '.join(DDP_OPTIONS)}"
             )
+        if self.train_step is not None and not (callable(self.train_step) or isinstance(self.train_step, str)):
+            raise UsageError(
+                f"Case.train_step must be a callable (model, batch, optimizer, ctx) -> loss, or 'module:function', "
+                f"got {self.train_step!r}"
+            )
         if self.comm_hook is not None and not callable(self.comm_hook):
             raise UsageError(f"Case.comm_hook must be callable (state, bucket) -> Future, got {self.comm_hook!r}")
         return self
@@ -105,6 +116,24 @@ class Case:
 
     def with_steps(self, steps: int | None) -> Case:
         return self if steps is None else dataclasses.replace(self, steps=steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A tensor of the global batch that is not batched: every replica gets all of it."""
+
+    tensor: Any
+
+
+def whole(tensor: Any) -> Whole:
+    """Mark ``tensor`` (in what ``Case.data`` returns) as not batched: every replica gets it
+    whole, even when its dim 0 happens to equal the batch size (a shared matrix, position
+    ids). The model receives the tensor itself."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise UsageError(f"ddparity.whole() takes a tensor, got {type(tensor).__name__}")
+    return Whole(tensor)
 
 
 def resolve_loss(loss: str | Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

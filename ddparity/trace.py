@@ -58,6 +58,9 @@ class StepRecord:
     # size bounds the rounding of their sum; see checks/tolerance.py). None when unknown.
     loss_scale: Any = None
     grad_scales: dict[str, Any] = field(default_factory=dict)
+    stepped: bool = True
+    """Whether the optimizer stepped (a GradScaler skips steps whose gradients overflowed);
+    ``grads`` is empty when it did not."""
 
     def scale(self, kind: str, name: str) -> Any:
         """What rounding of this record scales with: its summands where known, else itself."""
@@ -76,6 +79,7 @@ class StepRecord:
         state = {name: _pack(getattr(self, name)) for name in _TENSOR_FIELDS}
         for name in _DICT_FIELDS:
             state[name] = {k: _pack(v) for k, v in getattr(self, name).items()}
+        state["stepped"] = self.stepped
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -83,6 +87,7 @@ class StepRecord:
             setattr(self, name, _unpack(state[name]))
         for name in _DICT_FIELDS:
             setattr(self, name, {k: _unpack(v) for k, v in state[name].items()})
+        self.stepped = state.get("stepped", True)
 
 
 @dataclass

@@ -124,6 +124,25 @@ def forward(module: Any, n: int, inputs: tuple, kwargs: dict | None = None) -> t
     return gather(outputs), notes
 
 
+def emulated(module: Any, n: int, notes: dict[str, str]) -> Any:
+    """``module`` wrapped as DataParallel over ``n`` emulated devices: a module whose
+    forward is :func:`forward` (``.module`` is the model, as on DataParallel); the
+    pitfalls met are added to ``notes``."""
+    import torch
+
+    class EmulatedDataParallel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            outputs, found = forward(self.module, n, inputs, kwargs)
+            notes.update(found.items)
+            return outputs
+
+    return EmulatedDataParallel()
+
+
 def _plain_state(module: Any) -> dict[str, Any]:
     """Every submodule's non-tensor-registry attributes, by qualified name (what a
     forward can write to ``self`` and lose in a replica)."""

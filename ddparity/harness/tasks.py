@@ -35,8 +35,7 @@ def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int
     generator = torch.Generator().manual_seed(case.seed)
     sizes = []
     for step in range(case.steps):
-        inputs, _ = global_batch(data, step, generator)
-        size = batch_size(inputs)
+        size = batch_size(global_batch(data, step, generator, pair=case.train_step is None), step)
         sizes.append(size if size is not None else -1)
     return state, sizes
 

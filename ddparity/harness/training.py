@@ -18,16 +18,18 @@ emulated or real), ``ddp`` (also each simulated rank of the threaded backend) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ddparity.case import Case, load_target, make_optimizer, resolve_loss
+from ddparity.case import Case, Whole, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
+from ddparity.harness.stepping import OptimizerWatch, StepContext, default_step, never_stepped
 from ddparity.trace import StepRecord, Trace
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Replica:
     """One replica in training: what a mode's step works with."""
 
@@ -35,16 +37,21 @@ class Replica:
     model: Any
     """The module whose gradients, parameters and buffers are recorded."""
     wrapped: Any
-    """What forward calls: the model, or the model wrapped (DDP, DataParallel)."""
+    """What the step calls: the model, or the model wrapped (DDP, DataParallel)."""
     optimizer: Any
     loss_fn: Callable[[Any, Any], Any]
     device: str
+    ctx: StepContext
+    step_fn: Callable[..., Any] | None = None
+    """``(model, batch, optimizer, ctx) -> loss``: the case's ``train_step``, or ddparity's."""
+    watch: OptimizerWatch | None = None
 
 
 class Mode(Protocol):
     """One way of training a replica (see the module docstring)."""
 
     name: str
+    """What ``ctx.mode`` says: ``"single"``, ``"dp"`` or ``"ddp"``."""
     rank: int
     world_size: int
     steps: int
@@ -56,10 +63,14 @@ class Mode(Protocol):
         """What the step calls: the model, or the model wrapped."""
 
     def share(self, batch: Any, size: int | None) -> Any:
-        """This replica's share of one global batch (the inputs, then the targets)."""
+        """This replica's share of one global batch."""
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord | None:
-        """Run one step (forward, backward, optimizer); the record, or None to keep nothing."""
+    def before_optimizer(self, replica: Replica) -> None:
+        """Called as the step calls ``optimizer.step()``, before the optimizer runs."""
+
+    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord | None:
+        """Run one step (usually :func:`ddparity.harness.stepping.record_step`); the
+        record, or None to keep nothing."""
 
 
 def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
@@ -70,36 +81,32 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
     rec.set_phase(-1, "build")
     model = prepared(case, state, device)
     wrapped = mode.wrap(model)
+    ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=sync_off(wrapped))
     replica = Replica(case, model, wrapped, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
-                      device)
+                      device, ctx)
+    replica.watch = OptimizerWatch(replica.optimizer, model, lambda: mode.before_optimizer(replica))
+    replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
-    drawn: list[tuple[Any, Any]] = []  # kept only when the mode runs past the case's steps
+    drawn: list[Any] = []  # kept only when the mode runs past the case's steps
     for step in range(mode.steps):
         rec.set_phase(step, "forward")
         if step < case.steps:
-            inputs, targets = global_batch(data, step, generator)
-            size = batch_size(inputs)
+            batch = global_batch(data, step, generator, pair=case.train_step is None)
+            size = batch_size(batch, step)
             trace.batch_sizes.append(size if size is not None else -1)
-            inputs, targets = cast(mode.share(inputs, size), case, device), cast(mode.share(targets, size), case, device)
+            batch = cast(mode.share(batch, size), case, device)
             if mode.steps > case.steps:
-                drawn.append((inputs, targets))
+                drawn.append(batch)
         else:
-            inputs, targets = drawn[step % case.steps]
-        record = mode.step(step, replica, inputs, targets)
+            batch = drawn[step % case.steps]
+        record = mode.step(step, replica, batch)
         if record is not None:
             trace.steps.append(record)
+    never_stepped(trace, mode.steps)
     rec.set_phase(mode.steps, "done")
     return trace
-
-
-def run_step(replica: Replica, inputs: Any, targets: Any) -> Any:
-    """Forward and backward of a plain step; the loss."""
-    replica.optimizer.zero_grad(set_to_none=True)
-    loss = compute_loss(replica, forward(replica.wrapped, inputs), targets)
-    loss.backward()
-    return loss
 
 
 def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
@@ -115,26 +122,23 @@ def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
         raise CaseError(
             f"the model returned a {type(outputs).__name__} object, not a tensor, so the named loss {name!r} cannot "
             f"use it{own}; give the loss as a function of the output, e.g. "
-            f"Case(loss=lambda out, y: torch.nn.functional.{name}(out.{field}, y))"
+            f"Case(loss=lambda out, y: torch.nn.functional.{name}(out.{field}, y)), or your own "
+            f"Case(train_step=...)"
         )
     return replica.loss_fn(outputs, targets)
 
 
-def snapshot(module: Any, loss: Any) -> StepRecord:
-    """The step's record as the optimizer is about to step: the loss and every gradient."""
-    return StepRecord(
-        loss=loss.detach().to("cpu", copy=True),
-        grads={
-            n: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
-            for n, p in module.named_parameters()
-        },
-    )
+def sync_off(wrapped: Any) -> Callable[[], Any] | None:
+    """DDP's ``no_sync`` for ``ctx.no_sync()``; None for anything else."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return wrapped.no_sync if isinstance(wrapped, DistributedDataParallel) else None
 
 
-def finish_step(record: StepRecord, module: Any) -> None:
-    """Complete the record after the optimizer step: every parameter and buffer."""
-    record.params = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
-    record.buffers = {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers()}
+def user_step(case: Case) -> Callable[..., Any] | None:
+    if case.train_step is None:
+        return None
+    return load_target(case.train_step) if isinstance(case.train_step, str) else case.train_step
 
 
 # -- the case's parts ----------------------------------------------------------------------
@@ -183,16 +187,19 @@ def prepared(case: Case, state: dict[str, Any], device: str) -> Any:
     return model
 
 
-def global_batch(data: Any, step: int, generator: Any) -> tuple[Any, Any]:
+def global_batch(data: Any, step: int, generator: Any, pair: bool = True) -> Any:
+    """The global batch of ``step``: ``(inputs, targets)``, or (``pair=False``: the case
+    has its own ``train_step``) any nest of tensors."""
     try:
         batch = data(step, generator)
     except Exception as exc:
         raise CaseError(f"the data function raised at step {step}: {type(exc).__name__}: {exc}") from exc
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    if pair and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise CaseError(
-            f"the data function must return (inputs, targets) for step {step}, got {type(batch).__name__}"
+            f"the data function must return (inputs, targets) for step {step}, got {type(batch).__name__} "
+            f"(any other nest of tensors needs your own Case(train_step=...))"
         )
-    return batch[0], batch[1]
+    return tuple(batch) if pair else batch
 
 
 def forward(model: Any, inputs: Any) -> Any:
@@ -206,38 +213,63 @@ def forward(model: Any, inputs: Any) -> Any:
 # -- batches -------------------------------------------------------------------------------
 
 
-def map_tensors(obj: Any, fn: Any) -> Any:
+def map_tensors(obj: Any, fn: Any, whole: Callable[[Any], Any] = lambda w: w) -> Any:
+    """``obj`` with ``fn`` applied to every batched tensor and ``whole`` to every
+    :class:`~ddparity.case.Whole` (kept as is unless told)."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, Whole):
+        return whole(obj)
     if isinstance(obj, tuple):
-        return tuple(map_tensors(o, fn) for o in obj)
+        items = [map_tensors(o, fn, whole) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [map_tensors(o, fn) for o in obj]
+        return [map_tensors(o, fn, whole) for o in obj]
     if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+        return type(obj)((k, map_tensors(v, fn, whole)) for k, v in obj.items())
     return obj
 
 
-def batch_size(obj: Any) -> int | None:
+def named_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """Every tensor of a nest that may be batched (not :class:`~ddparity.case.Whole`), with its path."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0]) if obj.dim() else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    for item in items:
-        size = batch_size(item)
-        if size is not None:
-            return size
-    return None
+        yield path, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, o in enumerate(obj):
+            yield from named_tensors(o, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from named_tensors(v, f"{path}[{k!r}]")
 
 
-def shard(obj: Any, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s contiguous, equal share of every tensor along dim 0."""
+def batch_size(obj: Any, step: int = 0) -> int | None:
+    """The global batch size of a batch: the dim 0 most of its tensors share. Tensors with
+    another dim 0 are not batched (every replica gets them whole); a tie between sizes
+    cannot be decided and is a :class:`CaseError` naming the tensors."""
+    sized = [(path, int(t.shape[0])) for path, t in named_tensors(obj) if t.dim()]
+    if not sized:
+        return None
+    counts = Counter(size for _, size in sized).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        tied = {size for size, n in counts if n == counts[0][1]}
+        named = ", ".join(f"{path} (dim 0 = {size})" for path, size in sized if size in tied)
+        raise CaseError(
+            f"cannot tell the batch size of step {step}'s batch: {named} are as many of each size; wrap the tensors "
+            f"that are not batched in ddparity.whole(...) so that every replica gets them whole"
+        )
+    return counts[0][0]
+
+
+def shard(obj: Any, rank: int, world_size: int, size: int | None = None) -> Any:
+    """Rank ``rank``'s contiguous, equal share of every batched tensor (dim 0 = ``size``,
+    the global batch size; every tensor with a dim 0 when ``size`` is None)."""
 
     def cut(t: Any) -> Any:
-        if t.dim() == 0:
+        if t.dim() == 0 or (size is not None and t.shape[0] != size):
             return t
         per = t.shape[0] // world_size
         return t[rank * per : (rank + 1) * per]
@@ -251,8 +283,10 @@ def reverse_samples(obj: Any, size: int) -> Any:
 
 
 def cast(batch: Any, case: Case, device: str) -> Any:
+    """The batch on ``device``, floating tensors in the case's dtype, :class:`~ddparity.case.Whole` unwrapped."""
+
     def move(t: Any) -> Any:
         t = t.to(device)
         return t.to(case.torch_dtype) if t.is_floating_point() else t
 
-    return map_tensors(batch, move)
+    return map_tensors(batch, move, lambda w: move(w.tensor))

@@ -16,7 +16,8 @@ from typing import Any
 
 from ddparity.harness import ddp_buckets, recorder
 from ddparity.harness.fingerprint import fingerprint
-from ddparity.harness.training import Replica, compute_loss, finish_step, forward, shard, snapshot
+from ddparity.harness.stepping import record_step
+from ddparity.harness.training import Replica, shard
 from ddparity.trace import StepRecord
 
 
@@ -37,6 +38,7 @@ class DDPMode:
         if not self.detect:
             recorder.active().pause()
         self._buckets: ddp_buckets.BucketLayout | None = None
+        self._step = -1
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
@@ -51,34 +53,37 @@ class DDPMode:
             self._buckets = ddp_buckets.BucketLayout(ddp)
         elif self.comm_hook is not None:
             ddp.register_comm_hook(hook_state, self.comm_hook)
+        ddp.register_forward_hook(self._after_forward)
         return ddp
 
-    def share(self, batch: Any, size: int | None) -> Any:
-        return shard(batch, self.rank, self.world_size)
+    def _after_forward(self, ddp: Any, args: Any, outputs: Any) -> None:
+        """Backward is next; where DDP will all-reduce it (not under ``no_sync()``), the
+        ledger learns its buckets first."""
+        self.recorder.set_phase(self._step, "backward")
+        if self._buckets is not None and ddp.require_backward_grad_sync:
+            self.recorder.ddp_buckets(self._buckets.current())
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
+    def share(self, batch: Any, size: int | None) -> Any:
+        return shard(batch, self.rank, self.world_size, size)
+
+    def before_optimizer(self, replica: Replica) -> None:
+        self.recorder.set_phase(self._step, "optimizer")
+
+    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
         import torch.distributed as dist
 
-        rec, ddp, model = self.recorder, replica.wrapped, replica.model
-        replica.optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(replica, forward(ddp, inputs), targets)
-        rec.set_phase(step, "backward")
-        if self._buckets is not None:
-            rec.ddp_buckets(self._buckets.current())
-        loss.backward()  # returns after DDP's gradient all-reduce has finished
+        self._step = step
+        record = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
         # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
-        global_loss = loss.detach().clone()
+        global_loss = record.loss.to(self.device, copy=True)
         dist.all_reduce(global_loss)
-        global_loss /= self.world_size
-        record = snapshot(model, global_loss)
-        rec.set_phase(step, "optimizer")
-        replica.optimizer.step()
-        finish_step(record, model)
+        record.loss = (global_loss / self.world_size).cpu()
         if self.detect:
-            rec.set_phase(step, "fingerprint")
+            self.recorder.set_phase(step, "fingerprint")
             part = None if step == self.steps - 1 else step  # everything at the last step
-            rec.fingerprints(step, fingerprint(model, replica.optimizer, buffers=not ddp.broadcast_buffers,
-                                               part=part))
+            rec_buffers = not replica.wrapped.broadcast_buffers
+            self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
+                                                         part=part))
         return record
 
 

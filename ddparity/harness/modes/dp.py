@@ -9,7 +9,8 @@ from typing import Any
 
 from ddparity.harness import dp_emulation
 from ddparity.harness.recorder import DISABLED
-from ddparity.harness.training import Replica, compute_loss, finish_step, snapshot
+from ddparity.harness.stepping import record_step
+from ddparity.harness.training import Replica
 from ddparity.trace import StepRecord
 
 
@@ -29,9 +30,18 @@ class DataParallelMode:
         import torch
 
         self.real = self.device.startswith("cuda") and torch.cuda.device_count() >= self.world_size > 1
-        if self.real:
-            return torch.nn.DataParallel(model, device_ids=list(range(self.world_size)))
-        return model
+        if not self.real:
+            return dp_emulation.emulated(model, self.world_size, self.notes)
+        wrapped = torch.nn.DataParallel(model, device_ids=list(range(self.world_size)))
+
+        def inspect(module: Any, args: tuple, kwargs: dict) -> None:
+            found = dp_emulation.DataParallelNotes()
+            found.inspect_inputs(args, kwargs)
+            found.inspect_module(model)
+            self.notes.update(found.items)
+
+        wrapped.register_forward_pre_hook(inspect, with_kwargs=True)
+        return wrapped
 
     @property
     def simulated(self) -> bool:
@@ -40,22 +50,8 @@ class DataParallelMode:
     def share(self, batch: Any, size: int | None) -> Any:
         return batch  # DataParallel scatters the whole batch itself
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
-        model = replica.model
-        replica.optimizer.zero_grad(set_to_none=True)
-        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (
-            (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
-        if self.real:
-            outputs = replica.wrapped(*args, **kwargs)
-            found = dp_emulation.DataParallelNotes()
-            found.inspect_inputs(args, kwargs)
-            found.inspect_module(model)
-        else:
-            outputs, found = dp_emulation.forward(model, self.world_size, args, kwargs)
-        self.notes.update(found.items)
-        loss = compute_loss(replica, outputs, targets)
-        loss.backward()
-        record = snapshot(model, loss)
-        replica.optimizer.step()
-        finish_step(record, model)
-        return record
+    def before_optimizer(self, replica: Replica) -> None:
+        pass
+
+    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
+        return record_step(step, replica, batch)

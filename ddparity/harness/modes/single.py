@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness.recorder import DISABLED
-from ddparity.harness.training import Replica, finish_step, run_step, snapshot
+from ddparity.harness.stepping import record_step
+from ddparity.harness.training import Replica
 from ddparity.trace import StepRecord
 
 
@@ -25,8 +26,8 @@ class SingleMode:
     def share(self, batch: Any, size: int | None) -> Any:
         return batch
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
-        record = snapshot(replica.model, run_step(replica, inputs, targets))
-        replica.optimizer.step()
-        finish_step(record, replica.model)
-        return record
+    def before_optimizer(self, replica: Replica) -> None:
+        pass
+
+    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
+        return record_step(step, replica, batch)

@@ -121,14 +121,66 @@ class TimedMode:
         return ddp
 
     def share(self, batch: Any, size: int | None) -> Any:
-        return shard(batch, self.rank, self.world_size)
+        return shard(batch, self.rank, self.world_size, size)
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> None:
+    def before_optimizer(self, replica: Replica) -> None:
+        self._optimizer_marks.append(self.clock.mark())
+
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
+        if step == 0:
+            self.profile.samples = batch_size(batch) or 0
+            self._optimizer_marks: list[Any] = []
+            replica.optimizer.register_step_post_hook(lambda *_: self._optimizer_marks.append(self.clock.mark()))
+        if replica.case.train_step is not None:
+            self._user_step(step, replica, batch)
+        else:
+            self._own_step(step, replica, *batch)
+
+    def _timed(self, fn: Any, *args: Any) -> tuple[float, Any, Any]:
+        """Seconds ``fn`` took, started on every rank at once; its start and end marks."""
         import torch.distributed as dist
 
+        dist.barrier()
+        self.clock.sync()
+        first = self.clock.mark()
+        fn(*args)
+        last = self.clock.mark()
+        self.clock.sync()
+        return self.clock.seconds(first, last), first, last
+
+    def _user_step(self, step: int, replica: Replica, batch: Any) -> None:
+        """The case's own ``train_step``, run twice: under ``no_sync()`` (compute: up to its
+        ``optimizer.step()``), then as it is (up to ``optimizer.step()``: forward, backward
+        and the communication it did not hide; then the optimizer step), the optimizer's
+        hooks marking where it starts and ends."""
+        ddp, clock, timer, ctx = replica.wrapped, self.clock, self.timer, replica.ctx
+        ctx.step = step
+
+        def run() -> None:
+            replica.watch.begin()
+            replica.step_fn(ddp, batch, replica.optimizer, ctx)
+
+        def until_optimizer(total: float, origin: Any) -> float:
+            return clock.seconds(origin, self._optimizer_marks[0]) if self._optimizer_marks else total
+
+        self.recorder.set_phase(step, "profile no_sync")
+        self._optimizer_marks.clear()
+        with ddp.no_sync():
+            total, origin, _ = self._timed(run)
+        no_sync = until_optimizer(total, origin)
+        self.recorder.set_phase(step, "profile forward")
+        timer.marks.clear()
+        self._optimizer_marks.clear()
+        total, origin, _ = self._timed(run)
+        marks = self._optimizer_marks
+        sync = until_optimizer(total, origin)
+        opt = clock.seconds(marks[0], marks[1]) if len(marks) >= 2 else 0.0
+        if step >= self.warmup:
+            buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
+            self.profile.steps.append(StepTiming(sync, no_sync, opt, buckets))
+
+    def _own_step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> None:
         rec, ddp, clock, timer = self.recorder, replica.wrapped, self.clock, self.timer
-        if step == 0:
-            self.profile.samples = batch_size(inputs) or 0
 
         def forward_backward(phase_step: int = -1) -> None:
             replica.optimizer.zero_grad(set_to_none=True)
@@ -137,24 +189,16 @@ class TimedMode:
                 rec.set_phase(phase_step, "profile backward")  # a rank waiting here is ahead of one in forward
             loss.backward()
 
-        def timed(fn: Any, *args: Any) -> tuple[float, Any]:
-            """Seconds ``fn`` took, started on every rank at once, and its start mark."""
-            dist.barrier()
-            clock.sync()
-            first = clock.mark()
-            fn(*args)
-            last = clock.mark()
-            clock.sync()
-            return clock.seconds(first, last), first
-
         rec.set_phase(step, "profile no_sync")
         with ddp.no_sync():
-            no_sync, _ = timed(forward_backward)
+            no_sync, _, _ = self._timed(forward_backward)
         rec.set_phase(step, "profile forward")
         timer.marks.clear()
-        sync, origin = timed(forward_backward, step)
+        sync, origin, _ = self._timed(forward_backward, step)
         rec.set_phase(step, "profile optimizer")
-        opt, _ = timed(replica.optimizer.step)
+        replica.watch.begin()
+        opt, _, _ = self._timed(replica.optimizer.step)
+        self._optimizer_marks.clear()
         if step >= self.warmup:
             buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
             self.profile.steps.append(StepTiming(sync, no_sync, opt, buckets))

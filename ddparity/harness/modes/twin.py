@@ -17,17 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness.modes.single import SingleMode
-from ddparity.harness.training import (
-    Replica,
-    batch_size,
-    finish_step,
-    forward,
-    map_tensors,
-    reverse_samples,
-    run_step,
-    shard,
-    snapshot,
-)
+from ddparity.harness.stepping import record_step
+from ddparity.harness.training import Replica, batch_size, cast, forward, map_tensors, reverse_samples, shard
 from ddparity.trace import StepRecord
 
 
@@ -36,29 +27,41 @@ class TwinMode(SingleMode):
     twin_world_size: int = 1
     """The largest world size the reference is compared with (W)."""
 
-    def share(self, batch: Any, size: int | None) -> Any:
-        return reverse_samples(batch, size) if self.twin_world_size and size else batch
+    def __post_init__(self) -> None:
+        self._batch: Any = None
+        self._scales: tuple[Any, dict] | None = None
 
-    def step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> StepRecord:
+    def share(self, batch: Any, size: int | None) -> Any:
+        self._raw = reverse_samples(batch, size) if self.twin_world_size and size else batch
+        return self._raw  # kept with its ddparity.whole marks, for the shards below
+
+    def before_optimizer(self, replica: Replica) -> None:
+        """Nudge the gradients the optimizer is about to use (and, with ddparity's own
+        step, measure the size of their summands first)."""
         model, ws = replica.model, self.twin_world_size
-        loss = run_step(replica, inputs, targets)
-        scales = None
-        if ws > 1:
-            scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
-            size = batch_size(inputs)
-            if scales is None and size and size % ws == 0:
-                scales = shard_magnitudes(model, replica.loss_fn, inputs, targets, ws)
-            nudge_towards_zero(model, scales[1] if scales else {}, ws, replica.case.torch_dtype)
-        record = snapshot(model, loss)
-        if scales is not None:
-            record.loss_scale, record.grad_scales = scales
-        replica.optimizer.step()
-        finish_step(record, model)
+        self._scales = None
+        if ws <= 1:
+            return
+        if replica.case.train_step is None:
+            inputs, targets = self._batch
+            self._scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
+            size = batch_size(self._raw)
+            if self._scales is None and size and size % ws == 0:
+                shards = [cast(shard(self._raw, rank, ws, size), replica.case, replica.device) for rank in range(ws)]
+                self._scales = shard_magnitudes(model, replica.loss_fn, shards)
+        nudge_towards_zero(model, self._scales[1] if self._scales else {}, ws, replica.case.torch_dtype)
+
+    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
+        self._batch = batch
+        record = record_step(step, replica, batch)
+        if self._scales is not None:
+            record.loss_scale, record.grad_scales = self._scales
         return record
 
 
-def shard_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any, shards: int) -> tuple[Any, dict]:
-    """Mean over ``shards`` contiguous shards of |shard loss| and |shard gradient|.
+def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any, dict]:
+    """Mean over the shards ``batches`` (each ``(inputs, targets)``) of |shard loss| and
+    |shard gradient|.
 
     DDP sums the shards' gradients; the rounding of that sum is bounded by the size of its
     terms, not of its result, which can be far smaller when the terms cancel. These are
@@ -73,9 +76,10 @@ def shard_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any, shards
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     loss_scale = torch.zeros((), dtype=torch.float64)
     grad_scale: dict[str, Any] = {}
-    for rank in range(shards):
+    shards = len(batches)
+    for inputs, targets in batches:
         model.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(model, shard(inputs, rank, shards)), shard(targets, rank, shards))
+        loss = loss_fn(forward(model, inputs), targets)
         loss.backward()
         loss_scale += loss.detach().abs().double().cpu() / shards
         for n, p in model.named_parameters():

@@ -1,0 +1,146 @@
+"""One training step, the user's or ddparity's own, run and recorded the same way in every
+mode.
+
+A step is ``step_fn(model, batch, optimizer, ctx)``: the user's ``Case(train_step=...)``,
+or :func:`default_step` (zero the gradients, forward, the case's loss, backward,
+``optimizer.step()``). What is recorded does not depend on which: hooks on the optimizer
+(:class:`OptimizerWatch`) take the gradients as the optimizer sees them when
+``optimizer.step()`` is called — after any accumulation, unscaling or clipping the step
+did — and the parameters and buffers are taken when the step returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.errors import CaseError
+from ddparity.trace import StepRecord
+
+
+@dataclass(eq=False)
+class StepContext:
+    """What a ``train_step`` is told about where it runs (its ``ctx`` argument)."""
+
+    rank: int
+    world_size: int
+    mode: str
+    """``"single"``, ``"dp"`` or ``"ddp"``."""
+    device: str
+    step: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+    """Lives for the whole run of one replica: an LR scheduler, a GradScaler."""
+    sync_off: Callable[[], Any] | None = field(default=None, repr=False)
+
+    def no_sync(self) -> Any:
+        """DDP's ``no_sync()`` under DDP (gradients accumulate locally, no all-reduce); a
+        context that does nothing in the other modes."""
+        return self.sync_off() if self.sync_off is not None else contextlib.nullcontext()
+
+
+class OptimizerWatch:
+    """Hooks on a replica's optimizer: how often ``step()`` was called in this training
+    step, and the gradients it saw (at the call; after it for an optimizer given a
+    closure, such as LBFGS, which computes them inside)."""
+
+    def __init__(self, optimizer: Any, model: Any, before_step: Callable[[], None]) -> None:
+        self.model = model
+        self.before_step = before_step
+        self.calls = 0
+        self.grads: dict[str, Any] = {}
+        self._closure = False
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+
+    def begin(self) -> None:
+        self.calls, self.grads, self._closure = 0, {}, False
+
+    def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            return
+        self._closure = bool(args and callable(args[0])) or callable(kwargs.get("closure"))
+        self.before_step()
+        if not self._closure:
+            self.grads = gradients(self.model)
+
+    def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if self.calls == 1 and self._closure:
+            self.grads = gradients(self.model)
+
+
+def gradients(module: Any) -> dict[str, Any]:
+    return {n: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
+            for n, p in module.named_parameters()}
+
+
+def record_step(step: int, replica: Any, batch: Any) -> StepRecord:
+    """Run ``replica``'s step function on ``batch``; what it did, as a :class:`StepRecord`."""
+    ctx, watch = replica.ctx, replica.watch
+    ctx.step = step
+    watch.begin()
+    loss = replica.step_fn(replica.wrapped, batch, replica.optimizer, ctx)
+    if watch.calls > 1:
+        raise CaseError(
+            f"train_step called optimizer.step() {watch.calls} times at step {step}; ddparity compares one "
+            f"optimizer step per train_step call: accumulate inside it (ctx.no_sync() for the micro-batches "
+            f"before the last) and step once"
+        )
+    record = StepRecord(loss=scalar_loss(loss, step), grads=watch.grads if watch.calls else {},
+                        stepped=bool(watch.calls))
+    record.params = {n: p.detach().to("cpu", copy=True) for n, p in replica.model.named_parameters()}
+    record.buffers = {n: b.detach().to("cpu", copy=True) for n, b in replica.model.named_buffers()}
+    return record
+
+
+def scalar_loss(loss: Any, step: int) -> Any:
+    import torch
+
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return torch.tensor(float(loss), dtype=torch.float64)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaseError(
+            f"train_step must return the step's loss as a scalar (a 0-d tensor or a number), got {got} at step "
+            f"{step}; return the loss the step optimised (for accumulation: the mean of the micro-batches' losses)"
+        )
+    return loss.detach().reshape(()).to("cpu", copy=True)
+
+
+def never_stepped(trace: Any, steps: int) -> None:
+    """A run whose step function never called ``optimizer.step()`` is an error: nothing
+    would be compared but the loss."""
+    if steps and trace.steps and not any(r.stepped for r in trace.steps):
+        raise CaseError(
+            f"train_step never called optimizer.step() in {steps} step(s): call optimizer.step() (or "
+            f"scaler.step(optimizer)) once per train_step; ddparity records the gradients as the optimizer sees "
+            f"them there"
+        )
+
+
+def default_step(replica: Any, compute_loss: Callable[..., Any], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """ddparity's own step for a case without ``train_step``: zero the gradients, forward,
+    the case's loss, backward, ``optimizer.step()``."""
+    optimizer = replica.optimizer
+    needs = [p for p in inspect.signature(optimizer.step).parameters.values()
+             if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.name == "closure" for p in needs):
+        raise CaseError(
+            f"the optimizer {type(optimizer).__name__} needs a closure (optimizer.step(closure)), and ddparity's "
+            f"built-in step calls optimizer.step(); give the case your own step, e.g. Case(train_step=fn) with fn "
+            f"calling optimizer.step(closure) where closure zeroes the gradients, computes the loss, calls "
+            f"backward() and returns the loss"
+        )
+
+    def step(model: Any, batch: Any, optimizer: Any, ctx: StepContext) -> Any:
+        inputs, targets = batch
+        optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(replica, forward(model, inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
