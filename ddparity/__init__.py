@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ddparity.case import Case, whole
-    from ddparity.harness.stepping import StepContext
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.outcomes import RankOutcome
     from ddparity.harness.protocol import RankContext
+    from ddparity.harness.stepping import StepContext
     from ddparity.harness.world import World
     from ddparity.report import HealthReport, ProfileReport, Report, RunResult
     from ddparity.verbs.check import check

@@ -97,3 +97,7 @@ class Trace:
     world_size: int
     steps: list[StepRecord] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    dropout_calls: int = 0
+    """The most dropout calls one step made (each given the same mask per sample in every mode)."""
+    autocast_dtype: str | None = None
+    """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""

@@ -60,8 +60,22 @@ def test_the_likely_cause_is_named_for_known_signatures_and_only_for_them():
     assert "1 - 1/4 = 0.75" in causes(summed)[1] and "reduction='mean'" in causes(summed)[1]
     bn = causes(check(bugs.batchnorm_on_shards(), world_sizes=(2,)))
     assert len(bn) == 1 and "BatchNorm on shards (bn)" in bn[0] and "SyncBatchNorm" in bn[0], bn
-    for clean_or_other in (models.mlp_sgd(), bugs.corrupted_grad_on_one_rank()):
-        assert causes(check(clean_or_other, world_sizes=(2,))) == []
+    assert causes(check(models.mlp_sgd(), world_sizes=(2, 4))) == []
+    [alone] = causes(check(bugs.corrupted_grad_on_one_rank(), world_sizes=(4,)))
+    assert alone.startswith("likely cause: rank 1 alone drifts from ranks [0, 2, 3]"), alone
+
+
+def test_a_missed_sync_and_a_scaled_gradient_are_named():
+    from ddparity.fixtures import dropout, loops
+
+    def causes(report):
+        return [note for run in report.runs for note in run.notes if note.startswith("likely cause")]
+
+    late = causes(check(loops.late_sync(), world_sizes=(2, 4)))
+    assert len(late) == 2 and all("no gradient was all-reduced at step 0" in c for c in late), late
+    assert "before the last micro-batch's forward" in late[0]
+    scaled = causes(check(dropout.overscaling_hook(), world_sizes=(2,)))
+    assert len(scaled) == 1 and "every gradient is scaled by the same factor (relative error 0.05" in scaled[0], scaled
 
 
 def test_summed_loss_is_equivalent_at_world_size_one():

@@ -5,23 +5,37 @@ that names the likely cause and its fix.
   sum over its shard trains on 1/W of the single-device objective — the recorded loss (the
   mean of the ranks' losses) is off by exactly ``1 - 1/W`` at the first step;
 * BatchNorm on shards: each rank normalises its shard with its own statistics — the
-  running statistics differ from the first step on.
+  running statistics differ from the first step on;
+* a gradient scaled on its way (a comm hook that forgets to divide by W, or scales by a
+  wrong factor): the loss matches, and every gradient is off by the same relative error;
+* a missed sync: every parameter differs across the ranks after the first step — no
+  gradient was all-reduced (``no_sync()`` or ``require_backward_grad_sync`` left off for
+  the micro-batch that should synchronise);
+* rank-local state: one rank alone drifts from the others that agree.
 """
 
 from __future__ import annotations
 
-from ddparity.verdicts import Divergence
+from ddparity.verdicts import Desync, Divergence
 
 SIGNATURE_REL_TOL = 1e-3
 """How close the loss's relative error must be to ``1 - 1/W`` to name a summed loss (a
 correct run is ~1e-7 away from the reference; other bugs land anywhere)."""
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
+UNIFORM_SCALE_TOL = 1e-2
+"""How close every gradient's relative error must be to one another to call it one factor."""
 
 
-def likely_cause(found: list[Divergence], world_size: int) -> str | None:
-    """The likely cause of a DDP run's divergences (in the order they happened), or None."""
-    if not found or world_size < 2:
+def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
+                 params: int = 0) -> str | None:
+    """The likely cause of a DDP run's divergences (in the order they happened) or of its
+    desync (``params``: how many parameters the model has), or None."""
+    if world_size < 2:
+        return None
+    if desync is not None:
+        return _desync_cause(desync, params)
+    if not found:
         return None
     first = found[0]
     off_by = 1 - 1 / world_size
@@ -36,4 +50,29 @@ def likely_cause(found: list[Divergence], world_size: int) -> str | None:
         return (f"likely cause: BatchNorm on shards ({layer}): each rank normalises its shard with its own "
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
                 f"or BatchNorm in eval mode")
+    grads = [d for d in found if d.step == first.step and d.kind == "grad"]
+    if first.kind == "grad" and len(grads) >= 2:
+        rels = [d.max_rel for d in grads]
+        if max(rels) - min(rels) <= UNIFORM_SCALE_TOL * max(rels):
+            hint = f" (an unaveraged sum is off by {world_size - 1:g}, a double division by {1 - 1 / world_size:g})"
+            return (f"likely cause: every gradient is scaled by the same factor (relative error {rels[0]:.3g} in "
+                    f"each, the loss matches){hint}: a comm hook or step that scales the averaged gradient, such "
+                    f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
+                    f"mean over ranks: divide the sum by the world size once, and scale nothing else")
+    return None
+
+
+def _desync_cause(desync: Desync, params: int) -> str | None:
+    if desync.differs is None:
+        return None
+    differing = [d for d in desync.differs if d.startswith("param ")]
+    if desync.step == 0 and params and len(differing) >= params:
+        return ("likely cause: no gradient was all-reduced at step 0 (every parameter differs across ranks, as if "
+                "each rank trained alone): a missed sync — DDP synchronises a backward only if its forward ran "
+                "with gradient sync on, so set require_backward_grad_sync (or leave no_sync()) before the last "
+                "micro-batch's forward, not after it")
+    if len(desync.ranks) == 1 and desync.agreeing_ranks:
+        return (f"likely cause: rank {desync.ranks[0]} alone drifts from ranks {desync.agreeing_ranks}, which agree: "
+                f"something only that rank does — rank-local state, a comm hook or data that depends on the rank, "
+                f"a parameter changed outside the optimizer on one rank")
     return None

@@ -18,7 +18,16 @@ rounding. The reference is therefore run a second time, as a *calibration twin*:
 The twin's distance to the reference, step by step and tensor by tensor, is then the
 noise a correct run may show, including what the optimizer and later steps make of it.
 The per-tensor tolerance is ``HEADROOM * max(twin distance, floor)``, the floor being W
-ulps of the summands' size (losses, gradients) or of the tensor (params, buffers).
+ulps of the summands' size (losses, gradients) or of the tensor (params, buffers), and
+never less than W ulps of the tensor itself (a batch-coupled loss has per-sample terms of
+size 0) nor than the dtype's smallest normal number: a tolerance is never 0. Ulps are of
+the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model).
+
+Where the twin's first gradients differ from the reference's by more than rounding can
+(at least half the size of a gradient that is well above rounding), the step depends on something beside the
+batch as a set — the order of its samples, randomness, state — and no noise floor can be
+calibrated: the tolerance says where (:class:`Uncalibrated`) and runs are compared only
+up to that step, never passed on it.
 """
 
 from __future__ import annotations
@@ -59,36 +68,86 @@ def distance(a: Any, b: Any) -> float:
     return float(diff.max())
 
 
+LOW_PRECISION_HEADROOM = 8.0
+"""The headroom in bf16/fp16 (autocast or a low-precision model). Their ulps are 2^16
+times float32's, so 32x the floor would be a tolerance of half the value compared at
+four ranks, far above the rounding such runs show (gradients 0.4-1% apart, AdamW
+parameters up to ~10% element-wise, at 2 and 4 ranks) and wide enough to pass a summed
+loss. 8x keeps the tolerance a fraction of the value and still above that noise."""
+
+UNCALIBRATED_SHARE = 0.5
+"""A twin this far from the reference, relative to the value, is not rounding."""
+ABOVE_ROUNDING = 1e4
+"""A tensor larger than this many ulps of the largest tensor of its kind in the step is
+well above rounding (so its twin distance is not); below, it may be a cancelled sum, such
+as the gradient of a bias that BatchNorm follows."""
+
+
+@dataclass(frozen=True)
+class Uncalibrated:
+    """The first place where the twin differs from the reference by more than rounding."""
+
+    step: int
+    kind: str
+    name: str
+    noise: float
+    value: float
+
+    def reason(self) -> str:
+        return (f"no tolerance can be calibrated from step {self.step} on: the calibration twin (the same "
+                f"training on the batch in reversed order) differs from the reference in {self.kind} "
+                f"{self.name!r} by {self.noise:.3g}, {self.noise / self.value:.0%} of its size {self.value:.3g}, "
+                f"far more than rounding; the step depends on the order of the samples in the batch (or on "
+                f"randomness or state outside the batch), which data parallelism does not keep")
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """Absolute tolerance per (step, kind, tensor name)."""
 
     description: str
     table: dict[tuple[int, str, str], float]
+    uncalibrated: Uncalibrated | None = None
 
     def __call__(self, step: int, kind: str, name: str) -> float:
         return self.table.get((step, kind, name), 0.0)
 
 
 def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -> Tolerance:
-    """Calibrated tolerance for a run of ``world_size`` ranks against ``reference``."""
+    """Calibrated tolerance for a run of ``world_size`` ranks against ``reference``
+    (``dtype``: the parameters'; autocast's, when the reference ran in a lower one)."""
     import torch
 
-    eps = torch.finfo(dtype).eps
+    if reference.autocast_dtype:
+        low = getattr(torch, reference.autocast_dtype)
+        dtype = low if torch.finfo(low).eps > torch.finfo(dtype).eps else dtype
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    headroom = HEADROOM if eps < 1e-6 else LOW_PRECISION_HEADROOM
     table: dict[tuple[int, str, str], float] = {}
+    uncalibrated = None
     for step, (ref, cal) in enumerate(zip(reference.steps, twin.steps)):
         for kind in RECORD_KINDS:
             ref_t, cal_t = ref.tensors(kind), cal.tensors(kind)
+            rounding = ABOVE_ROUNDING * world_size * eps * max((max_abs(t) for t in ref_t.values()), default=0.0)
             for name, tensor in ref_t.items():
+                if tensor is None or not tensor.is_floating_point():
+                    table[(step, kind, name)] = 0.0  # integers (counters) compare exactly
+                    continue
                 noise = distance(tensor, cal_t.get(name))
                 if noise == float("inf"):
                     noise = 0.0  # shape/None mismatches are not noise
                 # Summing W partial results rounds by up to ~W ulps of the partials' size
                 # (not of the result's: partial gradients can cancel).
-                scale = cal.scale(kind, name) if kind in ("loss", "grad") else tensor
-                floor = world_size * eps * max_abs(scale)
-                table[(step, kind, name)] = HEADROOM * max(noise, floor)
-    return Tolerance(f"auto (calibrated noise floor x{HEADROOM:g}, {dtype})", table)
+                value = max_abs(tensor)
+                scale = max_abs(cal.scale(kind, name)) if kind in ("loss", "grad") else 0.0
+                floor = max(world_size * eps * max(scale, value), tiny)
+                table[(step, kind, name)] = headroom * max(noise, floor)
+                # At step 0 both start from the same parameters: their gradients differ by
+                # reordering and the nudge only (later, Adam may turn rounding into whole steps).
+                if (uncalibrated is None and step == 0 and kind == "grad" and noise >= UNCALIBRATED_SHARE * value
+                        and value > rounding):
+                    uncalibrated = Uncalibrated(step, kind, name, noise, value)
+    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype})", table, uncalibrated)
 
 
 def fixed_tolerance(reference: Trace, relative: float) -> Tolerance:

@@ -72,6 +72,42 @@ class OptimizerWatch:
             self.grads = gradients(self.model)
 
 
+class AutocastWatch:
+    """The lowest precision autocast ran any module of a replica in (bf16, fp16), for the
+    calibration: rounding noise scales with the precision computed in, not with the
+    parameters' dtype."""
+
+    def __init__(self, model: Any, device: str) -> None:
+        self.dtype: Any = None
+        self._device = device.split(":")[0]
+        self._handles = [m.register_forward_pre_hook(self._seen) for m in model.modules()]
+
+    def _seen(self, module: Any, args: Any) -> None:
+        import torch
+
+        try:
+            enabled = torch.is_autocast_enabled(self._device)
+            dtype = torch.get_autocast_dtype(self._device) if enabled else None
+        except (TypeError, AttributeError):  # torch < 2.4: per-device functions
+            cpu = self._device == "cpu"
+            enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+            dtype = (torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()) if enabled else None
+        if dtype is not None and (self.dtype is None or torch.finfo(dtype).eps > torch.finfo(self.dtype).eps):
+            self.dtype = dtype
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def lowest_precision(*dtypes: Any) -> Any:
+    """The dtype with the largest epsilon among those given (None ignored)."""
+    import torch
+
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=lambda d: torch.finfo(d).eps) if known else None
+
+
 def gradients(module: Any) -> dict[str, Any]:
     return {n: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
             for n, p in module.named_parameters()}

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from ddparity.case import Case, Whole, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
-from ddparity.harness.stepping import OptimizerWatch, StepContext, default_step, never_stepped
+from ddparity.harness.randomness import AlignedDropout, RandomDraws
+from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, default_step, never_stepped
 from ddparity.trace import StepRecord, Trace
 
 
@@ -42,9 +43,15 @@ class Replica:
     loss_fn: Callable[[Any, Any], Any]
     device: str
     ctx: StepContext
-    step_fn: Callable[..., Any] | None = None
-    """``(model, batch, optimizer, ctx) -> loss``: the case's ``train_step``, or ddparity's."""
-    watch: OptimizerWatch | None = None
+    step_fn: Any = None
+    """``(model, batch, optimizer, ctx) -> loss``: the case's ``train_step``, or ddparity's
+    (set by :func:`train` once the replica exists: ddparity's step uses it)."""
+    watch: Any = None
+    """The :class:`~ddparity.harness.stepping.OptimizerWatch` on the optimizer (set by :func:`train`)."""
+    precision: Any = None
+    """The :class:`~ddparity.harness.stepping.AutocastWatch` on the model (set by :func:`train`)."""
+    shared_batch: Any = None
+    """This step's share of the global batch before it is cast (``ddparity.whole`` marks kept)."""
 
 
 class Mode(Protocol):
@@ -86,24 +93,40 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
                       device, ctx)
     replica.watch = OptimizerWatch(replica.optimizer, model, lambda: mode.before_optimizer(replica))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
+    replica.precision = AutocastWatch(model, device)
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
-    drawn: list[Any] = []  # kept only when the mode runs past the case's steps
-    for step in range(mode.steps):
-        rec.set_phase(step, "forward")
-        if step < case.steps:
-            batch = global_batch(data, step, generator, pair=case.train_step is None)
-            size = batch_size(batch, step)
-            trace.batch_sizes.append(size if size is not None else -1)
-            batch = cast(mode.share(batch, size), case, device)
-            if mode.steps > case.steps:
-                drawn.append(batch)
-        else:
-            batch = drawn[step % case.steps]
-        record = mode.step(step, replica, batch)
-        if record is not None:
-            trace.steps.append(record)
+    drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
+    dropout = AlignedDropout(model, case.seed)
+    try:
+        for step in range(mode.steps):
+            rec.set_phase(step, "forward")
+            if step < case.steps:
+                batch = global_batch(data, step, generator, pair=case.train_step is None)
+                size = batch_size(batch, step)
+                trace.batch_sizes.append(size if size is not None else -1)
+                rows = mode.share(torch.arange(size), size) if size else None  # which samples this replica has
+                shared = mode.share(batch, size)
+                batch = cast(shared, case, device)
+                if mode.steps > case.steps:
+                    drawn.append((shared, batch, rows))
+            else:
+                shared, batch, rows = drawn[step % case.steps]
+            replica.shared_batch = shared
+            dropout.begin(step, rows, batch)
+            if getattr(mode, "watch_draws", False):
+                with RandomDraws() as draws:
+                    record = mode.step(step, replica, batch)
+                draws.raise_if_any(step)
+            else:
+                record = mode.step(step, replica, batch)
+            if record is not None:
+                trace.steps.append(record)
+    finally:
+        trace.dropout_calls = dropout.close()
+        replica.precision.close()
+    trace.autocast_dtype = str(replica.precision.dtype).removeprefix("torch.") if replica.precision.dtype else None
     never_stepped(trace, mode.steps)
     rec.set_phase(mode.steps, "done")
     return trace

@@ -14,7 +14,7 @@ from ddparity.case import Case
 from ddparity.checks.causes import likely_cause
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
-from ddparity.checks.tolerance import auto_tolerance, fixed_tolerance
+from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
 from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.fingerprint import trace_fingerprints
@@ -91,17 +91,30 @@ def check(
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin, blowup))
     report.runs.extend(ddp_runs)
+    if reference.dropout_calls and report.runs:
+        report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
+                                       f"sample ({reference.dropout_calls} dropout call(s) a step)")
     return report
 
 
-def _compared_up_to(run: RunResult, blowup: NonFinite | None) -> RunResult:
-    """A run compared only up to the reference's blow-up: never a pass."""
+def _stop(blowup: NonFinite | None, tol: Any) -> NonFinite | Uncalibrated | None:
+    """Where comparing ends: the reference's blow-up, or the first step no tolerance can be
+    calibrated for, whichever comes first."""
+    stops = [s for s in (blowup, tol.uncalibrated) if s is not None]
+    return min(stops, key=lambda s: s.step) if stops else None
+
+
+def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> RunResult:
+    """A run compared only up to the reference's blow-up (or the end of calibration): never
+    a pass."""
     if blowup is None:
         return run
-    if run.status == "desync" and run.desync is not None and run.desync.step >= blowup.step:
+    if (isinstance(blowup, NonFinite) and run.status == "desync" and run.desync is not None
+            and run.desync.step >= blowup.step):
         run.status, run.desync = "pass", None  # replicas of NaN: their bits say nothing
     if run.status == "pass":
-        run.status, run.reason = "error", blowup.reason() + f"; steps before {blowup.step} matched"
+        matched = f"; steps before {blowup.step} matched" if blowup.step else ""
+        run.status, run.reason = "error", blowup.reason() + matched
     else:
         run.notes.append(f"compared up to step {blowup.step} only: {blowup.reason()}")
     return run
@@ -119,7 +132,8 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
     for ws in sizes:
         trace, notes, simulated = results[ws]
         tol = _tolerance(case, opts, reference, twin, ws)
-        found = divergences(reference, [trace], tol, until=blowup.step if blowup else None)
+        stop = _stop(blowup, tol)
+        found = divergences(reference, [trace], tol, until=stop.step if stop else None)
         device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
@@ -128,7 +142,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         if found:
             run.first_divergence, run.worst = found[0], worst(found)
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
-        runs.append(_compared_up_to(run, blowup))
+        runs.append(_compared_up_to(run, stop))
     return runs
 
 
@@ -182,7 +196,8 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     tol = _tolerance(case, opts, reference, twin, ws)
     simulated = backend == "threaded"
     traces = outcomes[0].value if simulated else [o.value for o in outcomes]
-    found = divergences(reference, traces, tol, until=blowup.step if blowup else None)
+    stop = _stop(blowup, tol)
+    found = divergences(reference, traces, tol, until=stop.step if stop else None)
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
     run.worst = worst(found)
@@ -191,10 +206,12 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
     judged = judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
-    cause = likely_cause(found, ws) if judged.status == "diverged" else None
+    params = len(reference.steps[0].params) if reference.steps else 0
+    cause = (likely_cause(found, ws) if judged.status == "diverged"
+             else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
     if cause:
         judged.notes.append(cause)
-    return _compared_up_to(judged, blowup)
+    return _compared_up_to(judged, stop)
 
 
 def _tolerance(case: Case, opts: CheckOptions, reference: Any, twin: Any, ws: int) -> Any:

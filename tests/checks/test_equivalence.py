@@ -94,3 +94,50 @@ def test_the_first_non_finite_loss_gradient_or_parameter_of_the_reference_is_nam
     assert (found.step, found.kind, found.name) == (1, "grad", "a.weight") and math.isnan(found.value)
     assert "step 1" in found.reason() and "'a.weight'" in found.reason()
     assert divergences(ref, [ref], fixed_tolerance(ref, 0.0), until=found.step) == []
+
+
+def test_a_tolerance_is_never_zero_for_floating_point_values():
+    """A batch-coupled loss has per-sample terms of size 0, and a tensor can be exactly 0:
+    the floor is still W ulps of the value, and never below the smallest normal number."""
+    ref = make_trace(value=0.0)
+    twin = make_trace(value=0.0)
+    for record in twin.steps:
+        record.loss_scale = torch.tensor(0.0, dtype=torch.float64)
+        record.grad_scales = {"a.weight": torch.zeros(2, 2, dtype=torch.float64)}
+    tol = auto_tolerance(ref, twin, world_size=4, dtype=torch.float32)
+    assert all(value > 0 for value in tol.table.values())
+    assert tol(0, "loss", "loss") == HEADROOM * torch.finfo(torch.float32).tiny
+    scaled_twin = make_trace(value=3.0)
+    for record in scaled_twin.steps:
+        record.loss_scale = torch.tensor(0.0, dtype=torch.float64)
+    coupled = auto_tolerance(make_trace(value=3.0), scaled_twin, world_size=4, dtype=torch.float32)
+    assert math.isclose(coupled(0, "loss", "loss"), HEADROOM * 4 * torch.finfo(torch.float32).eps * 3.0)
+
+
+def test_low_precision_computes_with_its_own_ulps_and_a_smaller_headroom():
+    from ddparity.checks.tolerance import LOW_PRECISION_HEADROOM
+
+    ref, twin = make_trace(), make_trace()
+    ref.autocast_dtype = "bfloat16"
+    tol = auto_tolerance(ref, twin, world_size=4, dtype=torch.float32)
+    bf16 = torch.finfo(torch.bfloat16).eps
+    assert math.isclose(tol(0, "grad", "a.weight"), LOW_PRECISION_HEADROOM * 4 * bf16)
+    assert tol(0, "grad", "a.weight") < 0.5  # never as large as the value (1.0) it compares
+    assert "bfloat16" in tol.description
+
+
+def test_a_twin_far_from_the_reference_is_uncalibrated_not_a_wider_tolerance():
+    ref = make_trace()
+    twin = make_trace(bump=(0, "grad", "a.weight", 0.7))
+    tol = auto_tolerance(ref, twin, world_size=2, dtype=torch.float32)
+    assert (tol.uncalibrated.step, tol.uncalibrated.kind, tol.uncalibrated.name) == (0, "grad", "a.weight")
+    assert "no tolerance can be calibrated from step 0 on" in tol.uncalibrated.reason()
+    assert "70% of its size" in tol.uncalibrated.reason()
+    # later parameters may legitimately differ by whole Adam steps (a bias that starts at 0)
+    later = auto_tolerance(ref, make_trace(bump=(1, "param", "a.weight", 0.7)), world_size=2, dtype=torch.float32)
+    assert later.uncalibrated is None and later(1, "param", "a.weight") > 0.7
+    # a tensor at rounding level next to the others (a cancelled sum): its twin distance is rounding too
+    ref, twin = make_trace(), make_trace()
+    ref.steps[0].grads["b.bias"] = torch.full((2,), 1e-9)
+    twin.steps[0].grads["b.bias"] = torch.full((2,), -1e-9)
+    assert auto_tolerance(ref, twin, world_size=2, dtype=torch.float32).uncalibrated is None

@@ -19,6 +19,8 @@ class SingleMode:
     rank: int = 0
     world_size: int = 1
     recorder: Any = DISABLED
+    watch_draws: bool = True
+    """Stop at any random draw outside the aligned dropouts (the reference watches)."""
 
     def wrap(self, model: Any) -> Any:
         return model

@@ -13,11 +13,14 @@ for the tolerance floor.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness.modes.single import SingleMode
-from ddparity.harness.stepping import record_step
+from ddparity.harness.randomness import suspended
+from ddparity.harness.stepping import lowest_precision, record_step
 from ddparity.harness.training import Replica, batch_size, cast, forward, map_tensors, reverse_samples, shard
 from ddparity.trace import StepRecord
 
@@ -27,13 +30,14 @@ class TwinMode(SingleMode):
     twin_world_size: int = 1
     """The largest world size the reference is compared with (W)."""
 
+    watch_draws: bool = False
+
     def __post_init__(self) -> None:
         self._batch: Any = None
         self._scales: tuple[Any, dict] | None = None
 
     def share(self, batch: Any, size: int | None) -> Any:
-        self._raw = reverse_samples(batch, size) if self.twin_world_size and size else batch
-        return self._raw  # kept with its ddparity.whole marks, for the shards below
+        return reverse_samples(batch, size) if self.twin_world_size and size else batch
 
     def before_optimizer(self, replica: Replica) -> None:
         """Nudge the gradients the optimizer is about to use (and, with ddparity's own
@@ -43,13 +47,40 @@ class TwinMode(SingleMode):
         if ws <= 1:
             return
         if replica.case.train_step is None:
-            inputs, targets = self._batch
-            self._scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
-            size = batch_size(self._raw)
-            if self._scales is None and size and size % ws == 0:
-                shards = [cast(shard(self._raw, rank, ws, size), replica.case, replica.device) for rank in range(ws)]
-                self._scales = shard_magnitudes(model, replica.loss_fn, shards)
-        nudge_towards_zero(model, self._scales[1] if self._scales else {}, ws, replica.case.torch_dtype)
+            with suspended():
+                self._scales = self._magnitudes(replica)
+        dtype = lowest_precision(replica.case.torch_dtype, replica.precision.dtype if replica.precision else None)
+        nudge_towards_zero(model, self._scales[1] if self._scales else {}, ws, dtype)
+
+    def _magnitudes(self, replica: Replica) -> tuple[Any, dict] | None:
+        """The size of the summands DDP adds: per sample where the loss is a mean of
+        per-sample losses, else per shard. A batch-coupled loss (contrastive, a
+        normaliser over the batch) is not: its per-sample losses are not its terms, which
+        shows as mean |sample loss| < |batch loss|."""
+        model, ws, (inputs, targets) = replica.model, self.twin_world_size, self._batch
+        with kept_python_state(model):
+            scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
+            if scales is not None and float(scales[0]) < (1 - 1e-3) * float(self._loss_size(replica)):
+                scales = None
+            raw = replica.shared_batch  # with its ddparity.whole marks, to cut as DDP does
+            size = batch_size(raw)
+            if scales is None and size and size % ws == 0:
+                shards = [cast(shard(raw, rank, ws, size), replica.case, replica.device) for rank in range(ws)]
+                scales = shard_magnitudes(model, replica.loss_fn, shards)
+        return scales
+
+    def _loss_size(self, replica: Replica) -> Any:
+        """|loss| of the whole batch, computed without touching the model's buffers."""
+        import torch
+        from torch.func import functional_call
+
+        model, (inputs, targets) = replica.model, self._batch
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        with torch.no_grad():
+            outputs = functional_call(model, (params, buffers), args)
+            return replica.loss_fn(outputs, targets).detach().abs().double().cpu()
 
     def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
         self._batch = batch
@@ -57,6 +88,19 @@ class TwinMode(SingleMode):
         if self._scales is not None:
             record.loss_scale, record.grad_scales = self._scales
         return record
+
+
+@contextlib.contextmanager
+def kept_python_state(model: Any) -> Iterator[None]:
+    """Every submodule's plain attributes (numbers, flags: a call counter) as they were
+    before the extra passes, so the twin's trajectory is the reference's."""
+    saved = [(m, {k: v for k, v in vars(m).items() if isinstance(v, (int, float, bool))}) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attrs in saved:
+            for k, v in attrs.items():
+                setattr(m, k, v)
 
 
 def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any, dict]:
@@ -138,5 +182,17 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
             if p.grad is None:
                 continue
             scale = grad_scales.get(n)
-            size = scale.to(p.grad.device, p.grad.dtype) if scale is not None else p.grad.abs()
-            p.grad.sub_(world_size * eps * size * torch.sign(p.grad))
+            direction = torch.sign(p.grad)
+            if scale is not None:
+                size = scale.to(p.grad.device, p.grad.dtype)
+            elif not p.grad.numel():
+                continue
+            else:
+                # Summands unknown (the user's own step): the tensor's largest element is
+                # their size, so an element that nearly cancels may change sign, as it may
+                # under DDP (and Adam turns that into a whole step). In bf16/fp16 a sum
+                # can round to exactly 0 on one side only: exact zeros move too.
+                size = p.grad.abs().max()
+                if eps > 1e-6:
+                    direction = torch.where(p.grad == 0, -1.0, direction)
+            p.grad.sub_(world_size * eps * size * direction)

@@ -1,0 +1,362 @@
+"""Randomness in a step, made comparable: the same dropout mask for the same sample in
+every mode and on every rank, and every other random draw found and named.
+
+A model with dropout trained on one device, on DDP shards and in reversed order (the
+calibration twin) draws other masks for the same sample from torch's one generator, so
+its runs differ by far more than rounding and no comparison is sharp. While a replica
+trains, :class:`AlignedDropout` replaces ``torch.nn.functional``'s dropouts (``dropout``,
+``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``, and the attention
+dropout of ``scaled_dot_product_attention``, which ``nn.MultiheadAttention``,
+``nn.TransformerEncoderLayer`` and transformers' attention call) with one whose mask
+for a sample is drawn from a generator seeded by (case seed, step, the dropout's place in
+the forward, the sample's index in the global batch). A sample's mask is therefore the
+same wherever it is trained.
+
+Which rows of a tensor are which samples: the replica's share of the global batch says
+its samples (all, reversed, a shard); a forward called on a slice of the share (a
+micro-batch, DataParallel's chunks) is matched to its rows through the storage the slice
+views; a dropout input has its samples along dim 0 (also grouped, as attention's
+``(batch * heads, L, S)``), or along dim 1 inside a module built with
+``batch_first=False``. Where none of this tells the rows, the step cannot be compared
+with dropout on, and a :class:`CaseError` says so.
+
+:class:`RandomDraws` (the reference only) records every other draw from torch's
+generators in a step (``torch.randn_like``, ``RReLU``, a dropout called through
+``torch.dropout``); the reference then stops with an error that names them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.errors import CaseError
+
+_local = threading.local()
+_lock = threading.Lock()
+_installed: dict[str, Any] = {}
+_users = 0
+_MASK = (1 << 63) - 1
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps): nearby inputs, unrelated seeds."""
+    z = 0x9E3779B97F4A7C15
+    for v in values:
+        z = (z ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        z ^= z >> 31
+    return z & _MASK
+
+
+@dataclass(eq=False)
+class _Scope:
+    """One replica's step: its samples and where its forward is."""
+
+    seed: int
+    step: int = 0
+    rows: Any = None
+    """Global sample index of every row of the replica's share (a LongTensor)."""
+    sources: list[Any] = field(default_factory=list)
+    """The share's batched tensors, to match a forward's input slices against."""
+    forward_rows: Any = None
+    forward_calls: int = 0
+    calls: int = 0
+    """Dropout calls in this forward (the place of the next one)."""
+    drawn: int = 0
+    batch_first: list[bool | None] = field(default_factory=list)
+    """``batch_first`` of the modules the forward is in, innermost last (None: attention)."""
+
+
+class AlignedDropout:
+    """Same-sample, same-mask dropout for one replica's training (see the module docstring)."""
+
+    def __init__(self, model: Any, seed: int) -> None:
+        import torch
+
+        self.scope = _Scope(seed)
+        self.most_calls = 0
+        self._handles = [model.register_forward_pre_hook(self._forward_starts, with_kwargs=True)]
+        for module in model.modules():
+            flag = getattr(module, "batch_first", None)
+            if isinstance(flag, bool):
+                attention = isinstance(module, torch.nn.MultiheadAttention)
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda m, args, flag=None if attention else flag: self.scope.batch_first.append(flag)))
+                self._handles.append(module.register_forward_hook(lambda m, args, out: self.scope.batch_first.pop()))
+        _install()
+        _local.scope = self.scope
+
+    def begin(self, step: int, rows: Any, batch: Any) -> None:
+        """A new step, on the samples ``rows`` (global indices of the share's rows)."""
+        from ddparity.harness.training import named_tensors
+
+        scope = self.scope
+        self.most_calls = max(self.most_calls, scope.drawn)
+        scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
+        size = len(rows) if rows is not None else -1
+        scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
+        scope.forward_rows, scope.batch_first = None, []
+
+    def close(self) -> int:
+        """Stop aligning; the most dropout calls one step made."""
+        global _users
+        for handle in self._handles:
+            handle.remove()
+        _local.scope = None
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                _uninstall()
+        return max(self.most_calls, self.scope.drawn)
+
+    def _forward_starts(self, module: Any, args: tuple, kwargs: dict) -> None:
+        scope = self.scope
+        if getattr(_local, "scope", None) is not scope:
+            return  # suspended (the twin's extra passes)
+        scope.calls = 0  # every forward (micro-batch) numbers its dropouts from 0
+        scope.forward_calls += 1
+        scope.forward_rows = _rows_of(scope, list(args) + list(kwargs.values()))
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No alignment inside (forward passes that are not the step's: they keep torch's own
+    dropout, and leave the step's dropout numbering alone)."""
+    scope = getattr(_local, "scope", None)
+    _local.scope = None
+    try:
+        yield
+    finally:
+        _local.scope = scope
+
+
+def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
+    """The samples of a forward's rows: a slice of the share (matched by the storage it
+    views), or the whole share; None when its inputs say neither."""
+    import torch
+
+    from ddparity.harness.training import named_tensors
+
+    if scope.rows is None:
+        return None
+    first = None
+    for _, t in named_tensors(inputs):
+        if not t.dim():
+            continue
+        first = first if first is not None else t
+        for src in scope.sources:
+            if (t.dim() == src.dim() and t.stride(0) == src.stride(0) and src.stride(0)
+                    and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
+                offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
+                if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(scope.rows):
+                    return scope.rows[offset: offset + t.shape[0]]
+    if isinstance(first, torch.Tensor) and first.shape[0] == len(scope.rows):
+        return scope.rows
+    return None
+
+
+def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
+    """The dropout noise for ``x`` (bernoulli(1 - p), not yet scaled), each sample's part
+    from its own generator; None when no replica is being aligned in this thread."""
+    import torch
+
+    scope = getattr(_local, "scope", None)
+    if scope is None:
+        return None
+    rows = scope.forward_rows
+    place = scope.calls
+    scope.calls += 1
+    scope.drawn += 1
+    b = len(rows) if rows is not None else 0
+    inner = scope.batch_first[-1] if scope.batch_first else True
+    dim, group = None, 1
+    if b and inner is False and x.dim() >= 2 and x.shape[1] == b:
+        dim = 1
+    elif b and x.dim() and x.shape[0] == b:
+        dim = 0
+    elif b and x.dim() and x.shape[0] % b == 0 and inner is not False:
+        dim, group = 0, x.shape[0] // b
+    elif b and x.dim() >= 2 and x.shape[1] == b:
+        dim = 1
+    if dim is None or (feature and (dim != 0 or group != 1 or x.dim() < 3)):
+        shape = tuple(x.shape)
+        raise CaseError(
+            f"{where} at step {scope.step} (dropout call {place} of the forward) cannot be given the same mask "
+            f"per sample in every mode: its input of shape {shape} has no dimension of this forward's "
+            f"{b or 'unknown number of'} samples" + ("" if b else " (the model was called with a tensor that is "
+                                                     "not the batch ddparity gave the step, nor a slice of it)")
+            + "; call the model on the batch or on slices of it (x[i:j], x.chunk(n)), or switch dropout off for "
+            "the check (model.eval() in the model factory, or p=0)"
+        )
+    moved = x.movedim(dim, 0) if dim else x
+    per_sample = (group, *moved.shape[1:]) if group > 1 else tuple(moved.shape[1:])
+    if feature:
+        per_sample = (moved.shape[1],) + (1,) * (moved.dim() - 2)
+    keep = 1.0 - p
+    parts = []
+    for g in rows.tolist():
+        gen = torch.Generator().manual_seed(_mix(scope.seed, scope.step, place, g))
+        parts.append(torch.empty(per_sample, dtype=torch.float32).bernoulli_(keep, generator=gen))
+    noise = torch.stack(parts)
+    if group > 1:
+        noise = noise.reshape(b * group, *moved.shape[1:])
+    noise = noise.to(device=x.device, dtype=x.dtype if x.is_floating_point() else torch.float32)
+    return noise.movedim(0, dim) if dim else noise
+
+
+def _apply(x: Any, noise: Any, p: float, alpha: bool, inplace: bool) -> Any:
+    """ATen's ``_dropout_impl`` with the given noise."""
+    if not alpha:
+        noise = noise.div_(1.0 - p)
+        return x.mul_(noise) if inplace else x * noise
+    a_const = 1.7580993408473766
+    a = 1.0 / math.sqrt((a_const * a_const * p + 1) * (1 - p))
+    b = noise.add(-1).mul_(a_const * a).add_(a_const * a * p)
+    noise = noise.mul_(a)
+    return (x.mul_(noise) if inplace else x * noise).add_(b)
+
+
+def _dropout_like(name: str, feature: bool, alpha: bool) -> Any:
+    original = _installed[name]
+
+    def aligned(input: Any, p: float = 0.5, training: bool = not alpha, inplace: bool = False) -> Any:
+        if not training or p == 0 or getattr(_local, "scope", None) is None or not 0 < p < 1:
+            return original(input, p, training, inplace)
+        noise = _noise(input, p, feature, f"F.{name}")
+        return _apply(input, noise, p, alpha, inplace)
+
+    aligned.__wrapped__ = original  # type: ignore[attr-defined]
+    return aligned
+
+
+def _aligned_attention() -> Any:
+    import torch
+
+    original = _installed["scaled_dot_product_attention"]
+
+    def attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        if not dropout_p or getattr(_local, "scope", None) is None:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        # the math of the fused kernel, with the aligned dropout on the attention weights
+        if enable_gqa:
+            key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+            value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+        factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+        weights = (query @ key.transpose(-2, -1)) * factor
+        if is_causal:
+            causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+            weights = weights.masked_fill(~causal, float("-inf"))
+        if attn_mask is not None:
+            weights = (weights.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                       else weights + attn_mask)
+        weights = torch.softmax(weights, dim=-1)
+        scope = _local.scope
+        scope.batch_first.append(None)  # attention weights are batch-major
+        try:
+            noise = _noise(weights, dropout_p, False, "scaled_dot_product_attention's dropout")
+        finally:
+            scope.batch_first.pop()
+        return _apply(weights, noise, dropout_p, False, False) @ value
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+_DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d": (True, False),
+             "dropout3d": (True, False), "alpha_dropout": (False, True), "feature_alpha_dropout": (True, True)}
+
+
+def _install() -> None:
+    global _users
+    import torch.nn.functional as F
+
+    with _lock:
+        _users += 1
+        if _installed:
+            return
+        for name in (*_DROPOUTS, "scaled_dot_product_attention"):
+            _installed[name] = getattr(F, name)
+        for name, (feature, alpha) in _DROPOUTS.items():
+            setattr(F, name, _dropout_like(name, feature, alpha))
+        F.scaled_dot_product_attention = _aligned_attention()
+
+
+def _uninstall() -> None:
+    import torch.nn.functional as F
+
+    for name, original in _installed.items():
+        setattr(F, name, original)
+    _installed.clear()
+
+
+class RandomDraws:
+    """The draws from torch's own generators while active: a dispatch mode names the ops
+    that may draw (those tagged ``nondeterministic_seeded`` and given no generator of their
+    own, an attention kernel only with a dropout probability); a draw is only one when the
+    generator's state moved. Aligned dropout draws from generators of its own."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found: dict[str, int] = {}
+        self.found = found
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                kwargs = kwargs or {}
+                if _may_draw(func, args, kwargs):
+                    name = func.overloadpacket.__name__
+                    found[name] = found.get(name, 0) + 1
+                return func(*args, **kwargs)
+
+        self._mode = Watch()
+
+    def __enter__(self) -> RandomDraws:
+        self._before = _generator_states()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self.moved = any(not a.equal(b) for a, b in zip(self._before, _generator_states()))
+
+    def raise_if_any(self, step: int) -> None:
+        if not self.moved:
+            return
+        ops = ", ".join(f"aten.{name}" + (f" x{n}" if n > 1 else "") for name, n in sorted(self.found.items()))
+        raise CaseError(
+            f"the training step draws random numbers from torch's generator at step {step} ({ops or 'an op'}), "
+            f"outside the dropouts ddparity aligns: every mode and rank would draw other numbers for the same "
+            f"sample, so no comparison could be trusted; use torch.nn.functional's dropouts (aligned per sample), "
+            f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
+        )
+
+
+def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
+    import torch
+
+    if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+        return False
+    names = [a.name for a in func._schema.arguments]
+    values = dict(zip(names, args)) | kwargs
+    if "dropout_p" in values:
+        return bool(values["dropout_p"])
+    if "train" in values and "p" in values:  # native_dropout
+        return bool(values["train"]) and bool(values["p"])
+    return True
+
+
+def _generator_states() -> list[Any]:
+    import torch
+
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states

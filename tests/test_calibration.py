@@ -1,0 +1,36 @@
+"""A tolerance that is never zero, never NaN and never vacuous: low precision, batch-coupled
+losses and stateful forwards calibrate without false alarms; where no noise floor can be
+calibrated the report says why instead of passing."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity import check
+from ddparity.fixtures import calibration
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+@pytest.mark.parametrize("factory", list(calibration.CLEAN.values()), ids=list(calibration.CLEAN))
+def test_hard_to_calibrate_clean_set_ups_pass(factory):
+    report = check(factory(), world_sizes=(1, 2, 4))
+    assert report.ok, report.render()
+
+
+def test_low_precision_tolerances_stay_a_fraction_of_the_values_and_catch_a_summed_loss():
+    report = check(calibration.autocast_bf16_summed(), world_sizes=(2, 4))
+    for run in report.runs[1:]:
+        assert run.status == "diverged", report.render()
+        assert "bfloat16" in run.tolerance
+        d = run.first_divergence
+        assert d.max_abs > 2 * d.tolerance, d
+
+
+def test_an_order_dependent_model_is_never_passed_and_the_report_says_why():
+    report = check(calibration.order_dependent(), world_sizes=(2,))
+    assert report.exit_code == 2, report.render()
+    [run] = [r for r in report.runs if r.mode == "ddp"]
+    assert run.status == "error"
+    assert "no tolerance can be calibrated from step 0 on" in run.reason
+    assert "order of the samples" in run.reason

@@ -1,0 +1,79 @@
+"""Dropout compared with dropout on: the same mask for the same sample in every mode and
+rank, so a dropout model is compared as sharply as one without; other random draws named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddparity import check
+from ddparity.fixtures import dropout
+from ddparity.harness.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
+from ddparity.harness.modes.single import SingleMode
+from ddparity.harness.modes.twin import TwinMode
+from ddparity.harness.training import initial_state, train
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+@pytest.mark.parametrize("factory", list(dropout.CLEAN.values()), ids=list(dropout.CLEAN))
+def test_dropout_models_pass_sharply_at_every_world_size(factory):
+    report = check(factory(), modes=("single", "dp", "ddp"), world_sizes=(1, 2, 4))
+    assert report.ok, report.render()
+    assert report.runs[0].notes[0].startswith("dropout compared on: every mode and rank drew the same mask")
+    for run in report.runs[1:]:
+        assert "float32" in run.tolerance
+
+
+def test_dropout_models_pass_on_eight_simulated_ranks():
+    report = check(dropout.every_dropout(), world_sizes=(8,), backend="threaded")
+    assert report.ok, report.render()
+
+
+@pytest.mark.parametrize("factory", list(dropout.BUGS.values()), ids=list(dropout.BUGS))
+def test_bugs_stand_out_by_orders_of_magnitude_with_dropout_on(factory):
+    report = check(factory(), world_sizes=(2, 4))
+    for run in report.runs[1:]:
+        assert run.status == "diverged", report.render()
+        d = run.first_divergence
+        assert d.step == 0 and d.max_abs > 100 * d.tolerance, d
+
+
+def test_the_twin_draws_the_same_masks_in_reversed_order():
+    """The calibration twin trains on the reversed batch: with aligned masks its distance to
+    the reference is rounding only (without them it would be the masks' difference)."""
+    case = dropout.every_dropout()
+    state = initial_state(case)
+    ref = train(case, state, "cpu", SingleMode(1))
+    twin = train(case, state, "cpu", TwinMode(1, twin_world_size=1))  # reversed, not nudged
+    assert ref.dropout_calls == twin.dropout_calls == 11  # 7 dropouts + 4 in the transformer layer
+    loss_gap = float((ref.steps[0].loss - twin.steps[0].loss).abs())
+    assert loss_gap < 1e-5, loss_gap
+    for name, grad in ref.steps[0].grads.items():
+        assert torch.allclose(grad, twin.steps[0].grads[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn_like"),
+                                         (dropout.rrelu, "aten.rrelu_with_noise")])
+def test_other_random_draws_are_named_and_never_a_pass(factory, op):
+    report = check(factory(), world_sizes=(2,))
+    assert report.exit_code == 2, report.render()
+    assert all(r.status == "error" for r in report.runs)
+    reason = report.runs[0].reason
+    assert "draws random numbers from torch's generator at step 0" in reason and op in reason, reason
+
+
+def test_dropout_on_rows_that_are_not_the_batch_is_an_error_that_says_why():
+    report = check(dropout.unmatched_rows(), world_sizes=(2,))
+    assert report.exit_code == 2, report.render()
+    reason = report.runs[0].reason
+    assert "cannot be given the same mask per sample" in reason and "x.chunk(n)" in reason, reason
+
+
+def test_aligned_dropout_leaves_torch_as_it_was():
+    import torch.nn.functional as F
+
+    before = F.dropout, F.scaled_dot_product_attention
+    case = dropout.every_dropout()
+    train(case, initial_state(case), "cpu", SingleMode(1))
+    assert (F.dropout, F.scaled_dot_product_attention) == before
