@@ -8,7 +8,7 @@ that names the likely cause and its fix.
   running statistics differ from the first step on;
 * a gradient scaled on its way (a comm hook that forgets to divide by W, or scales by a
   wrong factor): the loss matches, and every gradient is off by the same relative error;
-* a missed sync: every parameter differs across the ranks after the first step — no
+* a missed sync: (nearly) every parameter differs across the ranks after the first step — no
   gradient was all-reduced (``no_sync()`` or ``require_backward_grad_sync`` left off for
   the micro-batch that should synchronise);
 * rank-local state: one rank alone drifts from the others that agree.
@@ -25,6 +25,10 @@ correct run is ~1e-7 away from the reference; other bugs land anywhere)."""
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
 UNIFORM_SCALE_TOL = 1e-2
 """How close every gradient's relative error must be to one another to call it one factor."""
+MISSED_SYNC_SHARE = 0.8
+"""The share of parameters that differ across ranks after step 0 to call it a missed sync
+(not all: Adam's first step moves a parameter by the sign of its gradient, which the
+ranks' own gradients may share)."""
 
 
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
@@ -66,8 +70,9 @@ def _desync_cause(desync: Desync, params: int) -> str | None:
     if desync.differs is None:
         return None
     differing = [d for d in desync.differs if d.startswith("param ")]
-    if desync.step == 0 and params and len(differing) >= params:
-        return ("likely cause: no gradient was all-reduced at step 0 (every parameter differs across ranks, as if "
+    if desync.step == 0 and params and len(differing) >= MISSED_SYNC_SHARE * params:
+        return (f"likely cause: no gradient was all-reduced at step 0 ({len(differing)} of {params} parameters differ "
+                f"across ranks, as if "
                 "each rank trained alone): a missed sync — DDP synchronises a backward only if its forward ran "
                 "with gradient sync on, so set require_backward_grad_sync (or leave no_sync()) before the last "
                 "micro-batch's forward, not after it")

@@ -51,8 +51,12 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
     import torch.distributed as dist
 
     from ddparity.harness.tasks import ddp_task
+    from ddparity.harness.training import build_model
 
     module = threaded_pg()
+    # The model factory once here first: the imports it does on first use (transformers'
+    # lazy modules) are not safe to race from many threads.
+    build_model(case)
     isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")  # noqa: B009 - private
     isolation(True)
     module._install_threaded_pg()
