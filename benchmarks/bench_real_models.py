@@ -62,6 +62,11 @@ def switch_alignment_off() -> None:
             return 0
 
     class NoDetection(contextlib.nullcontext):
+        moved = False
+
+        def __init__(self, **options: Any) -> None:
+            super().__init__()
+
         def __enter__(self) -> NoDetection:
             return self
 

@@ -297,26 +297,17 @@ def _uninstall() -> None:
 
 
 class RandomDraws:
-    """The draws from torch's own generators while active: a dispatch mode names the ops
-    that may draw (those tagged ``nondeterministic_seeded`` and given no generator of their
-    own, an attention kernel only with a dropout probability); a draw is only one when the
-    generator's state moved. Aligned dropout draws from generators of its own."""
+    """The draws from torch's own generators while active: a draw is one when the
+    generators' state moved. With ``name`` the ops that may draw are named too, by a
+    dispatch mode (~2 ms a step on a small model, so only to explain a draw already found):
+    those tagged ``nondeterministic_seeded`` and given no generator of their own, an
+    attention kernel only with a dropout probability. Aligned dropout draws from
+    generators of its own."""
 
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        found: dict[str, int] = {}
-        self.found = found
-
-        class Watch(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-                kwargs = kwargs or {}
-                if _may_draw(func, args, kwargs):
-                    name = func.overloadpacket.__name__
-                    found[name] = found.get(name, 0) + 1
-                return func(*args, **kwargs)
-
-        self._mode = Watch()
+    def __init__(self, name: bool = False) -> None:
+        self.found: dict[str, int] = {}
+        self.moved = False
+        self._mode: Any = _NamingMode(self.found) if name else contextlib.nullcontext()
 
     def __enter__(self) -> RandomDraws:
         self._before = _generator_states()
@@ -337,6 +328,28 @@ class RandomDraws:
             f"sample, so no comparison could be trusted; use torch.nn.functional's dropouts (aligned per sample), "
             f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
         )
+
+
+def _naming_mode_class() -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NamingMode(TorchDispatchMode):
+        def __init__(self, found: dict[str, int]) -> None:
+            super().__init__()
+            self.found = found
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            kwargs = kwargs or {}
+            if _may_draw(func, args, kwargs):
+                name = func.overloadpacket.__name__
+                self.found[name] = self.found.get(name, 0) + 1
+            return func(*args, **kwargs)
+
+    return NamingMode
+
+
+def _NamingMode(found: dict[str, int]) -> Any:  # noqa: N802 - reads as the class it makes
+    return _naming_mode_class()(found)
 
 
 def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:

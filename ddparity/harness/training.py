@@ -116,8 +116,11 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
             replica.shared_batch = shared
             dropout.begin(step, rows, batch)
             if getattr(mode, "watch_draws", False):
-                with RandomDraws() as draws:
+                naming = getattr(mode, "name_draws", False)
+                with RandomDraws(name=naming) as draws:
                     record = mode.step(step, replica, batch)
+                if draws.moved and not naming:  # name them: the same training again, up to here, op by op
+                    train(case, state, device, type(mode)(step + 1, name_draws=True))  # type: ignore[call-arg]
                 draws.raise_if_any(step)
             else:
                 record = mode.step(step, replica, batch)

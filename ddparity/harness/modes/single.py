@@ -21,6 +21,8 @@ class SingleMode:
     recorder: Any = DISABLED
     watch_draws: bool = True
     """Stop at any random draw outside the aligned dropouts (the reference watches)."""
+    name_draws: bool = False
+    """Name the ops that draw (a slower run, to explain a draw found)."""
 
     def wrap(self, model: Any) -> Any:
         return model
