@@ -75,12 +75,16 @@ class _Scope:
 class AlignedDropout:
     """Same-sample, same-mask dropout for one replica's training (see the module docstring)."""
 
-    def __init__(self, model: Any, seed: int) -> None:
+    def __init__(self, model: Any, seed: int, enabled: bool = True) -> None:
         import torch
 
         self.scope = _Scope(seed)
         self.most_calls = 0
-        self._handles = [model.register_forward_pre_hook(self._forward_starts, with_kwargs=True)]
+        self.enabled = enabled
+        self._handles: list[Any] = []
+        if not enabled:  # torch's own dropout (a profile times the training as it is)
+            return
+        self._handles.append(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         for module in model.modules():
             flag = getattr(module, "batch_first", None)
             if isinstance(flag, bool):
@@ -95,6 +99,8 @@ class AlignedDropout:
         """A new step, on the samples ``rows`` (global indices of the share's rows)."""
         from ddparity.harness.training import named_tensors
 
+        if not self.enabled:
+            return
         scope = self.scope
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
@@ -107,6 +113,8 @@ class AlignedDropout:
         global _users
         for handle in self._handles:
             handle.remove()
+        if not self.enabled:
+            return 0
         _local.scope = None
         with _lock:
             _users -= 1

@@ -98,7 +98,7 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
     drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
-    dropout = AlignedDropout(model, case.seed)
+    dropout = AlignedDropout(model, case.seed, enabled=getattr(mode, "align_dropout", True))
     try:
         for step in range(mode.steps):
             rec.set_phase(step, "forward")

@@ -105,6 +105,8 @@ class TimedMode:
     comm_hook_state: Any = None
     ddp_options: Any = None
     name: str = "ddp"
+    align_dropout: bool = False
+    """Torch's own dropout: a profile times the training as it is, and compares nothing."""
     profile: RankProfile = field(init=False)
 
     def __post_init__(self) -> None:
