@@ -34,3 +34,14 @@ def test_an_order_dependent_model_is_never_passed_and_the_report_says_why():
     assert run.status == "error"
     assert "no tolerance can be calibrated from step 0 on" in run.reason
     assert "order of the samples" in run.reason
+
+
+def test_a_skipped_grad_scaler_step_is_recorded_as_not_stepped():
+    from ddparity.harness.modes.single import SingleMode
+    from ddparity.harness.training import initial_state, train
+
+    case = calibration.grad_scaler_skipping()
+    trace = train(case, initial_state(case), "cpu", SingleMode(3))
+    assert [r.stepped for r in trace.steps] == [False, True, True]
+    assert trace.steps[0].grads == {} and trace.steps[1].grads
+    assert trace.autocast_dtype == "float16"

@@ -153,7 +153,8 @@ def never_stepped(trace: Any, steps: int) -> None:
         raise CaseError(
             f"train_step never called optimizer.step() in {steps} step(s): call optimizer.step() (or "
             f"scaler.step(optimizer)) once per train_step; ddparity records the gradients as the optimizer sees "
-            f"them there"
+            f"them there (a GradScaler skips the steps whose gradients overflowed: if that is why, give the case "
+            f"more steps or the scaler a lower init_scale)"
         )
 
 
