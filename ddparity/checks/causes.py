@@ -11,7 +11,10 @@ that names the likely cause and its fix.
 * a missed sync: (nearly) every parameter differs across the ranks after the first step — no
   gradient was all-reduced (``no_sync()`` or ``require_backward_grad_sync`` left off for
   the micro-batch that should synchronise);
-* rank-local state: one rank alone drifts from the others that agree.
+* rank-local state: one rank alone drifts from the others that agree;
+* a per-rank normalisation: the loss differs at the first step and the batch's valid
+  entries (labels not -100, mask ones) are not spread evenly over the shards — each
+  rank's mean over its own valid entries, averaged by DDP, is not the mean over the batch.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ ranks' own gradients may share)."""
 
 
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
-                 params: int = 0) -> str | None:
+                 params: int = 0, valid: dict[str, list[int]] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
-    desync (``params``: how many parameters the model has), or None."""
+    desync (``params``: how many parameters the model has; ``valid``: the first batch's
+    valid entries per sample, by tensor), or None."""
     if world_size < 2:
         return None
     if desync is not None:
@@ -63,6 +67,23 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                     f"each, the loss matches){hint}: a comm hook or step that scales the averaged gradient, such "
                     f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
                     f"mean over ranks: divide the sum by the world size once, and scale nothing else")
+    if first.kind == "loss" and first.step == 0:
+        return _uneven_valid_entries(valid or {}, world_size)
+    return None
+
+
+def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int) -> str | None:
+    for path, counts in valid.items():
+        if len(counts) % world_size:
+            continue
+        per = len(counts) // world_size
+        totals = [sum(counts[r * per:(r + 1) * per]) for r in range(world_size)]
+        if len(set(totals)) > 1:
+            shown = ", ".join(map(str, totals[:4])) + (", ..." if len(totals) > 4 else "")
+            return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
+                    f"entries on the ranks' shards (labels not -100, mask ones), and DDP averages the ranks' means, "
+                    f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
+                    f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size")
     return None
 
 

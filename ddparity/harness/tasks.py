@@ -20,24 +20,29 @@ from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.modes.timed import TimedMode
 from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.protocol import RankContext
-from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train
+from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train, valid_counts
 from ddparity.measurements import RankProfile
 from ddparity.trace import Trace
 
 
-def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int]]:
-    """The initial state (built once, from the factory and the seed) and the global batch
-    size of every step, so the controller can validate shards before anything trains."""
+def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int], dict[str, list[int]]]:
+    """The initial state (built once, from the factory and the seed), the global batch
+    size of every step, so the controller can validate shards before anything trains, and
+    the first batch's valid entries per sample (labels not -100, mask ones), for the likely
+    cause of a per-rank normalisation."""
     import torch
 
     state = initial_state(case)
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
-    sizes = []
+    sizes, valid = [], {}
     for step in range(case.steps):
-        size = batch_size(global_batch(data, step, generator, pair=case.train_step is None), step)
+        batch = global_batch(data, step, generator, pair=case.train_step is None)
+        size = batch_size(batch, step)
         sizes.append(size if size is not None else -1)
-    return state, sizes
+        if step == 0:
+            valid = valid_counts(batch)
+    return state, sizes, valid
 
 
 def reference_task(

@@ -290,6 +290,30 @@ def batch_size(obj: Any, step: int = 0) -> int | None:
     return counts[0][0]
 
 
+IGNORE_INDEX = -100
+"""torch's (and transformers') label for an entry a loss leaves out."""
+
+
+def valid_counts(batch: Any) -> dict[str, list[int]]:
+    """Per sample, the entries a loss averaged over valid entries counts: labels that are
+    not ``IGNORE_INDEX`` (batched integer tensors that have some), and the ones of a 0/1
+    mask (a batched tensor whose path names a mask). For the likely cause of a per-rank
+    normalisation."""
+    import torch
+
+    size = batch_size(batch)
+    labels: dict[str, list[int]] = {}
+    masks: dict[str, list[int]] = {}
+    for path, t in named_tensors(batch):
+        if t.dim() < 2 or t.shape[0] != size or t.is_floating_point() or t.dtype == torch.bool:
+            continue
+        if bool((t == IGNORE_INDEX).any()):
+            labels[path] = (t != IGNORE_INDEX).reshape(size, -1).sum(1).tolist()
+        elif "mask" in path.lower() and bool(((t == 0) | (t == 1)).all()) and not bool(t.all()):
+            masks[path] = t.reshape(size, -1).sum(1).tolist()
+    return labels | masks  # labels first: what a loss counts
+
+
 def shard(obj: Any, rank: int, world_size: int, size: int | None = None) -> Any:
     """Rank ``rank``'s contiguous, equal share of every batched tensor (dim 0 = ``size``,
     the global batch size; every tensor with a dim 0 when ``size`` is None)."""

@@ -52,7 +52,7 @@ def check(
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
-        [(state, batch_sizes)] = ref_world.run(prepare_task, case, timeout=opts.timeout)
+        [(state, batch_sizes, valid)] = ref_world.run(prepare_task, case, timeout=opts.timeout)
         ref_pending = ref_world.submit(reference_task, case, state, tuple(ddp_sizes) + tuple(dp_sizes),
                                        timeout=opts.timeout)
     except WorldFailure as exc:
@@ -87,7 +87,7 @@ def check(
             ddp_runs.append(unrunnable)
             continue
         launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, state)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin, blowup))
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin, blowup, valid))
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin, blowup))
     report.runs.extend(ddp_runs)
@@ -184,7 +184,7 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
 
 
 def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched: tuple[float, PendingTask | RunResult],
-                reference: Any, twin: Any, blowup: NonFinite | None) -> RunResult:
+                reference: Any, twin: Any, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
     started, pending = launched
     if isinstance(pending, RunResult):
         return pending
@@ -207,7 +207,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
     judged = judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
     params = len(reference.steps[0].params) if reference.steps else 0
-    cause = (likely_cause(found, ws) if judged.status == "diverged"
+    cause = (likely_cause(found, ws, valid=valid) if judged.status == "diverged"
              else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
     if cause:
         judged.notes.append(cause)

@@ -57,7 +57,7 @@ def profile(
     report = ProfileReport(case.label)
     started = time.perf_counter()
     try:
-        [(state, batch_sizes)] = pool.get(1, chosen, role="reference").run(prepare_task, case, timeout=opts.timeout)
+        [(state, batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, timeout=opts.timeout)
     except WorldFailure as exc:
         report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
         for run in report.runs:

@@ -135,3 +135,15 @@ Thread 12 (idle): "MainThread"
     assert "Process 12" not in text and "_bootstrap" not in text
     assert "pybind11::cpp_function::initialize::{lambda}::_FUN (libtorch_python.so)" in text
     assert "train (model.py:10)" in text and "_run_task" in text
+
+
+def test_a_per_rank_normalisation_is_named_only_when_valid_entries_are_uneven():
+    from ddparity.checks.causes import likely_cause
+    from ddparity.verdicts import Divergence
+
+    loss = [Divergence(step=0, kind="loss", name="loss", rank=0, max_abs=0.01, max_rel=0.004, tolerance=1e-6)]
+    uneven = likely_cause(loss, 2, valid={"batch['labels']": [5, 5, 1, 2]})
+    assert uneven.startswith("likely cause: a loss averaged over each rank's own valid entries: batch['labels'] "
+                             "has 10, 3 valid entries"), uneven
+    assert likely_cause(loss, 2, valid={"batch['labels']": [5, 1, 2, 4]}) is None  # 6 and 6: even
+    assert likely_cause(loss, 2) is None
