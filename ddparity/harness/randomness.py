@@ -82,12 +82,15 @@ class AlignedDropout:
         self.most_calls = 0
         self.enabled = enabled
         self._handles: list[Any] = []
-        if not enabled:  # torch's own dropout (a profile times the training as it is)
+        if not enabled or isinstance(model, torch.jit.ScriptModule):
+            # torch's own dropout: a profile times the training as it is; a scripted model
+            # takes no hooks and calls no Python dropout (its draws are found as draws)
+            self.enabled = False
             return
         self._handles.append(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         for module in model.modules():
             flag = getattr(module, "batch_first", None)
-            if isinstance(flag, bool):
+            if isinstance(flag, bool) and not isinstance(module, torch.jit.ScriptModule):
                 attention = isinstance(module, torch.nn.MultiheadAttention)
                 self._handles.append(module.register_forward_pre_hook(
                     lambda m, args, flag=None if attention else flag: self.scope.batch_first.append(flag)))
@@ -158,8 +161,8 @@ def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
             continue
         first = first if first is not None else t
         for src in scope.sources:
-            if (t.dim() == src.dim() and t.stride(0) == src.stride(0) and src.stride(0)
-                    and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
+            if (t.layout == src.layout == torch.strided and t.dim() == src.dim() and t.stride(0) == src.stride(0)
+                    and src.stride(0) and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
                 offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
                 if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(scope.rows):
                     return scope.rows[offset: offset + t.shape[0]]

@@ -80,7 +80,10 @@ class AutocastWatch:
     def __init__(self, model: Any, device: str) -> None:
         self.dtype: Any = None
         self._device = device.split(":")[0]
-        self._handles = [m.register_forward_pre_hook(self._seen) for m in model.modules()]
+        import torch
+
+        self._handles = [m.register_forward_pre_hook(self._seen) for m in model.modules()
+                         if not isinstance(m, torch.jit.ScriptModule)]
 
     def _seen(self, module: Any, args: Any) -> None:
         import torch

@@ -1,6 +1,11 @@
 """Mode ``dp``: ``torch.nn.DataParallel`` over ``world_size`` devices — real when that
 many CUDA devices exist, else emulated on one device (:mod:`ddparity.harness.dp_emulation`),
-with DataParallel's pitfalls noted as they are met."""
+with DataParallel's pitfalls noted as they are met.
+
+Dropout is aligned per sample in the emulation (its chunks are views of the batch, run in
+this thread); real DataParallel runs its replicas in threads of its own, where torch's
+dropout draws from each GPU's generator, so a dropout model differs there by construction.
+"""
 
 from __future__ import annotations
 
