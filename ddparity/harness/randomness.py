@@ -253,8 +253,9 @@ def _aligned_attention() -> Any:
     def attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
         if not dropout_p or getattr(_local, "scope", None) is None:
+            extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+                            scale=scale, **extra)
         # the math of the fused kernel, with the aligned dropout on the attention weights
         if enable_gqa:
             key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
