@@ -8,8 +8,15 @@ the step, and keeps what the mode recorded. A mode (one per file in
 
 * how the replica is wrapped (``wrap``: the model itself, ``DataParallel``, ``DDP``);
 * which share of each global batch it trains on (``share``: all, reversed, a shard);
-* how a step runs and what is recorded (``step``: forward, backward and the optimizer
-  step, returning the :class:`~ddparity.trace.StepRecord` or nothing).
+* what happens as the step calls ``optimizer.step()`` (``before_optimizer``: the twin's
+  nudge, DDP's phase);
+* how a step runs and what is recorded (``step``: usually the case's own ``train_step``
+  or ddparity's, through :func:`ddparity.harness.stepping.record_step`, returning the
+  :class:`~ddparity.trace.StepRecord` or nothing).
+
+While a replica trains, dropout gives every sample the same mask in every mode
+(:mod:`ddparity.harness.randomness`), the reference watches for any other random draw,
+and the lowest precision autocast computed in is noted for the calibration.
 
 The modes: ``single`` (the reference), its calibration ``twin``, ``dp`` (DataParallel,
 emulated or real), ``ddp`` (also each simulated rank of the threaded backend) and
