@@ -32,6 +32,7 @@ up to that step, never passed on it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +141,7 @@ def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -
                 # (not of the result's: partial gradients can cancel).
                 value = max_abs(tensor)
                 scale = max_abs(cal.scale(kind, name)) if kind in ("loss", "grad") else 0.0
+                scale = scale if math.isfinite(scale) else 0.0  # a twin's magnitudes that blew up say nothing
                 floor = max(world_size * eps * max(scale, value), tiny)
                 table[(step, kind, name)] = headroom * max(noise, floor)
                 # At step 0 both start from the same parameters: their gradients differ by

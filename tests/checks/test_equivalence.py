@@ -141,3 +141,12 @@ def test_a_twin_far_from_the_reference_is_uncalibrated_not_a_wider_tolerance():
     ref.steps[0].grads["b.bias"] = torch.full((2,), 1e-9)
     twin.steps[0].grads["b.bias"] = torch.full((2,), -1e-9)
     assert auto_tolerance(ref, twin, world_size=2, dtype=torch.float32).uncalibrated is None
+
+
+def test_a_tolerance_is_never_nan_even_when_the_twins_magnitudes_blew_up():
+    twin = make_trace()
+    for record in twin.steps:
+        record.loss_scale = torch.tensor(float("nan"), dtype=torch.float64)
+        record.grad_scales = {"a.weight": torch.full((2, 2), float("inf"), dtype=torch.float64)}
+    tol = auto_tolerance(make_trace(), twin, world_size=2, dtype=torch.float32)
+    assert all(math.isfinite(v) and v > 0 for v in tol.table.values())
