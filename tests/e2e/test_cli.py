@@ -71,6 +71,17 @@ def test_demo_passes_and_prints_a_table():
     assert result.stdout.count("OK:") == 3
 
 
+def test_python_dash_m_ddparity_is_the_ddparity_command(user_file, tmp_path):
+    version = subprocess.run([sys.executable, "-m", "ddparity", "--version"], capture_output=True, text=True,
+                             timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("ddparity "), version.stderr
+    # a check through it: its rank processes import no second copy of the command
+    result = subprocess.run([sys.executable, "-m", "ddparity", "check", f"{user_file}:clean", "--world-sizes", "2"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ddparity check:") == 1
+
+
 def test_clean_user_file_passes_at_1_2_4_and_writes_json(user_file, tmp_path):
     out = tmp_path / "report.json"
     result = ddparity("check", f"{user_file}:clean", "--world-sizes", "1,2,4", "--json", str(out))
