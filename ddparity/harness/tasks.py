@@ -67,11 +67,13 @@ def dp_task(ctx: RankContext, case: Case, state: dict[str, Any],
     return out
 
 
-def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool = True) -> Trace:
+def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool = True,
+             settle: Any = None) -> Trace:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (``detect``: with
-    phases, the bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`)."""
+    phases, the bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`;
+    ``settle``: called once the replica is built, before training)."""
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
-                   case.ddp_options, detect=detect)
+                   case.ddp_options, detect=detect, settle=settle)
     return train(case, state, ctx.device, mode)
 
 

@@ -65,18 +65,24 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
     traces: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []  # in the order they happened
     lock = threading.Lock()
+    # No thread trains while another still builds its DDP replica: DDP's construction
+    # (reducer, buckets) racing another thread's forward once took the process down
+    # (SIGSEGV). A failing thread breaks the barrier, so nobody waits for it.
+    built = threading.Barrier(world_size)
 
     def rank_thread(rank: int) -> None:
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                traces[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, state, detect=False)
+                traces[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, state, detect=False,
+                                        settle=built.wait)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:
             with lock:
                 errors.append((rank, exc))
-            module.ProcessLocalGroup.exception_handle(exc)  # wake the ranks waiting for this one
+            built.abort()  # wake the ranks waiting to start training
+            module.ProcessLocalGroup.exception_handle(exc)  # and those waiting in a collective
 
     threads = [threading.Thread(target=rank_thread, args=(r,), name=f"ddparity-simulated-rank{r}", daemon=True)
                for r in range(world_size)]
@@ -89,6 +95,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
         module._uninstall_threaded_pg()
         isolation(False)
     if errors:
-        rank, exc = errors[0]  # the first to fail; the others were woken by it
+        causes = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
+        rank, exc = causes[0]  # the first to fail; the others were woken by it
         raise SimulatedRankError(rank, f"{type(exc).__name__}: {exc}") from exc
     return traces

@@ -32,6 +32,8 @@ class DDPMode:
     ddp_options: Any = None
     detect: bool = True
     name: str = "ddp"
+    settle: Any = None
+    """Called once DDP is built (simulated ranks: wait until every thread has built its own)."""
 
     def __post_init__(self) -> None:
         self.recorder = recorder.active() if self.detect else recorder.DISABLED
@@ -54,6 +56,8 @@ class DDPMode:
         elif self.comm_hook is not None:
             ddp.register_comm_hook(hook_state, self.comm_hook)
         ddp.register_forward_hook(self._after_forward)
+        if self.settle is not None:
+            self.settle()
         return ddp
 
     def _after_forward(self, ddp: Any, args: Any, outputs: Any) -> None:
