@@ -64,6 +64,7 @@ class _Scope:
     sources: list[Any] = field(default_factory=list)
     """The share's batched tensors, to match a forward's input slices against."""
     forward_rows: Any = None
+    forward_inputs: Any = None
     forward_calls: int = 0
     calls: int = 0
     """Dropout calls in this forward (the place of the next one)."""
@@ -109,7 +110,7 @@ class AlignedDropout:
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
         size = len(rows) if rows is not None else -1
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
-        scope.forward_rows, scope.batch_first = None, []
+        scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
 
     def close(self) -> int:
         """Stop aligning; the most dropout calls one step made."""
@@ -131,7 +132,8 @@ class AlignedDropout:
             return  # suspended (the twin's extra passes)
         scope.calls = 0  # every forward (micro-batch) numbers its dropouts from 0
         scope.forward_calls += 1
-        scope.forward_rows = _rows_of(scope, list(args) + list(kwargs.values()))
+        scope.forward_inputs = list(args) + list(kwargs.values())  # matched to rows at the first dropout only
+        scope.forward_rows = None
 
 
 @contextlib.contextmanager
@@ -179,6 +181,9 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
     scope = getattr(_local, "scope", None)
     if scope is None:
         return None
+    if scope.forward_rows is None and scope.forward_inputs is not None:
+        scope.forward_rows = _rows_of(scope, scope.forward_inputs)
+        scope.forward_inputs = None
     rows = scope.forward_rows
     place = scope.calls
     scope.calls += 1

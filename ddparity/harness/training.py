@@ -100,7 +100,8 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
                       device, ctx)
     replica.watch = OptimizerWatch(replica.optimizer, model, lambda: mode.before_optimizer(replica))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
-    replica.precision = AutocastWatch(model, device)
+    # the reference and its twin calibrate with the precision computed in; the other modes need not know
+    replica.precision = AutocastWatch(model, device) if mode.name == "single" else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
@@ -135,8 +136,10 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
                 trace.steps.append(record)
     finally:
         trace.dropout_calls = dropout.close()
-        replica.precision.close()
-    trace.autocast_dtype = str(replica.precision.dtype).removeprefix("torch.") if replica.precision.dtype else None
+        if replica.precision is not None:
+            replica.precision.close()
+    low = replica.precision.dtype if replica.precision is not None else None
+    trace.autocast_dtype = str(low).removeprefix("torch.") if low is not None else None
     never_stepped(trace, mode.steps)
     rec.set_phase(mode.steps, "done")
     return trace
