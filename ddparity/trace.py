@@ -1,10 +1,23 @@
-"""What a run records: per step, the loss and every gradient, parameter and buffer.
+"""What crosses from the ranks to the controller about a run's training: numbers, never
+tensors.
 
-Tensors are CPU copies, so a trace is plain data that crosses process boundaries.
+The reference writes its tensors once, to a private spool on disk
+(:mod:`ddparity.harness.spool`); every other run compares its own tensors against them
+where they are, step by step, and sends back one distance per (step, kind, tensor). So a
+check's memory is the replicas' own, whatever the model's size and the number of steps,
+and nothing big is pickled.
+
+* :class:`Reference`: per step and tensor, the reference's largest magnitude and its
+  calibration twin's distance and summand size (what a tolerance is made of);
+* :class:`Distances`: one run's (one rank's) distance to the reference, per step and tensor.
+
+Also the two measures of a tensor every comparison uses, :func:`max_abs` and
+:func:`distance`, computed in bounded chunks on the tensor's own device.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,92 +25,106 @@ RECORD_KINDS = ("loss", "grad", "param", "buffer")
 """The order in which one step's records are compared: the first that differs names the
 kind of divergence (a wrong loss explains wrong gradients, which explain wrong params)."""
 
+CHUNK = 1 << 22
+"""Elements measured at once: a 40 M-element embedding is compared without a second copy."""
 
-def _pack(t: Any) -> Any:
-    """A CPU tensor as (dtype name, shape, raw bytes): pickles as one memcpy, where a
-    tensor's own pickling goes through torch.save per storage (0.1 ms each; a trace holds
-    thousands)."""
+
+def _chunks(t: Any) -> Any:
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        yield flat[start : start + CHUNK]
+
+
+def _wide(t: Any) -> Any:
+    """``t`` in a dtype whose subtraction does not round away a bf16/fp16 difference."""
     import torch
 
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        return t
-    flat = t.detach().contiguous().reshape(-1)
-    return _Packed(str(flat.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy().tobytes())
+    if t.is_complex():
+        return t.to(torch.complex128)
+    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+        return t.float()
+    return t if t.is_floating_point() else t.double()
+
+
+def max_abs(t: Any) -> float:
+    """The largest |element| of ``t`` (NaN if it holds a NaN; 0 for None or empty)."""
+    if t is None or not t.numel():
+        return 0.0
+    if t.is_complex():
+        return max(float(c.abs().max()) for c in _chunks(t))
+    if t.dtype.is_floating_point or t.dtype.is_signed:
+        top, bottom = float(t.detach().max()), float(t.detach().min())
+        if math.isnan(top) or math.isnan(bottom):
+            return math.nan
+        return max(abs(top), abs(bottom))
+    return float(t.detach().max())
+
+
+def distance(a: Any, b: Any) -> float:
+    """Largest elementwise difference; equal infinities (a mask's ``-inf``) are equal, a
+    NaN equals nothing, not even a NaN (infinite distance). ``a`` is moved to ``b``'s device."""
+    import torch
+
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    if not a.numel():
+        return 0.0
+    worst = 0.0
+    for x, y in zip(_chunks(a), _chunks(b)):
+        x, y = _wide(x.to(y.device)), _wide(y)
+        diff = (x - y).abs().masked_fill(x == y, 0.0)
+        if torch.isnan(diff).any():
+            return float("inf")
+        worst = max(worst, float(diff.max()))
+    return worst
 
 
 @dataclass(frozen=True, slots=True)
-class _Packed:
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
+class Entry:
+    """One tensor of the reference at one step."""
 
-    def unpack(self) -> Any:
-        import torch
-
-        dtype = getattr(torch, self.dtype)
-        if not self.data:
-            return torch.empty(self.shape, dtype=dtype)
-        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dtype).reshape(self.shape)
-
-
-def _unpack(v: Any) -> Any:
-    return v.unpack() if isinstance(v, _Packed) else v
-
-
-_TENSOR_FIELDS = ("loss", "loss_scale")
-_DICT_FIELDS = ("grads", "params", "buffers", "grad_scales")
+    value: float
+    """Its largest magnitude (0 for a tensor that is None)."""
+    floating: bool
+    """Floating point (compared within a tolerance); integers and None compare exactly."""
+    noise: float = 0.0
+    """The calibration twin's distance to it (see :mod:`ddparity.checks.tolerance`)."""
+    scale: float = 0.0
+    """Losses and gradients: the size of the summands DDP adds (the twin's own magnitude
+    where unknown)."""
 
 
 @dataclass
-class StepRecord:
-    loss: Any  # 0-d tensor: the loss the run optimised this step (global mean for DDP)
-    grads: dict[str, Any] = field(default_factory=dict)  # name -> tensor or None
-    params: dict[str, Any] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    # Calibration twin only: mean |loss| and |gradient| of the samples (or shards) DDP sums (the terms'
-    # size bounds the rounding of their sum; see checks/tolerance.py). None when unknown.
-    loss_scale: Any = None
-    grad_scales: dict[str, Any] = field(default_factory=dict)
-    stepped: bool = True
-    """Whether the optimizer stepped (a GradScaler skips steps whose gradients overflowed);
-    ``grads`` is empty when it did not."""
+class Reference:
+    """The single-device reference, summarised: what runs are judged against."""
 
-    def scale(self, kind: str, name: str) -> Any:
-        """What rounding of this record scales with: its summands where known, else itself."""
-        if kind == "loss" and self.loss_scale is not None:
-            return self.loss_scale
-        if kind == "grad" and name in self.grad_scales:
-            return self.grad_scales[name]
-        return self.tensors(kind).get(name)
-
-    def tensors(self, kind: str) -> dict[str, Any]:
-        if kind == "loss":
-            return {"loss": self.loss}
-        return {"grad": self.grads, "param": self.params, "buffer": self.buffers}[kind]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = {name: _pack(getattr(self, name)) for name in _TENSOR_FIELDS}
-        for name in _DICT_FIELDS:
-            state[name] = {k: _pack(v) for k, v in getattr(self, name).items()}
-        state["stepped"] = self.stepped
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in _TENSOR_FIELDS:
-            setattr(self, name, _unpack(state[name]))
-        for name in _DICT_FIELDS:
-            setattr(self, name, {k: _unpack(v) for k, v in state[name].items()})
-        self.stepped = state.get("stepped", True)
-
-
-@dataclass
-class Trace:
-    mode: str
-    rank: int
-    world_size: int
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[dict[tuple[str, str], Entry]] = field(default_factory=list)
+    """Per step, ``(kind, name) -> Entry`` in comparison order (kind, then model order)."""
+    stepped: list[bool] = field(default_factory=list)
+    """Whether the optimizer stepped (a GradScaler skips steps whose gradients overflowed)."""
     batch_sizes: list[int] = field(default_factory=list)
     dropout_calls: int = 0
     """The most dropout calls one step made (each given the same mask per sample in every mode)."""
     autocast_dtype: str | None = None
     """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""
+    non_finite: tuple[int, str, str, float] | None = None
+    """The first NaN or inf in the loss, gradients or parameters: (step, kind, name, value)."""
+    params: int = 0
+    """How many parameter tensors the model has."""
+
+    def entries(self, step: int, kind: str) -> list[tuple[str, Entry]]:
+        return [(name, e) for (k, name), e in self.steps[step].items() if k == kind]
+
+
+@dataclass
+class Distances:
+    """One run's (one rank's) distance to the reference, per step and tensor."""
+
+    mode: str
+    rank: int
+    world_size: int
+    steps: list[dict[tuple[str, str], float]] = field(default_factory=list)
+    fingerprints: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Per step, the parameters' fingerprints (simulated ranks, which publish none)."""

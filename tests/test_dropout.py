@@ -4,13 +4,13 @@ rank, so a dropout model is compared as sharply as one without; other random dra
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ddparity import check
 from ddparity.fixtures import dropout
 from ddparity.harness.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
 from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.modes.twin import TwinMode
+from ddparity.harness.spool import Comparer, Spool, Writer, write_state
 from ddparity.harness.training import initial_state, train
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -43,14 +43,16 @@ def test_the_twin_draws_the_same_masks_in_reversed_order():
     """The calibration twin trains on the reversed batch: with aligned masks its distance to
     the reference is rounding only (without them it would be the masks' difference)."""
     case = dropout.every_dropout()
-    state = initial_state(case)
-    ref = train(case, state, "cpu", SingleMode(1))
-    twin = train(case, state, "cpu", TwinMode(1, twin_world_size=1))  # reversed, not nudged
-    assert ref.dropout_calls == twin.dropout_calls == 11  # 7 dropouts + 4 in the transformer layer
-    loss_gap = float((ref.steps[0].loss - twin.steps[0].loss).abs())
-    assert loss_gap < 1e-5, loss_gap
-    for name, grad in ref.steps[0].grads.items():
-        assert torch.allclose(grad, twin.steps[0].grads[name], atol=1e-5), name
+    with Spool() as spool:
+        write_state(spool.path, initial_state(case))
+        writer, twin = Writer(spool.path), Comparer(spool.path, "twin", 0, 1, limit_s=60)
+        ref = train(case, spool.path, "cpu", SingleMode(1), writer)
+        again = train(case, spool.path, "cpu", TwinMode(1, twin_world_size=1), twin)  # reversed, not nudged
+    assert ref.dropout_calls == again.dropout_calls == 11  # 7 dropouts + 4 in the transformer layer
+    gaps = twin.finish().steps[0]
+    assert gaps[("loss", "loss")] < 1e-5, gaps
+    grads = {k: v for k, v in gaps.items() if k[0] == "grad"}
+    assert grads and max(grads.values()) < 1e-5, grads
 
 
 @pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn_like"),

@@ -11,6 +11,7 @@ import pytest
 from ddparity import check
 from ddparity.fixtures import models
 from ddparity.fixtures.faults import FAULT_RANK, FAULTS, reported_ranks
+from ddparity.harness import spool
 from ddparity.harness.pool import WorldPool
 from tests.conftest import stray_processes
 
@@ -18,9 +19,12 @@ TIMEOUT = 3.0  # seconds without progress before a run counts as a hang
 
 
 def _temp_entries() -> set[str]:
+    """Temp files and folders, less pytest's and the check spools of other processes (xdist
+    workers run checks alongside)."""
     places = [tempfile.gettempdir(), "/dev/shm"]
+    mine = f"{spool.PREFIX}{os.getpid()}-"
     return {os.path.join(p, e) for p in places if os.path.isdir(p) for e in os.listdir(p)
-            if not e.startswith("pytest-of-")}
+            if not e.startswith("pytest-of-") and (not e.startswith(spool.PREFIX) or e.startswith(mine))}
 
 
 @pytest.fixture(scope="module")

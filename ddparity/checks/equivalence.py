@@ -5,10 +5,9 @@ parameters: a NaN equals nothing, so such a run is never a pass)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ddparity.checks.tolerance import Tolerance, distance, max_abs
-from ddparity.trace import RECORD_KINDS, Trace
+from ddparity.checks.tolerance import Tolerance
+from ddparity.trace import RECORD_KINDS, Distances, Reference
 from ddparity.verdicts import Divergence
 
 WORST_SHOWN = 5
@@ -29,46 +28,30 @@ class NonFinite:
                 f"that step on; lower the learning rate, or check the data and the loss")
 
 
-FINITE_KINDS = ("loss", "grad", "param")
-"""What must be finite in the reference (buffers may hold infinities on purpose: masks)."""
+def first_non_finite(reference: Reference) -> NonFinite | None:
+    """The first NaN or inf in the reference's loss, gradients or parameters (buffers may
+    hold infinities on purpose: masks), as its writer found it."""
+    return NonFinite(*reference.non_finite) if reference.non_finite is not None else None
 
 
-def first_non_finite(reference: Trace) -> NonFinite | None:
-    for step, record in enumerate(reference.steps):
-        for kind in FINITE_KINDS:
-            for name, tensor in record.tensors(kind).items():
-                bad = _first_non_finite_value(tensor)
-                if bad is not None:
-                    return NonFinite(step, kind, name, bad)
-    return None
-
-
-def _first_non_finite_value(t: Any) -> float | None:
-    import torch
-
-    if t is None or not (t.is_floating_point() or t.is_complex()) or not t.numel():
-        return None
-    finite = torch.isfinite(t)
-    return None if bool(finite.all()) else float(t[~finite].reshape(-1)[0].real)
-
-
-def divergences(reference: Trace, runs: list[Trace], tolerance: Tolerance, until: int | None = None) -> list[Divergence]:
+def divergences(reference: Reference, runs: list[Distances], tolerance: Tolerance,
+                until: int | None = None) -> list[Divergence]:
     """Every (step, kind, tensor, rank) whose distance to the reference exceeds its tolerance,
     in the order they happened: step, then loss < grad < param < buffer, then model order.
     ``until``: compare only the steps before it."""
     found: list[Divergence] = []
-    for step, ref in enumerate(reference.steps[:until]):
+    for step, entries in enumerate(reference.steps[:until]):
         for kind in RECORD_KINDS:
-            ref_tensors = ref.tensors(kind)
-            for name, expected in ref_tensors.items():
+            for (k, name), expected in entries.items():
+                if k != kind:
+                    continue
                 for run in runs:
                     if step >= len(run.steps):
                         continue
-                    got = run.steps[step].tensors(kind).get(name)
-                    error = distance(expected, got)
+                    error = run.steps[step].get((kind, name), float("inf"))  # never compared: never a pass
                     tol = tolerance(step, kind, name)
                     if error > tol:
-                        scale = max_abs(expected)
+                        scale = expected.value
                         found.append(
                             Divergence(
                                 step=step,

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.trace import RECORD_KINDS, Trace
+from ddparity.trace import RECORD_KINDS, Reference, distance, max_abs  # noqa: F401 - the measures, re-exported
 
 HEADROOM = 32.0
 """The twin samples *one* reordering; DDP is another. Across our sweep
@@ -45,28 +45,6 @@ three shapes with SGD/Adam/AdamW in float32 and float64, at world sizes 2, 3, 4 
 a correct DDP run came at most 4.1x the twin's distance (Adam). 32x leaves an 8x margin
 above that and stays far below the error of real bugs: the bug fixtures land 270
 (BatchNorm on 4 shards, first divergence) to 1.6e6 (summed loss) tolerances away."""
-
-
-def max_abs(t: Any) -> float:
-    return float(t.detach().abs().max()) if t is not None and t.numel() else 0.0
-
-
-def distance(a: Any, b: Any) -> float:
-    """Largest elementwise difference; equal infinities (a mask's ``-inf``) are equal, a
-    NaN equals nothing, not even a NaN (infinite distance)."""
-    import torch
-
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else float("inf")
-    if a.shape != b.shape:
-        return float("inf")
-    if not a.numel():
-        return 0.0
-    x, y = a.detach().double(), b.detach().double()
-    diff = (x - y).abs().masked_fill(x == y, 0.0)
-    if torch.isnan(diff).any():
-        return float("inf")
-    return float(diff.max())
 
 
 LOW_PRECISION_HEADROOM = 8.0
@@ -114,9 +92,10 @@ class Tolerance:
         return self.table.get((step, kind, name), 0.0)
 
 
-def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -> Tolerance:
-    """Calibrated tolerance for a run of ``world_size`` ranks against ``reference``
-    (``dtype``: the parameters'; autocast's, when the reference ran in a lower one)."""
+def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Tolerance:
+    """Calibrated tolerance for a run of ``world_size`` ranks against ``reference`` (its
+    entries carry their twin's distance and summand size; ``dtype``: the parameters';
+    autocast's, when the reference ran in a lower one)."""
     import torch
 
     if reference.autocast_dtype:
@@ -126,22 +105,18 @@ def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -
     headroom = HEADROOM if eps < 1e-6 else LOW_PRECISION_HEADROOM
     table: dict[tuple[int, str, str], float] = {}
     uncalibrated = None
-    for step, (ref, cal) in enumerate(zip(reference.steps, twin.steps)):
+    for step in range(len(reference.steps)):
         for kind in RECORD_KINDS:
-            ref_t, cal_t = ref.tensors(kind), cal.tensors(kind)
-            rounding = ABOVE_ROUNDING * world_size * eps * max((max_abs(t) for t in ref_t.values()), default=0.0)
-            for name, tensor in ref_t.items():
-                if tensor is None or not tensor.is_floating_point():
-                    table[(step, kind, name)] = 0.0  # integers (counters) compare exactly
+            ref_e = reference.entries(step, kind)
+            rounding = ABOVE_ROUNDING * world_size * eps * max((e.value for _, e in ref_e), default=0.0)
+            for name, e in ref_e:
+                if not e.floating:
+                    table[(step, kind, name)] = 0.0  # integers (counters) and None compare exactly
                     continue
-                noise = distance(tensor, cal_t.get(name))
-                if noise == float("inf"):
-                    noise = 0.0  # shape/None mismatches are not noise
+                noise, value = e.noise, e.value
                 # Summing W partial results rounds by up to ~W ulps of the partials' size
                 # (not of the result's: partial gradients can cancel).
-                value = max_abs(tensor)
-                scale = max_abs(cal.scale(kind, name)) if kind in ("loss", "grad") else 0.0
-                scale = scale if math.isfinite(scale) else 0.0  # a twin's magnitudes that blew up say nothing
+                scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
                 floor = max(world_size * eps * max(scale, value), tiny)
                 table[(step, kind, name)] = headroom * max(noise, floor)
                 # At step 0 both start from the same parameters: their gradients differ by
@@ -152,11 +127,10 @@ def auto_tolerance(reference: Trace, twin: Trace, world_size: int, dtype: Any) -
     return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype})", table, uncalibrated)
 
 
-def fixed_tolerance(reference: Trace, relative: float) -> Tolerance:
+def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:
     """``relative`` times each tensor's largest magnitude; ``0`` demands bit-exactness."""
     table: dict[tuple[int, str, str], float] = {}
-    for step, ref in enumerate(reference.steps):
-        for kind in RECORD_KINDS:
-            for name, tensor in ref.tensors(kind).items():
-                table[(step, kind, name)] = relative * max_abs(tensor)
+    for step, entries in enumerate(reference.steps):
+        for (kind, name), e in entries.items():
+            table[(step, kind, name)] = relative * e.value
     return Tolerance(f"fixed relative {relative:g}", table)

@@ -124,6 +124,11 @@ thread runs while the main thread waits in a collective (torch releases the GIL 
 so a wedged rank's position is current; a rank killed outright loses at most this much
 of its phases and fingerprints."""
 
+HEARTBEAT_S = 1.0
+"""How often a rank that is computing (its modules' forwards and its gradients ticking,
+see :meth:`Recorder.tick`) publishes that it still is, with no phase change: a long step
+of a large model is never taken for a hang, and a rank that waits or is stuck ticks not."""
+
 
 class Recorder:
     """Records this rank's collectives and progress, published to the side channel by a
@@ -135,6 +140,8 @@ class Recorder:
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
         self._wake = threading.Event()
         self._local = threading.local()
+        self.ticks = 0
+        self._ticks_published = 0
         self._reset()
         self._publisher = threading.Thread(target=self._publish_loop, name="ddparity-ledger", daemon=True)
         self._publisher.start()
@@ -169,7 +176,12 @@ class Recorder:
 
     def _publish_loop(self) -> None:
         while True:
-            self._wake.wait()  # something changed
+            if not self._wake.wait(HEARTBEAT_S):  # nothing changed: still computing?
+                if self.ticks == self._ticks_published:
+                    continue
+                with self._lock:
+                    self._changed()
+            self._ticks_published = self.ticks
             time.sleep(PUBLISH_S)  # let more changes gather
             self._wake.clear()
             with self._io:
@@ -177,6 +189,11 @@ class Recorder:
                     self._write()
                 except Exception:  # the store is gone: the controller left; so will we
                     return
+
+    def tick(self) -> None:
+        """A unit of work done (a module's forward, a gradient accumulated): a slow step
+        of a large model is progress, published every :data:`HEARTBEAT_S`."""
+        self.ticks += 1
 
     def _write(self) -> None:
         """Write what changed since the last write (call with ``_io`` held)."""
@@ -277,6 +294,9 @@ class Recorder:
 
 class _Disabled:
     """Stands in for the recorder outside a rank (e.g. a task run in-process)."""
+
+    def tick(self) -> None:
+        pass
 
     def pause(self) -> None:
         pass

@@ -4,9 +4,10 @@ mode.
 A step is ``step_fn(model, batch, optimizer, ctx)``: the user's ``Case(train_step=...)``,
 or :func:`default_step` (zero the gradients, forward, the case's loss, backward,
 ``optimizer.step()``). What is recorded does not depend on which: hooks on the optimizer
-(:class:`OptimizerWatch`) take the gradients as the optimizer sees them when
-``optimizer.step()`` is called — after any accumulation, unscaling or clipping the step
-did — and the parameters and buffers are taken when the step returns.
+(:class:`OptimizerWatch`) hand the gradients to the run's sink as the optimizer sees them
+when ``optimizer.step()`` is called — after any accumulation, unscaling or clipping the
+step did — and the parameters and buffers when the step returns (the sink writes the
+reference's to the spool, or compares a run's with them: :mod:`ddparity.harness.spool`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
-from ddparity.trace import StepRecord
 
 
 @dataclass(eq=False)
@@ -43,20 +43,19 @@ class StepContext:
 
 class OptimizerWatch:
     """Hooks on a replica's optimizer: how often ``step()`` was called in this training
-    step, and the gradients it saw (at the call; after it for an optimizer given a
-    closure, such as LBFGS, which computes them inside)."""
+    step, and the moment its gradients are final (at the call; after it for an optimizer
+    given a closure, such as LBFGS, which computes them inside), when ``on_grads`` is
+    called (the run's sink records or compares them there, in place)."""
 
-    def __init__(self, optimizer: Any, model: Any, before_step: Callable[[], None]) -> None:
-        self.model = model
+    def __init__(self, optimizer: Any, before_step: Callable[[], None], on_grads: Callable[[], None]) -> None:
         self.before_step = before_step
+        self.on_grads = on_grads
         self.calls = 0
-        self.grads: dict[str, Any] = {}
         self._closure = False
-        optimizer.register_step_pre_hook(self._pre)
-        optimizer.register_step_post_hook(self._post)
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def begin(self) -> None:
-        self.calls, self.grads, self._closure = 0, {}, False
+        self.calls, self._closure = 0, False
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self.calls += 1
@@ -65,11 +64,15 @@ class OptimizerWatch:
         self._closure = bool(args and callable(args[0])) or callable(kwargs.get("closure"))
         self.before_step()
         if not self._closure:
-            self.grads = gradients(self.model)
+            self.on_grads()
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if self.calls == 1 and self._closure:
-            self.grads = gradients(self.model)
+            self.on_grads()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 class AutocastWatch:
@@ -103,6 +106,27 @@ class AutocastWatch:
             handle.remove()
 
 
+class Ticks:
+    """Every module's forward and every gradient accumulated ticks the rank's recorder:
+    progress the controller sees while one long step of a large model computes."""
+
+    def __init__(self, model: Any) -> None:
+        from ddparity.harness import recorder
+
+        rec = recorder.active()
+        self._handles: list[Any] = []
+        if rec is recorder.DISABLED:
+            return
+        tick = rec.tick
+        self._handles = [m.register_forward_hook(lambda *_: tick()) for m in model.modules()]
+        self._handles += [p.register_post_accumulate_grad_hook(lambda _: tick())
+                          for p in model.parameters() if p.requires_grad]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def lowest_precision(*dtypes: Any) -> Any:
     """The dtype with the largest epsilon among those given (None ignored)."""
     import torch
@@ -111,13 +135,9 @@ def lowest_precision(*dtypes: Any) -> Any:
     return max(known, key=lambda d: torch.finfo(d).eps) if known else None
 
 
-def gradients(module: Any) -> dict[str, Any]:
-    return {n: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
-            for n, p in module.named_parameters()}
-
-
-def record_step(step: int, replica: Any, batch: Any) -> StepRecord:
-    """Run ``replica``'s step function on ``batch``; what it did, as a :class:`StepRecord`."""
+def record_step(step: int, replica: Any, batch: Any) -> tuple[Any, bool]:
+    """Run ``replica``'s step function on ``batch`` (its gradients reach the replica's sink
+    as the optimizer steps); the loss it returned (a CPU scalar) and whether it stepped."""
     ctx, watch = replica.ctx, replica.watch
     ctx.step = step
     watch.begin()
@@ -128,11 +148,9 @@ def record_step(step: int, replica: Any, batch: Any) -> StepRecord:
             f"optimizer step per train_step call: accumulate inside it (ctx.no_sync() for the micro-batches "
             f"before the last) and step once"
         )
-    record = StepRecord(loss=scalar_loss(loss, step), grads=watch.grads if watch.calls else {},
-                        stepped=bool(watch.calls))
-    record.params = {n: p.detach().to("cpu", copy=True) for n, p in replica.model.named_parameters()}
-    record.buffers = {n: b.detach().to("cpu", copy=True) for n, b in replica.model.named_buffers()}
-    return record
+    stepped = bool(watch.calls)
+    replica.stepped.append(stepped)
+    return scalar_loss(loss, step), stepped
 
 
 def scalar_loss(loss: Any, step: int) -> Any:
@@ -149,10 +167,10 @@ def scalar_loss(loss: Any, step: int) -> Any:
     return loss.detach().reshape(()).to("cpu", copy=True)
 
 
-def never_stepped(trace: Any, steps: int) -> None:
+def never_stepped(stepped: list[bool], steps: int) -> None:
     """A run whose step function never called ``optimizer.step()`` is an error: nothing
     would be compared but the loss."""
-    if steps and trace.steps and not any(r.stepped for r in trace.steps):
+    if steps and stepped and not any(stepped):
         raise CaseError(
             f"train_step never called optimizer.step() in {steps} step(s): call optimizer.step() (or "
             f"scaler.step(optimizer)) once per train_step; ddparity records the gradients as the optimizer sees "

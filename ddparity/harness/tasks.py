@@ -1,16 +1,22 @@
 """The rank tasks of ``check`` and ``profile``: what a World runs, each a thin call of the
-one training loop (:func:`ddparity.harness.training.train`) in a mode.
+one training loop (:func:`ddparity.harness.training.train`) in a mode, with a sink that
+writes the reference's tensors to the check's spool or compares a run's with them there
+(:mod:`ddparity.harness.spool`). Only numbers come back.
 
 * :func:`prepare_task` builds the initial state once (from the case's factory and seed)
-  and reports every global batch's size, so the controller can validate shards first;
+  into the spool and reports every global batch's size, so the controller can validate
+  shards first;
 * :func:`reference_task` trains on one device with the whole global batch (mode
-  ``single``), then as the calibration twin (:mod:`ddparity.harness.modes.twin`);
-* :func:`dp_task` and :func:`ddp_task` train as DataParallel and under DDP;
+  ``single``), writing every step, then as the calibration twin
+  (:mod:`ddparity.harness.modes.twin`), compared step by step;
+* :func:`dp_task` and :func:`ddp_task` train as DataParallel and under DDP, compared;
 * :func:`profile_task` times DDP steps (:mod:`ddparity.harness.modes.timed`).
 """
 
 from __future__ import annotations
 
+import gc
+import os
 from typing import Any
 
 from ddparity.case import Case
@@ -20,19 +26,49 @@ from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.modes.timed import TimedMode
 from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.protocol import RankContext
+from ddparity.harness.spool import Comparer, Writer, calibrated, write_state
 from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train, valid_counts
 from ddparity.measurements import RankProfile
-from ddparity.trace import Trace
+from ddparity.trace import Distances, Reference
+
+WAIT_LIMIT_S = 3600.0
+"""The longest a run waits for the reference to reach a step (the controller stops a
+stuck check long before: this bounds the wait should it not)."""
 
 
-def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int], dict[str, list[int]]]:
-    """The initial state (built once, from the factory and the seed), the global batch
-    size of every step, so the controller can validate shards before anything trains, and
-    the first batch's valid entries per sample (labels not -100, mask ones), for the likely
-    cause of a per-rank normalisation."""
+RELEASE_ABOVE_BYTES = 1 << 30
+"""A rank this large after a task collects its garbage and trims its heap (100 ms with
+transformers imported: not worth it after a small model's check)."""
+
+
+def released() -> None:
+    """Hand a finished replica's memory back to the system: a warm rank that idles after
+    training a large model should not hold it (reference cycles through hooks, and glibc
+    keeps freed small blocks)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        resident = RELEASE_ABOVE_BYTES
+    if resident < RELEASE_ABOVE_BYTES:
+        return
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], dict[str, list[int]]]:
+    """Writes the initial state (built once, from the factory and the seed) to the spool;
+    returns the global batch size of every step, so the controller can validate shards
+    before anything trains, and the first batch's valid entries per sample (labels not
+    -100, mask ones), for the likely cause of a per-rank normalisation."""
     import torch
 
-    state = initial_state(case)
+    write_state(spool, initial_state(case))
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes, valid = [], {}
@@ -42,44 +78,68 @@ def prepare_task(ctx: RankContext, case: Case) -> tuple[dict[str, Any], list[int
         sizes.append(size if size is not None else -1)
         if step == 0:
             valid = valid_counts(batch)
-    return state, sizes, valid
+    released()
+    return sizes, valid
 
 
-def reference_task(
-    ctx: RankContext, case: Case, state: dict[str, Any], world_sizes: tuple[int, ...] = ()
-) -> tuple[Trace, Trace]:
-    """The single-device reference and its calibration twin for the largest world size
-    to be compared."""
-    reference = train(case, state, ctx.device, SingleMode(case.steps))
-    twin = train(case, state, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)))
-    return reference, twin
+def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[int, ...] = ()) -> Reference:
+    """The single-device reference, written to the spool step by step, calibrated by its
+    twin for the largest world size to be compared."""
+    writer = Writer(spool)
+    try:
+        trained = train(case, spool, ctx.device, SingleMode(case.steps), writer)
+        reference = writer.finish()
+        reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
+        reference.autocast_dtype = trained.autocast_dtype
+        released()
+        twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
+        train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)), twin)
+        return calibrated(reference, twin)
+    finally:
+        released()
 
 
-def dp_task(ctx: RankContext, case: Case, state: dict[str, Any],
-            world_sizes: tuple[int, ...]) -> dict[int, tuple[Trace, dict[str, str], bool]]:
-    """Mode ``dp`` at every requested world size, in one round trip: by world size, the
-    trace, the DataParallel pitfalls found and whether the run was simulated."""
+def dp_task(ctx: RankContext, case: Case, spool: str,
+            world_sizes: tuple[int, ...]) -> dict[int, tuple[Distances, dict[str, str], bool]]:
+    """Mode ``dp`` at every requested world size, in one round trip: by world size, its
+    distances to the reference, the DataParallel pitfalls found and whether the run was
+    simulated."""
     out = {}
-    for ws in world_sizes:
-        mode = DataParallelMode(case.steps, ws, ctx.device)
-        trace = train(case, state, ctx.device, mode)
-        out[ws] = (trace, mode.notes, mode.simulated)
+    try:
+        for ws in world_sizes:
+            mode = DataParallelMode(case.steps, ws, ctx.device)
+            sink = Comparer(spool, "dp", 0, ws, WAIT_LIMIT_S)
+            train(case, spool, ctx.device, mode, sink)
+            out[ws] = (sink.finish(), mode.notes, mode.simulated)
+            released()
+    finally:
+        released()
     return out
 
 
-def ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], detect: bool = True,
-             settle: Any = None) -> Trace:
+def ddp_task(ctx: RankContext, case: Case, spool: str, detect: bool = True, settle: Any = None,
+             release: bool = True) -> Distances:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (``detect``: with
     phases, the bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`;
-    ``settle``: called once the replica is built, before training)."""
+    ``settle``: called once the replica is built, before training); its distance to the
+    reference, compared step by step as it trains."""
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
                    case.ddp_options, detect=detect, settle=settle)
-    return train(case, state, ctx.device, mode)
+    sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, fingerprints=not detect)
+    try:
+        train(case, spool, ctx.device, mode, sink)
+        return sink.finish()
+    finally:
+        if release:
+            released()
 
 
-def profile_task(ctx: RankContext, case: Case, state: dict[str, Any], steps: int, warmup: int) -> RankProfile:
+def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: int) -> RankProfile:
     """Time ``warmup + steps`` iterations of the case under DDP; keep the last ``steps``."""
     mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,
                      case.ddp_options)
-    train(case, state, ctx.device, mode)
-    return mode.profile
+    try:
+        train(case, state, ctx.device, mode)
+        return mode.profile
+    finally:
+        released()

@@ -45,12 +45,12 @@ def threaded_pg() -> Any:
     return module
 
 
-def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world_size: int) -> list[Any]:
-    """Mode ``ddp`` at ``world_size`` simulated ranks; the traces by rank."""
+def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int) -> list[Any]:
+    """Mode ``ddp`` at ``world_size`` simulated ranks; their distances to the reference, by rank."""
     import torch
     import torch.distributed as dist
 
-    from ddparity.harness.tasks import ddp_task
+    from ddparity.harness.tasks import ddp_task, released
     from ddparity.harness.training import build_model
 
     module = threaded_pg()
@@ -62,7 +62,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
     module._install_threaded_pg()
     module.ProcessLocalGroup.reset()  # a previous run's failure leaves its termination flag set
     store = dist.HashStore()
-    traces: list[Any] = [None] * world_size
+    runs: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []  # in the order they happened
     lock = threading.Lock()
     # No thread trains while another still builds its DDP replica: DDP's construction
@@ -74,8 +74,8 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                traces[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, state, detect=False,
-                                        settle=built.wait)
+                runs[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, spool, detect=False,
+                                      settle=built.wait, release=False)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:
@@ -98,4 +98,5 @@ def threaded_ddp_task(ctx: RankContext, case: Case, state: dict[str, Any], world
         causes = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
         rank, exc = causes[0]  # the first to fail; the others were woken by it
         raise SimulatedRankError(rank, f"{type(exc).__name__}: {exc}") from exc
-    return traces
+    released()
+    return runs

@@ -2,8 +2,9 @@
 way of training a replica implements.
 
 :func:`train` builds the replica from the shared initial state, draws every global batch
-from the case's data function, hands the mode this replica's share, lets the mode run
-the step, and keeps what the mode recorded. A mode (one per file in
+from the case's data function, hands the mode this replica's share and lets the mode run
+the step; the step's tensors go to the run's sink as they are made (the reference's to
+the spool, every other run's compared with them there: :mod:`ddparity.harness.spool`). A mode (one per file in
 :mod:`ddparity.harness.modes`) says
 
 * how the replica is wrapped (``wrap``: the model itself, ``DataParallel``, ``DDP``);
@@ -11,8 +12,8 @@ the step, and keeps what the mode recorded. A mode (one per file in
 * what happens as the step calls ``optimizer.step()`` (``before_optimizer``: the twin's
   nudge, DDP's phase);
 * how a step runs and what is recorded (``step``: usually the case's own ``train_step``
-  or ddparity's, through :func:`ddparity.harness.stepping.record_step`, returning the
-  :class:`~ddparity.trace.StepRecord` or nothing).
+  or ddparity's, through :func:`ddparity.harness.stepping.record_step`, then
+  :func:`finish_step`).
 
 While a replica trains, dropout gives every sample the same mask in every mode
 (:mod:`ddparity.harness.randomness`), the reference watches for any other random draw,
@@ -27,14 +28,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ddparity.case import Case, Whole, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
 from ddparity.harness.randomness import AlignedDropout, RandomDraws
-from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, default_step, never_stepped
-from ddparity.trace import StepRecord, Trace
+from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, Ticks, default_step, never_stepped
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +59,10 @@ class Replica:
     """The :class:`~ddparity.harness.stepping.AutocastWatch` on the model (set by :func:`train`)."""
     shared_batch: Any = None
     """This step's share of the global batch before it is cast (``ddparity.whole`` marks kept)."""
+    sink: Any = None
+    """Where the step's tensors go (:mod:`ddparity.harness.spool`: written, or compared)."""
+    stepped: list[bool] = field(default_factory=list)
+    """Per step so far, whether the optimizer stepped."""
 
 
 class Mode(Protocol):
@@ -82,14 +86,29 @@ class Mode(Protocol):
     def before_optimizer(self, replica: Replica) -> None:
         """Called as the step calls ``optimizer.step()``, before the optimizer runs."""
 
-    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord | None:
-        """Run one step (usually :func:`ddparity.harness.stepping.record_step`); the
-        record, or None to keep nothing."""
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
+        """Run one step (usually :func:`ddparity.harness.stepping.record_step`, then
+        :func:`finish_step`)."""
 
 
-def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
-    """Train one replica of ``case`` from ``state`` as ``mode`` says; its trace."""
+@dataclass
+class Trained:
+    """What training one replica says about itself (its tensors went to its sink)."""
+
+    batch_sizes: list[int]
+    dropout_calls: int
+    """The most dropout calls one step made (each given the same mask per sample in every mode)."""
+    autocast_dtype: str | None
+    """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""
+
+
+def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Any = None) -> Trained:
+    """Train one replica of ``case`` from ``state`` as ``mode`` says; its tensors go to
+    ``sink`` as they are made (:mod:`ddparity.harness.spool`: the reference's are written,
+    a run's compared with them), nothing is kept here."""
     import torch
+
+    from ddparity.harness.spool import NoSink
 
     rec = mode.recorder
     rec.set_phase(-1, "build")
@@ -97,23 +116,25 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
     wrapped = mode.wrap(model)
     ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=sync_off(wrapped))
     replica = Replica(case, model, wrapped, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
-                      device, ctx)
-    replica.watch = OptimizerWatch(replica.optimizer, model, lambda: mode.before_optimizer(replica))
+                      device, ctx, sink=sink if sink is not None else NoSink())
+    replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
+                                   lambda: replica.sink.grads(ctx.step, model))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
     replica.precision = AutocastWatch(model, device) if mode.name == "single" else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
-    trace = Trace(mode=mode.name, rank=mode.rank, world_size=mode.world_size)
+    sizes: list[int] = []
     drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
     dropout = AlignedDropout(model, case.seed, enabled=getattr(mode, "align_dropout", True))
+    ticks = Ticks(model)
     try:
         for step in range(mode.steps):
             rec.set_phase(step, "forward")
             if step < case.steps:
                 batch = global_batch(data, step, generator, pair=case.train_step is None)
                 size = batch_size(batch, step)
-                trace.batch_sizes.append(size if size is not None else -1)
+                sizes.append(size if size is not None else -1)
                 rows = mode.share(torch.arange(size), size) if size else None  # which samples this replica has
                 shared = mode.share(batch, size)
                 batch = cast(shared, case, device)
@@ -126,23 +147,27 @@ def train(case: Case, state: dict[str, Any], device: str, mode: Mode) -> Trace:
             if getattr(mode, "watch_draws", False):
                 naming = getattr(mode, "name_draws", False)
                 with RandomDraws(name=naming) as draws:
-                    record = mode.step(step, replica, batch)
+                    mode.step(step, replica, batch)
                 if draws.moved and not naming:  # name them: the same training again, up to here, op by op
                     train(case, state, device, type(mode)(step + 1, name_draws=True))  # type: ignore[call-arg]
                 draws.raise_if_any(step)
             else:
-                record = mode.step(step, replica, batch)
-            if record is not None:
-                trace.steps.append(record)
+                mode.step(step, replica, batch)
     finally:
-        trace.dropout_calls = dropout.close()
+        calls = dropout.close()
+        ticks.close()
+        replica.watch.close()
         if replica.precision is not None:
             replica.precision.close()
     low = replica.precision.dtype if replica.precision is not None else None
-    trace.autocast_dtype = str(low).removeprefix("torch.") if low is not None else None
-    never_stepped(trace, mode.steps)
+    never_stepped(replica.stepped, mode.steps)
     rec.set_phase(mode.steps, "done")
-    return trace
+    return Trained(sizes, calls, str(low).removeprefix("torch.") if low is not None else None)
+
+
+def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
+    """The step's loss, parameters and buffers to the replica's sink, as the step left them."""
+    replica.sink.after(step, loss, stepped, replica.model)
 
 
 def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
@@ -206,7 +231,7 @@ def initial_state(case: Case) -> dict[str, Any]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
-def prepared(case: Case, state: dict[str, Any], device: str) -> Any:
+def prepared(case: Case, state: dict[str, Any] | str, device: str) -> Any:
     import torch
 
     model = build_model(case)
@@ -217,7 +242,12 @@ def prepared(case: Case, state: dict[str, Any], device: str) -> Any:
             f"only on GPUs, and this check runs on {device}: check it on GPUs (--backend nccl), or build the model "
             f"with nn.BatchNorm here (SyncBatchNorm is what makes BatchNorm under DDP match one device)"
         )
+    if isinstance(state, str):  # a check's spool: the state memory-mapped from it
+        from ddparity.harness.spool import load_state
+
+        state = load_state(state)
     model.load_state_dict(state)
+    del state
     model.to(device=device, dtype=case.torch_dtype)
     torch.manual_seed(case.seed)  # any randomness in forward starts from the same point
     return model

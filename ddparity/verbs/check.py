@@ -17,12 +17,13 @@ from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
 from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
-from ddparity.harness.fingerprint import trace_fingerprints
 from ddparity.harness.pool import WorldPool, default_pool
+from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.world import PendingTask
 from ddparity.report import Report, RunResult
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
+from ddparity.trace import Reference
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, run_backend
 
 
@@ -46,25 +47,31 @@ def check(
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
     report = Report(case.label)
+    with Spool() as spool:
+        return _check(case, opts, chosen, pool, report, spool)
 
+
+def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool) -> Report:
     started = time.perf_counter()
     ddp_sizes = opts.world_sizes if "ddp" in opts.modes else ()
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
-        [(state, batch_sizes, valid)] = ref_world.run(prepare_task, case, timeout=opts.timeout)
-        ref_pending = ref_world.submit(reference_task, case, state, tuple(ddp_sizes) + tuple(dp_sizes),
+        [(batch_sizes, valid)] = ref_world.run(prepare_task, case, spool.path, timeout=opts.timeout)
+        ref_pending = ref_world.submit(reference_task, case, spool.path, tuple(ddp_sizes) + tuple(dp_sizes),
                                        timeout=opts.timeout)
     except WorldFailure as exc:
         return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
-    # The first runnable DDP run trains alongside the reference; the others follow.
+    # The first runnable DDP run trains alongside the reference (comparing each step as the
+    # reference writes it); the others follow.
     backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
     plan = {ws: cannot_run(case, opts, backends[ws], ws, batch_sizes) for ws in ddp_sizes}
     first = next((ws for ws, reason in plan.items() if reason is None), None)
-    early = _start_ddp(case, opts, backends[first], first, pool, state) if first is not None else None
+    early = _start_ddp(case, opts, backends[first], first, pool, spool) if first is not None else None
     try:
-        [(reference, twin)] = [o.value for o in ref_pending.result()]
+        [reference] = [o.value for o in ref_pending.result()]
     except WorldFailure as exc:
+        spool.abort()  # the early run waits for steps that will not come
         if early is not None and not isinstance(early[1], RunResult):
             try:
                 early[1].result()
@@ -80,16 +87,16 @@ def check(
                       repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
         )
     dp_started = time.perf_counter()
-    dp_pending = ref_world.submit(dp_task, case, state, dp_sizes, timeout=opts.timeout) if dp_sizes else None
+    dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
     ddp_runs = []
     for ws, unrunnable in plan.items():
         if unrunnable is not None:
             ddp_runs.append(unrunnable)
             continue
-        launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, state)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, twin, blowup, valid))
+        launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, spool)
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, blowup, valid))
     if dp_pending is not None:
-        report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, twin, blowup))
+        report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, blowup))
     report.runs.extend(ddp_runs)
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
@@ -121,7 +128,7 @@ def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> 
 
 
 def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, ...], pending: PendingTask,
-               started: float, reference: Any, twin: Any, blowup: NonFinite | None) -> list[RunResult]:
+               started: float, reference: Reference, blowup: NonFinite | None) -> list[RunResult]:
     """DataParallel runs (real where enough GPUs exist, else simulated) against the reference."""
     try:
         [results] = [o.value for o in pending.result()]
@@ -130,10 +137,10 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
                              check_repro(case, "dp", ws, backend, opts.tolerance)) for ws in sizes]
     runs = []
     for ws in sizes:
-        trace, notes, simulated = results[ws]
-        tol = _tolerance(case, opts, reference, twin, ws)
+        distances, notes, simulated = results[ws]
+        tol = _tolerance(case, opts, reference, ws)
         stop = _stop(blowup, tol)
-        found = divergences(reference, [trace], tol, until=stop.step if stop else None)
+        found = divergences(reference, [distances], tol, until=stop.step if stop else None)
         device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
@@ -167,16 +174,16 @@ def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
 
 
 def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
-               state: Any) -> tuple[float, PendingTask | RunResult]:
+               spool: Spool) -> tuple[float, PendingTask | RunResult]:
     started = time.perf_counter()
     try:
         if backend == "threaded":
             from ddparity.harness.threaded import threaded_ddp_task
 
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
-            return started, host.submit(threaded_ddp_task, case, state, ws, timeout=opts.timeout)
+            return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
-        return started, world.submit(ddp_task, case, state, timeout=opts.timeout, watch=LiveWatch())
+        return started, world.submit(ddp_task, case, spool.path, timeout=opts.timeout, watch=LiveWatch())
     except WorldStartError as exc:
         return started, RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
                                   seconds=time.perf_counter() - started,
@@ -184,7 +191,7 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
 
 
 def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched: tuple[float, PendingTask | RunResult],
-                reference: Any, twin: Any, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
+                reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
     started, pending = launched
     if isinstance(pending, RunResult):
         return pending
@@ -193,11 +200,11 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
         outcomes = pending.result()
     except WorldFailure as exc:
         return failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
-    tol = _tolerance(case, opts, reference, twin, ws)
+    tol = _tolerance(case, opts, reference, ws)
     simulated = backend == "threaded"
-    traces = outcomes[0].value if simulated else [o.value for o in outcomes]
+    runs = outcomes[0].value if simulated else [o.value for o in outcomes]
     stop = _stop(blowup, tol)
-    found = divergences(reference, traces, tol, until=stop.step if stop else None)
+    found = divergences(reference, runs, tol, until=stop.step if stop else None)
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
     run.worst = worst(found)
@@ -205,8 +212,8 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
-    judged = judge_completed(run, records, found, trace_fingerprints(traces) if simulated else None)
-    params = len(reference.steps[0].params) if reference.steps else 0
+    judged = judge_completed(run, records, found, {d.rank: d.fingerprints for d in runs} if simulated else None)
+    params = reference.params
     cause = (likely_cause(found, ws, valid=valid) if judged.status == "diverged"
              else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
     if cause:
@@ -214,9 +221,9 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     return _compared_up_to(judged, stop)
 
 
-def _tolerance(case: Case, opts: CheckOptions, reference: Any, twin: Any, ws: int) -> Any:
+def _tolerance(case: Case, opts: CheckOptions, reference: Reference, ws: int) -> Any:
     if opts.tolerance == "auto":
-        return auto_tolerance(reference, twin, ws, case.torch_dtype)
+        return auto_tolerance(reference, ws, case.torch_dtype)
     return fixed_tolerance(reference, float(opts.tolerance))
 
 

@@ -15,6 +15,7 @@ from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile, add_scaling, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
 from ddparity.harness.pool import WorldPool, default_pool
+from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import prepare_task, profile_task
 from ddparity.render import render_failure
 from ddparity.report import ProfileReport
@@ -56,17 +57,19 @@ def profile(
     pool = pool or default_pool()
     report = ProfileReport(case.label)
     started = time.perf_counter()
-    try:
-        [(state, batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, timeout=opts.timeout)
-    except WorldFailure as exc:
-        report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
-        for run in report.runs:
-            run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
-        return report
-    for ws in opts.world_sizes:
-        run = _profile_one(case, opts, chosen, ws, state, batch_sizes, steps, warmup, pool)
-        run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout)
-        report.runs.append(run)
+    with Spool() as spool:  # the initial state, memory-mapped by every rank
+        try:
+            [(batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, spool.path,
+                                                                           timeout=opts.timeout)
+        except WorldFailure as exc:
+            report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
+            for run in report.runs:
+                run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
+            return report
+        for ws in opts.world_sizes:
+            run = _profile_one(case, opts, chosen, ws, spool.path, batch_sizes, steps, warmup, pool)
+            run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout)
+            report.runs.append(run)
     add_scaling(report.runs)
     return report
 

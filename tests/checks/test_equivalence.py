@@ -8,37 +8,41 @@ import torch
 
 from ddparity.checks.equivalence import divergences, first_non_finite, worst
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance, fixed_tolerance
-from ddparity.trace import StepRecord, Trace
+from ddparity.trace import Distances, Entry, Reference
+
+KEYS = [("loss", "loss"), ("grad", "a.weight"), ("grad", "b.bias"), ("param", "a.weight"), ("param", "b.bias"),
+        ("buffer", "bn.running_mean")]
 
 
-def make_trace(steps=3, rank=0, bump=None, value=1.0):
-    trace = Trace(mode="ddp", rank=rank, world_size=2)
+def make_reference(steps=3, value=1.0, noise=None, scale=None):
+    """A reference of ``steps`` steps, every tensor of magnitude ``value``; ``noise`` and
+    ``scale``: (step, kind, name) -> its twin's distance and summand size (default: none,
+    and the value)."""
+    noise, scale = noise or {}, scale or {}
+    ref = Reference(stepped=[True] * steps, params=2)
     for step in range(steps):
-        rec = StepRecord(
-            loss=torch.tensor(value),
-            grads={"a.weight": torch.full((2, 2), value), "b.bias": torch.full((2,), value)},
-            params={"a.weight": torch.full((2, 2), value), "b.bias": torch.full((2,), value)},
-            buffers={"bn.running_mean": torch.full((2,), value)},
-        )
-        if bump and bump[0] == step:
-            _, kind, name, delta = bump
-            target = rec.tensors(kind)
-            if kind == "loss":
-                rec.loss = rec.loss + delta
-            else:
-                target[name] = target[name] + delta
-        trace.steps.append(rec)
-    return trace
+        ref.steps.append({k: Entry(value, True, noise.get((step, *k), 0.0), scale.get((step, *k), value))
+                          for k in KEYS})
+    return ref
+
+
+def make_run(steps=3, rank=0, bump=None):
+    """A run at distance 0 from the reference everywhere but ``bump`` (step, kind, name, distance)."""
+    run = Distances("ddp", rank, 2, steps=[{k: 0.0 for k in KEYS} for _ in range(steps)])
+    if bump:
+        step, kind, name, delta = bump
+        run.steps[step][(kind, name)] = delta
+    return run
 
 
 def test_identical_traces_do_not_diverge_even_with_zero_tolerance():
-    ref = make_trace()
-    assert divergences(ref, [make_trace(rank=0), make_trace(rank=1)], fixed_tolerance(ref, 0.0)) == []
+    ref = make_reference()
+    assert divergences(ref, [make_run(rank=0), make_run(rank=1)], fixed_tolerance(ref, 0.0)) == []
 
 
 def test_first_divergence_names_step_kind_tensor_and_rank():
-    ref = make_trace()
-    runs = [make_trace(rank=0), make_trace(rank=1, bump=(1, "grad", "b.bias", 0.5))]
+    ref = make_reference()
+    runs = [make_run(rank=0), make_run(rank=1, bump=(1, "grad", "b.bias", 0.5))]
     found = divergences(ref, runs, fixed_tolerance(ref, 1e-3))
     first = found[0]
     assert (first.step, first.kind, first.name, first.rank) == (1, "grad", "b.bias", 1)
@@ -48,15 +52,15 @@ def test_first_divergence_names_step_kind_tensor_and_rank():
 
 
 def test_earlier_kind_wins_within_a_step():
-    ref = make_trace()
-    runs = [make_trace(bump=(2, "param", "a.weight", 1.0)), make_trace(rank=1, bump=(2, "loss", "loss", 1.0))]
+    ref = make_reference()
+    runs = [make_run(bump=(2, "param", "a.weight", 1.0)), make_run(rank=1, bump=(2, "loss", "loss", 1.0))]
     first = divergences(ref, runs, fixed_tolerance(ref, 1e-3))[0]
     assert (first.step, first.kind) == (2, "loss")
 
 
 def test_worst_offenders_rank_by_excess_once_per_tensor():
-    ref = make_trace()
-    runs = [make_trace(bump=(0, "grad", "a.weight", 0.1)), make_trace(rank=1, bump=(0, "buffer", "bn.running_mean", 5.0))]
+    ref = make_reference()
+    runs = [make_run(bump=(0, "grad", "a.weight", 0.1)), make_run(rank=1, bump=(0, "buffer", "bn.running_mean", 5.0))]
     found = divergences(ref, runs, fixed_tolerance(ref, 1e-3))
     top = worst(found)
     assert [(d.kind, d.name) for d in top] == [("buffer", "bn.running_mean"), ("grad", "a.weight")]
@@ -74,52 +78,61 @@ def test_a_nan_equals_nothing_not_even_a_nan_but_equal_infinities_are_equal():
     assert distance(torch.ones(2), torch.ones(3)) == math.inf
 
 
+def test_a_run_that_never_compared_a_tensor_diverges_there():
+    ref = make_reference()
+    run = make_run()
+    del run.steps[1][("grad", "b.bias")]
+    found = divergences(ref, [run], fixed_tolerance(ref, 1e-3))
+    assert [(d.step, d.kind, d.name, d.max_abs) for d in found] == [(1, "grad", "b.bias", math.inf)]
+
+
 def test_auto_tolerance_is_calibrated_noise_times_headroom_with_an_ulp_floor():
-    ref = make_trace()
-    permuted = make_trace(bump=(1, "grad", "a.weight", 1e-4))
-    tol = auto_tolerance(ref, permuted, world_size=4, dtype=torch.float32)
+    ref = make_reference(noise={(1, "grad", "a.weight"): 1e-4})
+    tol = auto_tolerance(ref, world_size=4, dtype=torch.float32)
     eps = torch.finfo(torch.float32).eps
     assert math.isclose(tol(1, "grad", "a.weight"), HEADROOM * 1e-4, rel_tol=1e-3)
     assert math.isclose(tol(0, "grad", "a.weight"), HEADROOM * 4 * eps * 1.0)
-    tol64 = auto_tolerance(ref, make_trace(), world_size=4, dtype=torch.float64)
+    tol64 = auto_tolerance(make_reference(), world_size=4, dtype=torch.float64)
     assert tol64(0, "grad", "a.weight") < tol(0, "grad", "a.weight")
 
 
-def test_the_first_non_finite_loss_gradient_or_parameter_of_the_reference_is_named():
-    ref = make_trace()
+def test_the_first_non_finite_value_the_reference_wrote_is_named():
+    ref = make_reference()
     assert first_non_finite(ref) is None
-    ref.steps[1].grads["a.weight"] = torch.tensor([[1.0, float("nan")]])
-    ref.steps[1].buffers = {"mask": torch.tensor([float("-inf")])}  # buffers may hold infinities
+    ref.non_finite = (1, "grad", "a.weight", math.nan)
     found = first_non_finite(ref)
     assert (found.step, found.kind, found.name) == (1, "grad", "a.weight") and math.isnan(found.value)
     assert "step 1" in found.reason() and "'a.weight'" in found.reason()
-    assert divergences(ref, [ref], fixed_tolerance(ref, 0.0), until=found.step) == []
+    assert divergences(ref, [make_run(bump=(1, "grad", "a.weight", math.inf))], fixed_tolerance(ref, 0.0),
+                       until=found.step) == []
 
 
 def test_a_tolerance_is_never_zero_for_floating_point_values():
     """A batch-coupled loss has per-sample terms of size 0, and a tensor can be exactly 0:
     the floor is still W ulps of the value, and never below the smallest normal number."""
-    ref = make_trace(value=0.0)
-    twin = make_trace(value=0.0)
-    for record in twin.steps:
-        record.loss_scale = torch.tensor(0.0, dtype=torch.float64)
-        record.grad_scales = {"a.weight": torch.zeros(2, 2, dtype=torch.float64)}
-    tol = auto_tolerance(ref, twin, world_size=4, dtype=torch.float32)
+    tol = auto_tolerance(make_reference(value=0.0, scale={(0, "loss", "loss"): 0.0}), world_size=4,
+                         dtype=torch.float32)
     assert all(value > 0 for value in tol.table.values())
     assert tol(0, "loss", "loss") == HEADROOM * torch.finfo(torch.float32).tiny
-    scaled_twin = make_trace(value=3.0)
-    for record in scaled_twin.steps:
-        record.loss_scale = torch.tensor(0.0, dtype=torch.float64)
-    coupled = auto_tolerance(make_trace(value=3.0), scaled_twin, world_size=4, dtype=torch.float32)
+    coupled = auto_tolerance(make_reference(value=3.0, scale={(0, "loss", "loss"): 0.0}), world_size=4,
+                             dtype=torch.float32)
     assert math.isclose(coupled(0, "loss", "loss"), HEADROOM * 4 * torch.finfo(torch.float32).eps * 3.0)
+
+
+def test_integers_and_missing_tensors_compare_exactly():
+    ref = make_reference()
+    ref.steps[0][("buffer", "bn.num_batches_tracked")] = Entry(1.0, False)
+    ref.steps[0][("grad", "frozen.weight")] = Entry(0.0, False)  # no gradient in the reference
+    tol = auto_tolerance(ref, world_size=2, dtype=torch.float32)
+    assert tol(0, "buffer", "bn.num_batches_tracked") == 0.0 and tol(0, "grad", "frozen.weight") == 0.0
 
 
 def test_low_precision_computes_with_its_own_ulps_and_a_smaller_headroom():
     from ddparity.checks.tolerance import LOW_PRECISION_HEADROOM
 
-    ref, twin = make_trace(), make_trace()
+    ref = make_reference()
     ref.autocast_dtype = "bfloat16"
-    tol = auto_tolerance(ref, twin, world_size=4, dtype=torch.float32)
+    tol = auto_tolerance(ref, world_size=4, dtype=torch.float32)
     bf16 = torch.finfo(torch.bfloat16).eps
     assert math.isclose(tol(0, "grad", "a.weight"), LOW_PRECISION_HEADROOM * 4 * bf16)
     assert tol(0, "grad", "a.weight") < 0.5  # never as large as the value (1.0) it compares
@@ -127,26 +140,21 @@ def test_low_precision_computes_with_its_own_ulps_and_a_smaller_headroom():
 
 
 def test_a_twin_far_from_the_reference_is_uncalibrated_not_a_wider_tolerance():
-    ref = make_trace()
-    twin = make_trace(bump=(0, "grad", "a.weight", 0.7))
-    tol = auto_tolerance(ref, twin, world_size=2, dtype=torch.float32)
+    tol = auto_tolerance(make_reference(noise={(0, "grad", "a.weight"): 0.7}), world_size=2, dtype=torch.float32)
     assert (tol.uncalibrated.step, tol.uncalibrated.kind, tol.uncalibrated.name) == (0, "grad", "a.weight")
     assert "no tolerance can be calibrated from step 0 on" in tol.uncalibrated.reason()
     assert "70% of its size" in tol.uncalibrated.reason()
     # later parameters may legitimately differ by whole Adam steps (a bias that starts at 0)
-    later = auto_tolerance(ref, make_trace(bump=(1, "param", "a.weight", 0.7)), world_size=2, dtype=torch.float32)
+    later = auto_tolerance(make_reference(noise={(1, "param", "a.weight"): 0.7}), world_size=2, dtype=torch.float32)
     assert later.uncalibrated is None and later(1, "param", "a.weight") > 0.7
     # a tensor at rounding level next to the others (a cancelled sum): its twin distance is rounding too
-    ref, twin = make_trace(), make_trace()
-    ref.steps[0].grads["b.bias"] = torch.full((2,), 1e-9)
-    twin.steps[0].grads["b.bias"] = torch.full((2,), -1e-9)
-    assert auto_tolerance(ref, twin, world_size=2, dtype=torch.float32).uncalibrated is None
+    ref = make_reference(noise={(0, "grad", "b.bias"): 2e-9})
+    ref.steps[0][("grad", "b.bias")] = Entry(1e-9, True, 2e-9, 1e-9)
+    assert auto_tolerance(ref, world_size=2, dtype=torch.float32).uncalibrated is None
 
 
 def test_a_tolerance_is_never_nan_even_when_the_twins_magnitudes_blew_up():
-    twin = make_trace()
-    for record in twin.steps:
-        record.loss_scale = torch.tensor(float("nan"), dtype=torch.float64)
-        record.grad_scales = {"a.weight": torch.full((2, 2), float("inf"), dtype=torch.float64)}
-    tol = auto_tolerance(make_trace(), twin, world_size=2, dtype=torch.float32)
+    ref = make_reference(scale={(s, "grad", "a.weight"): math.inf for s in range(3)}
+                         | {(s, "loss", "loss"): math.nan for s in range(3)})
+    tol = auto_tolerance(ref, world_size=2, dtype=torch.float32)
     assert all(math.isfinite(v) and v > 0 for v in tol.table.values())

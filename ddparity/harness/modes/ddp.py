@@ -17,8 +17,7 @@ from typing import Any
 from ddparity.harness import ddp_buckets, recorder
 from ddparity.harness.fingerprint import fingerprint
 from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica, shard
-from ddparity.trace import StepRecord
+from ddparity.harness.training import Replica, finish_step, shard
 
 
 @dataclass
@@ -73,22 +72,22 @@ class DDPMode:
     def before_optimizer(self, replica: Replica) -> None:
         self.recorder.set_phase(self._step, "optimizer")
 
-    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
         import torch.distributed as dist
 
         self._step = step
-        record = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
+        loss, stepped = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
         # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
-        global_loss = record.loss.to(self.device, copy=True)
+        global_loss = loss.to(self.device, copy=True)
         dist.all_reduce(global_loss)
-        record.loss = (global_loss / self.world_size).cpu()
+        self.recorder.set_phase(step, "compare")
+        finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
         if self.detect:
             self.recorder.set_phase(step, "fingerprint")
             part = None if step == self.steps - 1 else step  # everything at the last step
             rec_buffers = not replica.wrapped.broadcast_buffers
             self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
                                                          part=part))
-        return record
 
 
 def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:

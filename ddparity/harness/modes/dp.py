@@ -12,11 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.harness import dp_emulation
-from ddparity.harness.recorder import DISABLED
+from ddparity.harness import dp_emulation, recorder
 from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica
-from ddparity.trace import StepRecord
+from ddparity.harness.training import Replica, finish_step
 
 
 @dataclass
@@ -26,10 +24,14 @@ class DataParallelMode:
     device: str
     name: str = "dp"
     rank: int = 0
-    recorder: Any = DISABLED
+    recorder: Any = None
     notes: dict[str, str] = field(default_factory=dict)
     """DataParallel pitfalls found (name -> explanation)."""
     real: bool = False
+
+    def __post_init__(self) -> None:
+        self.recorder = recorder.active()  # phases only: progress for the controller
+        self.recorder.pause()
 
     def wrap(self, model: Any) -> Any:
         import torch
@@ -58,5 +60,5 @@ class DataParallelMode:
     def before_optimizer(self, replica: Replica) -> None:
         pass
 
-    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
-        return record_step(step, replica, batch)
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
+        finish_step(replica, step, *record_step(step, replica, batch))

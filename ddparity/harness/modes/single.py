@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.recorder import DISABLED
+from ddparity.harness import recorder
 from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica
-from ddparity.trace import StepRecord
+from ddparity.harness.training import Replica, finish_step
 
 
 @dataclass
@@ -18,11 +17,15 @@ class SingleMode:
     name: str = "single"
     rank: int = 0
     world_size: int = 1
-    recorder: Any = DISABLED
+    recorder: Any = None
     watch_draws: bool = True
     """Stop at any random draw outside the aligned dropouts (the reference watches)."""
     name_draws: bool = False
     """Name the ops that draw (a slower run, to explain a draw found)."""
+
+    def __post_init__(self) -> None:
+        self.recorder = recorder.active()  # phases, so a long reference run is progress, not a hang
+        self.recorder.pause()
 
     def wrap(self, model: Any) -> Any:
         return model
@@ -33,5 +36,5 @@ class SingleMode:
     def before_optimizer(self, replica: Replica) -> None:
         pass
 
-    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
-        return record_step(step, replica, batch)
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
+        finish_step(replica, step, *record_step(step, replica, batch))

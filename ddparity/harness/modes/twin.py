@@ -21,8 +21,17 @@ from typing import Any
 from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.randomness import suspended
 from ddparity.harness.stepping import lowest_precision, record_step
-from ddparity.harness.training import Replica, batch_size, cast, forward, map_tensors, reverse_samples, shard
-from ddparity.trace import StepRecord
+from ddparity.harness.training import (
+    Replica,
+    batch_size,
+    cast,
+    finish_step,
+    forward,
+    map_tensors,
+    named_tensors,
+    reverse_samples,
+    shard,
+)
 
 
 @dataclass
@@ -33,6 +42,7 @@ class TwinMode(SingleMode):
     watch_draws: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._batch: Any = None
         self._scales: tuple[Any, dict] | None = None
 
@@ -51,6 +61,9 @@ class TwinMode(SingleMode):
                 self._scales = self._magnitudes(replica)
         dtype = lowest_precision(replica.case.torch_dtype, replica.precision.dtype if replica.precision else None)
         nudge_towards_zero(model, self._scales[1] if self._scales else {}, ws, dtype)
+        if self._scales is not None and hasattr(replica.sink, "note_scales"):
+            replica.sink.note_scales(replica.ctx.step, *self._scales)
+        self._scales = None  # a gradient-sized tensor per parameter: not kept past the step
 
     def _magnitudes(self, replica: Replica) -> tuple[Any, dict] | None:
         """The size of the summands DDP adds: per sample where the loss is a mean of
@@ -82,12 +95,9 @@ class TwinMode(SingleMode):
             outputs = functional_call(model, (params, buffers), args)
             return replica.loss_fn(outputs, targets).detach().abs().double().cpu()
 
-    def step(self, step: int, replica: Replica, batch: Any) -> StepRecord:
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._batch = batch
-        record = record_step(step, replica, batch)
-        if self._scales is not None:
-            record.loss_scale, record.grad_scales = self._scales
-        return record
+        finish_step(replica, step, *record_step(step, replica, batch))
 
 
 @contextlib.contextmanager
@@ -128,7 +138,7 @@ def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any,
         loss_scale += loss.detach().abs().double().cpu() / shards
         for n, p in model.named_parameters():
             if p.grad is not None:
-                term = p.grad.detach().abs().double().cpu() / shards
+                term = p.grad.detach().abs().to(torch.promote_types(p.grad.dtype, torch.float32)).cpu() / shards
                 grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
     for n, p in model.named_parameters():
         p.grad = grads[n]
@@ -141,14 +151,21 @@ def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any,
     return loss_scale, grad_scale
 
 
+SAMPLE_CHUNK_ELEMENTS = 1 << 26
+"""Per-sample gradients held at once (256 MB in float32): a 125 M-parameter model's are
+computed one sample at a time, a small model's in one vmapped pass."""
+
+
 def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tuple[Any, dict] | None:
-    """Mean over samples of |sample loss| and |per-sample gradient|, in one vmapped pass.
+    """Mean over samples of |sample loss| and |per-sample gradient|, vmapped over chunks
+    of samples (at most :data:`SAMPLE_CHUNK_ELEMENTS` gradient elements at once).
 
     Every reordering of the batch sum (by shards, by all-reduce) rounds in proportion to
     the size of these terms. Returns None where per-sample gradients are not defined or
     not computable by ``torch.func`` (BatchNorm in training, randomness, exotic inputs);
     the caller then falls back to shard magnitudes.
     """
+    import torch
     from torch.func import functional_call, grad, vmap
 
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -160,15 +177,28 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
         loss = loss_fn(functional_call(model, (params, buffers), args), map_tensors(y, lambda t: t.unsqueeze(0)))
         return loss, loss
 
+    if isinstance(inputs, dict):
+        return None
+    samples = batch_size((inputs, targets))
+    if not samples or any(t.dim() == 0 or t.shape[0] != samples for _, t in named_tensors((inputs, targets))):
+        return None  # a tensor that is not batched: not mapped over samples
+    numel = sum(p.numel() for p in params.values())
+    chunk = max(1, min(samples, SAMPLE_CHUNK_ELEMENTS // max(numel, 1)))
+    per_sample = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    sums: dict[str, Any] = {}
     try:
-        if isinstance(inputs, dict):
-            return None
-        per_grad, per_loss = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))(params, inputs, targets)
+        for start in range(0, samples, chunk):
+            part = map_tensors((inputs, targets), lambda t, at=start: t[at : at + chunk])
+            per_grad, per_loss = per_sample(params, *part)
+            loss_sum += per_loss.detach().abs().double().sum().cpu()
+            for n, g in per_grad.items():
+                term = g.detach().abs().to(torch.promote_types(g.dtype, torch.float32)).sum(dim=0)
+                sums[n] = sums[n] + term if n in sums else term
+            del per_grad
     except Exception:  # not expressible per sample: use shards instead
         return None
-    loss_scale = per_loss.detach().abs().double().mean().cpu()
-    grad_scales = {n: g.detach().abs().double().mean(dim=0).cpu() for n, g in per_grad.items()}
-    return loss_scale, grad_scales
+    return loss_sum / samples, {n: (total / samples).cpu() for n, total in sums.items()}
 
 
 def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:

@@ -1,0 +1,330 @@
+"""The reference's tensors on disk, compared in place: how a check of a large model costs
+the replicas' own memory and no more.
+
+A check owns one :class:`Spool`, a private directory (mode 0700, removed when the check
+ends). In it:
+
+* ``state.pt``: the initial state every replica loads (memory-mapped: never pickled to
+  the controller or through a pipe);
+* per step of the reference, ``g<step>`` (the gradients as its optimizer saw them) and
+  ``a<step>`` (its loss, then its parameters and buffers after the step): a ``.bin`` of
+  raw tensor bytes and a ``.json`` manifest written after it (its presence says the step
+  is complete). A parameter or buffer that did not change since the last step (same
+  tensor, same version counter: frozen layers, constant buffers) points to the bytes
+  already written instead of writing them again.
+
+The reference's :class:`Writer` writes them as it trains and keeps only scalars (each
+tensor's largest magnitude, the first non-finite value). Every other run trains with a
+:class:`Comparer`, which reads the reference's step (memory-mapped, one tensor at a time)
+when it reaches that step — waiting for it if the reference is behind — and keeps one
+distance per tensor. The controller receives those numbers only
+(:class:`~ddparity.trace.Reference`, :class:`~ddparity.trace.Distances`).
+
+Disk: ``4 B x (2 x parameters + buffers) x steps`` in float32, in ``$TMPDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ddparity.trace import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
+
+ALIGN = 64
+PREFIX = "ddparity-spool-"
+STATE = "state.pt"
+ABORT = "abort"
+POLL_MAX_S = 0.05
+
+
+class ReferenceFailed(RuntimeError):
+    """The reference stopped (its run failed, or the check ended) before the step a run waits for."""
+
+
+class Spool:
+    """The controller's handle on one check's spool directory."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        # 0700: this user only; named by the controller's pid, so leftovers can be told apart
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+
+    def abort(self) -> None:
+        """Tell runs waiting for the reference that it will not come."""
+        with open(os.path.join(self.path, ABORT), "w"):
+            pass
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_state(spool: str, state: dict[str, Any]) -> None:
+    import torch
+
+    tmp = os.path.join(spool, STATE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(spool, STATE))
+
+
+def load_state(spool: str) -> dict[str, Any]:
+    """The initial state, memory-mapped (the pages are shared by every replica that loads it)."""
+    import torch
+
+    return torch.load(os.path.join(spool, STATE), mmap=True, weights_only=False, map_location="cpu")
+
+
+def _as_bytes(t: Any) -> Any:
+    """``t``'s elements as a flat CPU uint8 tensor (a view where it already is one)."""
+    import torch
+
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.is_quantized:
+        t = t.dequantize()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.element_size() != 1 or flat.dtype != torch.uint8 else flat
+
+
+def _dtype_name(t: Any) -> str:
+    import torch
+
+    dtype = t.dtype if not t.is_quantized else torch.float32
+    return str(dtype).removeprefix("torch.")
+
+
+class Writer:
+    """The reference's sink: writes every step to the spool, keeps scalars."""
+
+    def __init__(self, spool: str) -> None:
+        self.spool = spool
+        self.reference = Reference()
+        self._grads_done = -1
+        self._same: dict[tuple[str, str], tuple[Any, int, list[Any]]] = {}  # key -> (tensor, version, manifest entry)
+        self._bad: dict[int, dict[str, tuple[str, float]]] = {}
+
+    def grads(self, step: int, model: Any) -> None:
+        self._write(f"g{step}", step, [(("grad", n), p.grad, False) for n, p in model.named_parameters()], True)
+        self._grads_done = step
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+        if self._grads_done != step:
+            self._write(f"g{step}", step, [], stepped)
+        tensors = [(("loss", "loss"), loss, False)]
+        tensors += [(("param", n), p, True) for n, p in model.named_parameters()]
+        tensors += [(("buffer", n), b, True) for n, b in model.named_buffers()]
+        self._write(f"a{step}", step, tensors, stepped)
+        self.reference.stepped.append(stepped)
+
+    def _write(self, stem: str, step: int, tensors: list[tuple[tuple[str, str], Any, bool]], stepped: bool) -> None:
+        while len(self.reference.steps) <= step:
+            self.reference.steps.append({})
+        entries = self.reference.steps[step]
+        manifest: list[list[Any]] = []
+        offset = 0
+        path = os.path.join(self.spool, stem)
+        with open(path + ".bin.tmp", "wb") as f:
+            for key, t, persistent in tensors:
+                kind, name = key
+                if t is None:
+                    manifest.append([kind, name, None])
+                    entries[key] = Entry(0.0, False)
+                    continue
+                value = max_abs(t)
+                entries[key] = Entry(value, t.is_floating_point() or t.is_complex())
+                if kind != "buffer" and not (value < float("inf")):  # NaN or inf (buffers may hold -inf masks)
+                    self._bad.setdefault(step, {}).setdefault(kind, (name, _first_non_finite(t)))
+                kept = self._same.get(key) if persistent else None
+                if kept is not None and kept[0] is t and kept[1] == t._version:
+                    manifest.append(kept[2])  # unchanged since a step already written: its bytes
+                    continue
+                raw = _as_bytes(t)
+                pad = -offset % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+                if raw.numel():
+                    f.write(raw.numpy().data)
+                entry = [kind, name, _dtype_name(t), list(t.shape), stem, offset, int(raw.numel())]
+                offset += int(raw.numel())
+                manifest.append(entry)
+                if persistent:
+                    self._same[key] = (t, t._version, entry)  # holding t: its id cannot be reused
+        os.replace(path + ".bin.tmp", path + ".bin")
+        with open(path + ".json.tmp", "w") as f:
+            json.dump({"stepped": stepped, "tensors": manifest}, f)
+        os.replace(path + ".json.tmp", path + ".json")
+
+    def finish(self) -> Reference:
+        """The reference summarised: entries in comparison order, the first non-finite value."""
+        ref = self.reference
+        ref.steps = [{k: e[k] for kind in RECORD_KINDS for k in e if k[0] == kind} for e in ref.steps]
+        for step in sorted(self._bad):
+            for kind in ("loss", "grad", "param"):
+                if kind in self._bad[step]:
+                    name, value = self._bad[step][kind]
+                    ref.non_finite = (step, kind, name, value)
+                    break
+            if ref.non_finite is not None:
+                break
+        ref.params = sum(1 for k in ref.steps[0] if k[0] == "param") if ref.steps else 0
+        self._same.clear()
+        return ref
+
+
+def _first_non_finite(t: Any) -> float:
+    import torch
+
+    flat = t.detach().reshape(-1)
+    bad = ~torch.isfinite(flat)
+    return float(flat[bad][0].real) if bool(bad.any()) else float("nan")
+
+
+class _Step:
+    """One of the reference's step files, mapped: its tensors by (kind, name)."""
+
+    def __init__(self, spool: str, stem: str, wait: Callable[[str], None]) -> None:
+        json_path = os.path.join(spool, stem + ".json")
+        wait(json_path)
+        with open(json_path) as f:
+            meta = json.load(f)
+        self.spool = spool
+        self.stepped: bool = meta["stepped"]
+        self.tensors: list[list[Any]] = meta["tensors"]
+        self._maps: dict[str, Any] = {}
+
+    def items(self) -> Iterator[tuple[tuple[str, str], Any, tuple[str, int]]]:
+        """((kind, name), tensor or None, where its bytes are) for every tensor, in order."""
+        for entry in self.tensors:
+            key = (entry[0], entry[1])
+            if entry[2] is None:
+                yield key, None, ("", -1)
+                continue
+            yield key, self._tensor(entry), (entry[4], entry[5])
+
+    def _tensor(self, entry: list[Any]) -> Any:
+        import torch
+
+        _, _, dtype, shape, stem, offset, nbytes = entry
+        dtype = getattr(torch, dtype)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        if stem not in self._maps:
+            path = os.path.join(self.spool, stem + ".bin")
+            self._maps[stem] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        return self._maps[stem][offset : offset + nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+class Comparer:
+    """A run's sink: compares every step with the reference's, where both are."""
+
+    def __init__(self, spool: str, mode: str, rank: int, world_size: int, limit_s: float,
+                 own_values: bool = False, fingerprints: bool = False) -> None:
+        self.spool = spool
+        self.limit_s = limit_s
+        self.result = Distances(mode, rank, world_size)
+        self.own_values = own_values
+        """The twin: also its own tensors' magnitudes and its summands' sizes."""
+        self.values: dict[tuple[int, str, str], float] = {}
+        self.scales: dict[tuple[int, str, str], float] = {}
+        self._fingerprints = fingerprints
+        self._grads_done = -1
+        self._last: dict[tuple[str, str], tuple[tuple[str, int], Any, int, float]] = {}
+
+    def _wait(self, path: str) -> None:
+        deadline = time.monotonic() + self.limit_s
+        delay = 0.001
+        while not os.path.exists(path):
+            if os.path.exists(os.path.join(self.spool, ABORT)):
+                raise ReferenceFailed("the reference run stopped before this step")
+            if time.monotonic() > deadline:
+                raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {self.limit_s:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
+
+    def note_scales(self, step: int, loss_scale: Any, grad_scales: dict[str, Any]) -> None:
+        """The twin's summand sizes of this step (see :mod:`ddparity.harness.modes.twin`)."""
+        if loss_scale is not None:
+            self.scales[(step, "loss", "loss")] = max_abs(loss_scale)
+        for name, scale in grad_scales.items():
+            self.scales[(step, "grad", name)] = max_abs(scale)
+
+    def grads(self, step: int, model: Any) -> None:
+        self._compare(step, f"g{step}", {("grad", n): p.grad for n, p in model.named_parameters()})
+        self._grads_done = step
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+        if self._grads_done != step:  # this run did not step: every gradient the reference has is missing
+            self._compare(step, f"g{step}", {})
+        mine = {("loss", "loss"): loss}
+        mine.update({("param", n): p for n, p in model.named_parameters()})
+        mine.update({("buffer", n): b for n, b in model.named_buffers()})
+        self._compare(step, f"a{step}", mine, persistent=True)
+        if self._fingerprints:
+            from ddparity.harness.fingerprint import param_fingerprints
+
+            self.result.fingerprints[step] = param_fingerprints(model)
+
+    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any], persistent: bool = False) -> None:
+        while len(self.result.steps) <= step:
+            self.result.steps.append({})
+        out = self.result.steps[step]
+        ref = _Step(self.spool, stem, self._wait)
+        try:
+            for key, expected, where in ref.items():
+                got = mine.get(key)
+                last = self._last.get(key) if persistent else None
+                if (last is not None and where[1] >= 0 and last[0] == where and got is not None
+                        and last[1] is got and last[2] == got._version):
+                    out[key] = last[3]  # neither side changed since the last step
+                    continue
+                out[key] = distance(expected, got)
+                if persistent and got is not None:
+                    self._last[key] = (where, got, got._version, out[key])
+                if self.own_values:
+                    self.values[(step, *key)] = max_abs(got)
+        finally:
+            ref.close()
+
+    def finish(self) -> Distances:
+        self._last.clear()
+        return self.result
+
+
+class NoSink:
+    """Records nothing (the profile's timed passes, a re-run that names random draws)."""
+
+    def grads(self, step: int, model: Any) -> None:
+        pass
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+        pass
+
+
+def calibrated(reference: Reference, twin: Comparer) -> Reference:
+    """``reference`` with its twin's distance (noise) and summand size (scale) in every entry."""
+    for step, entries in enumerate(reference.steps):
+        noises = twin.result.steps[step] if step < len(twin.result.steps) else {}
+        for key, e in entries.items():
+            noise = noises.get(key, 0.0)
+            if noise == float("inf"):
+                noise = 0.0  # shape/None mismatches are not noise
+            scale = 0.0
+            if key[0] in ("loss", "grad"):
+                scale = twin.scales.get((step, *key), twin.values.get((step, *key), 0.0))
+            entries[key] = Entry(e.value, e.floating, noise, scale)
+    return reference

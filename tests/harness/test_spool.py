@@ -1,0 +1,112 @@
+"""The reference's tensors on disk, compared in place: what the writer keeps and writes,
+what a comparer measures, and that a run waiting for a reference that will not come stops."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ddparity.harness.spool import Comparer, ReferenceFailed, Spool, Writer
+from ddparity.trace import distance, max_abs
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    model[2].weight.requires_grad_(False)  # a frozen layer
+    model(torch.randn(8, 4)).sum().backward()
+    return model
+
+
+def _step(sink, step, model, loss=1.5):
+    sink.grads(step, model)
+    sink.after(step, torch.tensor(loss), True, model)
+
+
+def test_the_spool_is_private_and_removed():
+    with Spool() as spool:
+        assert stat.S_IMODE(os.stat(spool.path).st_mode) == 0o700
+    assert not os.path.exists(spool.path)
+
+
+def test_a_replica_compared_with_itself_is_at_distance_zero_and_a_change_is_measured_exactly():
+    model = _model()
+    with Spool() as spool:
+        writer, same, moved = Writer(spool.path), Comparer(spool.path, "ddp", 0, 2, 5), Comparer(spool.path, "ddp", 1, 2, 5)
+        _step(writer, 0, model)
+        _step(same, 0, model)
+        with torch.no_grad():
+            model[0].bias[1] += 0.25
+        _step(moved, 0, model, loss=1.0)
+        reference = writer.finish()
+    assert all(v == 0.0 for v in same.finish().steps[0].values())
+    got = moved.finish().steps[0]
+    assert got[("param", "0.bias")] == pytest.approx(0.25) and got[("loss", "loss")] == 0.5
+    assert got[("grad", "2.weight")] == 0.0  # no gradient on either side
+    entries = dict(reference.steps[0])
+    assert list(entries)[0] == ("loss", "loss")  # compared first
+    assert entries[("param", "0.weight")].value == pytest.approx(max_abs(model[0].weight))
+    assert not entries[("grad", "2.weight")].floating and not entries[("buffer", "1.num_batches_tracked")].floating
+    assert reference.params == 6 and reference.non_finite is None
+
+
+def test_tensors_that_did_not_change_are_written_once():
+    model = _model()
+    with Spool() as spool:
+        writer = Writer(spool.path)
+        _step(writer, 0, model)
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # one parameter changes; the frozen one and the buffers do not
+        _step(writer, 1, model)
+        first, second = (os.path.getsize(os.path.join(spool.path, f"a{s}.bin")) for s in (0, 1))
+        comparer = Comparer(spool.path, "ddp", 0, 2, 5)
+        _step(comparer, 0, model)
+        _step(comparer, 1, model)
+    assert second < first / 2, (first, second)
+    steps = comparer.finish().steps
+    assert steps[1][("param", "0.weight")] == 0.0 and steps[0][("param", "0.weight")] > 0
+    assert steps[1][("param", "2.weight")] == 0.0
+
+
+def test_the_first_non_finite_value_is_found_where_it_is_written():
+    model = _model()
+    model[0].weight.grad[0, 1] = math.nan
+    with Spool() as spool:
+        writer = Writer(spool.path)
+        _step(writer, 0, model)
+        assert writer.finish().non_finite[:3] == (0, "grad", "0.weight")
+
+
+def test_a_run_waits_for_the_reference_and_stops_when_it_will_not_come():
+    model = _model()
+    with Spool() as spool:
+        comparer = Comparer(spool.path, "ddp", 0, 2, 30)
+        threading.Timer(0.2, lambda: _step(Writer(spool.path), 0, model)).start()
+        _step(comparer, 0, model)  # waits for step 0
+        assert all(v == 0.0 for v in comparer.finish().steps[0].values())
+        threading.Timer(0.2, spool.abort).start()
+        started = time.monotonic()
+        with pytest.raises(ReferenceFailed, match="stopped before this step"):
+            comparer.grads(1, model)
+        assert time.monotonic() - started < 5
+        with pytest.raises(ReferenceFailed, match="in 0.1 s"):
+            Comparer(spool.path.rstrip("/") + "-none", "ddp", 0, 2, 0.1).grads(0, model)
+
+
+def test_distance_is_measured_in_chunks_and_in_a_wide_enough_dtype(monkeypatch):
+    import ddparity.trace as trace
+
+    monkeypatch.setattr(trace, "CHUNK", 7)
+    a = torch.arange(100, dtype=torch.float32)
+    b = a.clone()
+    b[93] += 3
+    assert distance(a, b) == 3.0 and max_abs(-a) == 99.0
+    x = torch.tensor([1.0, 1.0 + 2 ** -7], dtype=torch.bfloat16)
+    assert distance(x[:1], x[1:]) == 2 ** -7  # not rounded away in bf16
