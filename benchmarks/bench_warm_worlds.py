@@ -29,8 +29,8 @@ import torch.multiprocessing as tmp
 from ddparity import check
 from ddparity.fixtures import models
 from ddparity.harness.pool import WorldPool
-from ddparity.harness.tasks import ddp_task
-from ddparity.harness.training import initial_state
+from ddparity.harness.spool import Spool
+from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
 
 STEPS = 5
 
@@ -98,12 +98,14 @@ def main() -> None:
                 warm_times.append(time.perf_counter() - t)
                 assert report.ok, report.render()
             world = pool.get(ws, "gloo")
-            state = world.run(lambda ctx: initial_state(case))[0]
             raw = []
-            for _ in range(args.checks):
-                t = time.perf_counter()
-                world.run(ddp_task, case, state)
-                raw.append(time.perf_counter() - t)
+            with Spool() as spool:  # the DDP task alone, compared with a reference written once
+                pool.get(1, "gloo", role="reference").run(prepare_task, case, spool.path)
+                pool.get(1, "gloo", role="reference").run(reference_task, case, spool.path, (ws,))
+                for _ in range(args.checks):
+                    t = time.perf_counter()
+                    world.run(ddp_task, case, spool.path)
+                    raw.append(time.perf_counter() - t)
             rows.append((ws, spawn_times, warm_times, raw))
     finally:
         pool.close()

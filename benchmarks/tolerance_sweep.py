@@ -15,27 +15,27 @@ import itertools
 import torch
 
 from ddparity import Case
-from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance
+from ddparity.checks.tolerance import HEADROOM, auto_tolerance
 from ddparity.fixtures import models
 from ddparity.harness.pool import WorldPool
+from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
-from ddparity.trace import RECORD_KINDS
 
 
 def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
-    [(state, _)] = pool.get(1, "gloo").run(prepare_task, case)
-    [(reference, twin)] = pool.get(1, "gloo").run(reference_task, case, state, (ws,))
-    traces = pool.get(ws, "gloo").run(ddp_task, case, state)
-    tol = auto_tolerance(reference, twin, ws, case.torch_dtype)
+    with Spool() as spool:
+        pool.get(1, "gloo").run(prepare_task, case, spool.path)
+        [reference] = pool.get(1, "gloo").run(reference_task, case, spool.path, (ws,))
+        runs = pool.get(ws, "gloo").run(ddp_task, case, spool.path)
+    tol = auto_tolerance(reference, ws, case.torch_dtype)
     ratio = 0.0
-    for step, ref in enumerate(reference.steps):
-        for kind in RECORD_KINDS:
-            for name, expected in ref.tensors(kind).items():
-                floor = tol(step, kind, name) / HEADROOM
-                for trace in traces:
-                    err = distance(expected, trace.steps[step].tensors(kind).get(name))
-                    if err:
-                        ratio = max(ratio, err / floor if floor else float("inf"))
+    for step, entries in enumerate(reference.steps):
+        for kind, name in entries:
+            floor = tol(step, kind, name) / HEADROOM
+            for run in runs:
+                err = run.steps[step][(kind, name)]
+                if err:
+                    ratio = max(ratio, err / floor if floor else float("inf"))
     return ratio
 
 

@@ -74,10 +74,14 @@ def distance(a: Any, b: Any) -> float:
     worst = 0.0
     for x, y in zip(_chunks(a), _chunks(b)):
         x, y = _wide(x.to(y.device)), _wide(y)
-        diff = (x - y).abs().masked_fill(x == y, 0.0)
-        if torch.isnan(diff).any():
-            return float("inf")
-        worst = max(worst, float(diff.max()))
+        diff = torch.sub(x, y).abs_()
+        top = float(diff.max())
+        if top != top:  # a NaN: inf - inf of equal infinities is no difference, any other NaN is
+            diff = diff.masked_fill_(x == y, 0.0)
+            if torch.isnan(diff).any():
+                return float("inf")
+            top = float(diff.max())
+        worst = max(worst, top)
     return worst
 
 

@@ -28,7 +28,6 @@ from ddparity.harness.training import (
     finish_step,
     forward,
     map_tensors,
-    named_tensors,
     reverse_samples,
     shard,
 )
@@ -151,21 +150,22 @@ def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any,
     return loss_scale, grad_scale
 
 
-SAMPLE_CHUNK_ELEMENTS = 1 << 26
-"""Per-sample gradients held at once (256 MB in float32): a 125 M-parameter model's are
-computed one sample at a time, a small model's in one vmapped pass."""
+SAMPLE_GRADIENTS_MAX = 1 << 26
+"""The most per-sample gradient elements computed at once (256 MB in float32). Past that
+(a 10 M-parameter model with a batch of 8) the summands' size is taken per shard instead:
+W forward-backward passes on the shards cost one batch's, where per-sample gradients cost
+a pass per sample (8 x 50 M elements: 20 s of a 50 s check)."""
 
 
 def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tuple[Any, dict] | None:
-    """Mean over samples of |sample loss| and |per-sample gradient|, vmapped over chunks
-    of samples (at most :data:`SAMPLE_CHUNK_ELEMENTS` gradient elements at once).
+    """Mean over samples of |sample loss| and |per-sample gradient|, in one vmapped pass.
 
     Every reordering of the batch sum (by shards, by all-reduce) rounds in proportion to
     the size of these terms. Returns None where per-sample gradients are not defined or
-    not computable by ``torch.func`` (BatchNorm in training, randomness, exotic inputs);
-    the caller then falls back to shard magnitudes.
+    not computable by ``torch.func`` (BatchNorm in training, randomness, exotic inputs),
+    or too large (:data:`SAMPLE_GRADIENTS_MAX`); the caller then falls back to shard
+    magnitudes.
     """
-    import torch
     from torch.func import functional_call, grad, vmap
 
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -177,28 +177,16 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
         loss = loss_fn(functional_call(model, (params, buffers), args), map_tensors(y, lambda t: t.unsqueeze(0)))
         return loss, loss
 
-    if isinstance(inputs, dict):
+    samples = batch_size((inputs, targets)) if not isinstance(inputs, dict) else None
+    if not samples or samples * sum(p.numel() for p in params.values()) > SAMPLE_GRADIENTS_MAX:
         return None
-    samples = batch_size((inputs, targets))
-    if not samples or any(t.dim() == 0 or t.shape[0] != samples for _, t in named_tensors((inputs, targets))):
-        return None  # a tensor that is not batched: not mapped over samples
-    numel = sum(p.numel() for p in params.values())
-    chunk = max(1, min(samples, SAMPLE_CHUNK_ELEMENTS // max(numel, 1)))
-    per_sample = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    sums: dict[str, Any] = {}
     try:
-        for start in range(0, samples, chunk):
-            part = map_tensors((inputs, targets), lambda t, at=start: t[at : at + chunk])
-            per_grad, per_loss = per_sample(params, *part)
-            loss_sum += per_loss.detach().abs().double().sum().cpu()
-            for n, g in per_grad.items():
-                term = g.detach().abs().to(torch.promote_types(g.dtype, torch.float32)).sum(dim=0)
-                sums[n] = sums[n] + term if n in sums else term
-            del per_grad
+        per_grad, per_loss = vmap(grad(one, has_aux=True), in_dims=(None, 0, 0))(params, inputs, targets)
     except Exception:  # not expressible per sample: use shards instead
         return None
-    return loss_sum / samples, {n: (total / samples).cpu() for n, total in sums.items()}
+    loss_scale = per_loss.detach().abs().double().mean().cpu()
+    grad_scales = {n: g.detach().abs().double().mean(dim=0).cpu() for n, g in per_grad.items()}
+    return loss_scale, grad_scales
 
 
 def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
