@@ -14,7 +14,7 @@ the processes that map them) of the whole process tree, sampled every 0.2 s with
 time is the wall time of the tree. The ratios are against the plain pair (plain DDP + single),
 the issue's yardstick: <= 1.5 x memory, <= 2.5 x time.
 
-    python benchmarks/bench_large_model.py [--models mlp_10m,mlp_25m] [--steps 3]
+    python benchmarks/bench_large_model.py [--models mlp_10m,mlp_25m] [--steps 3,20]
     python benchmarks/bench_large_model.py --models gpt2_small      # needs transformers
 
 The default models fit in a few minutes on 2 cores.
@@ -169,22 +169,23 @@ def _gb(n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", default="3", help="comma-separated: each model at each (3,20: memory that "
+                                                     "does not grow with steps)")
     parser.add_argument("--plain", choices=("ddp", "single"))
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.plain:
-        plain(args.plain, args.models, args.steps)
+        plain(args.plain, args.models, int(args.steps))
         return
     rows = []
-    print("| model | params | plain DDP ws 2 | single | ddparity check ws 1,2 | memory / pair | time / pair |")
-    print("|---|---|---|---|---|---|---|")
-    for name in args.models.split(","):
-        row = bench(name, args.steps)
+    print("| model | params | steps | plain DDP ws 2 | single | ddparity check ws 1,2 | memory / pair | time / pair |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, steps in ((n, int(k)) for n in args.models.split(",") for k in args.steps.split(",")):
+        row = bench(name, steps)
         rows.append(row)
         d, s, c = row["plain_ddp"], row["single"], row["ddparity"]
         verdict = f" (exit {c['rc']})" if c["rc"] else ""
-        print(f"| {name} | {row['params'] / 1e6:.1f} M | {_gb(d['pss'])}, {d['seconds']:.1f} s | "
+        print(f"| {name} | {row['params'] / 1e6:.1f} M | {steps} | {_gb(d['pss'])}, {d['seconds']:.1f} s | "
               f"{_gb(s['pss'])}, {s['seconds']:.1f} s | {_gb(c['pss'])}, {c['seconds']:.1f} s{verdict} | "
               f"{row['memory_ratio']:.2f}x | {row['time_ratio']:.2f}x |", flush=True)
         if c["rc"]:

@@ -39,6 +39,7 @@ ALIGN = 64
 PREFIX = "ddparity-spool-"
 STATE = "state.pt"
 ABORT = "abort"
+POLL_MIN_S = 0.001
 POLL_MAX_S = 0.05
 
 
@@ -246,15 +247,15 @@ class Comparer:
         self._last: dict[tuple[str, str], tuple[tuple[str, int], Any, int, float]] = {}
 
     def _wait(self, path: str) -> None:
-        deadline = time.monotonic() + self.limit_s
-        delay = 0.001
+        started = time.monotonic()
         while not os.path.exists(path):
             if os.path.exists(os.path.join(self.spool, ABORT)):
                 raise ReferenceFailed("the reference run stopped before this step")
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited > self.limit_s:
                 raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {self.limit_s:g} s")
-            time.sleep(delay)
-            delay = min(2 * delay, POLL_MAX_S)
+            # a small model's step is milliseconds: look often at first, then every POLL_MAX_S
+            time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
 
     def note_scales(self, step: int, loss_scale: Any, grad_scales: dict[str, Any]) -> None:
         """The twin's summand sizes of this step (see :mod:`ddparity.harness.modes.twin`)."""
