@@ -19,6 +19,7 @@ import time
 
 from ddparity.fixtures.models import profile_demo
 from ddparity.harness.pool import WorldPool
+from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import prepare_task
 from ddparity.verbs.profile import profile
 
@@ -65,9 +66,11 @@ def main() -> None:
     sizes = tuple(int(s) for s in args.world_sizes.split(","))
     case = profile_demo()
     pool = WorldPool()
+    spool = Spool()  # the initial state, memory-mapped by the plain loop's ranks too
     try:
         report = profile(case, world_sizes=sizes, steps=args.steps, warmup=3, pool=pool)
-        [(state, _)] = pool.get(1, "gloo", role="reference").run(prepare_task, case)
+        pool.get(1, "gloo", role="reference").run(prepare_task, case, spool.path)
+        state = spool.path
         print(f"{os.cpu_count()} CPUs; {case.label}; {args.steps} measured steps, medians, slowest rank")
         print(" ws  ddparity step  plain step  ratio   ddparity exposed  plain step - no_sync")
         for run in report.runs:
@@ -84,6 +87,7 @@ def main() -> None:
                   f"  {run.exposed_comm_s * 1e3:13.2f} ms  {max(0.0, plain - plain_compute - opt) * 1e3:13.2f} ms")
     finally:
         pool.close()
+        spool.close()
 
 
 if __name__ == "__main__":
