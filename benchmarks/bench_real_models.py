@@ -52,7 +52,7 @@ def switch_alignment_off() -> None:
     from ddparity.harness import training
 
     class Unaligned:
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **options: Any) -> None:
             pass
 
         def begin(self, *args: Any) -> None:
