@@ -297,7 +297,7 @@ class Comparer:
                 if persistent and got is not None:
                     self._last[key] = (where, got, got._version, out[key])
                 if self.own_values:
-                    self.values[(step, *key)] = max_abs(got)
+                    self.values[(step, key[0], key[1])] = max_abs(got)
         finally:
             ref.close()
 
