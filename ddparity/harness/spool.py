@@ -9,9 +9,9 @@ ends). In it:
 * per step of the reference, ``g<step>`` (the gradients as its optimizer saw them) and
   ``a<step>`` (its loss, then its parameters and buffers after the step): a ``.bin`` of
   raw tensor bytes and a ``.json`` manifest written after it (its presence says the step
-  is complete). A parameter or buffer that did not change since the last step (same
-  tensor, same version counter: frozen layers, constant buffers) points to the bytes
-  already written instead of writing them again.
+  is complete). A frozen parameter or a buffer whose values did not change since the
+  last step (compared with the bytes written: a version counter misses ``p.data``
+  updates) points to the bytes already written instead of writing them again.
 
 The reference's :class:`Writer` writes them as it trains and keeps only scalars (each
 tensor's largest magnitude, the first non-finite value). Every other run trains with a
@@ -113,7 +113,8 @@ class Writer:
         self.spool = spool
         self.reference = Reference()
         self._grads_done = -1
-        self._same: dict[tuple[str, str], tuple[Any, int, list[Any]]] = {}  # key -> (tensor, version, manifest entry)
+        self._same: dict[tuple[str, str], list[Any]] = {}  # key -> where its bytes were last written
+        self._maps: dict[str, Any] = {}
         self._bad: dict[int, dict[str, tuple[str, float]]] = {}
 
     def grads(self, step: int, model: Any) -> None:
@@ -147,9 +148,9 @@ class Writer:
                 entries[key] = Entry(value, t.is_floating_point() or t.is_complex())
                 if kind != "buffer" and not (value < float("inf")):  # NaN or inf (buffers may hold -inf masks)
                     self._bad.setdefault(step, {}).setdefault(kind, (name, _first_non_finite(t)))
-                kept = self._same.get(key) if persistent else None
-                if kept is not None and kept[0] is t and kept[1] == t._version:
-                    manifest.append(kept[2])  # unchanged since a step already written: its bytes
+                kept = self._same.get(key) if persistent and not t.requires_grad else None
+                if kept is not None and distance(_mapped(self.spool, kept, self._maps), t) == 0.0:
+                    manifest.append(kept)  # a frozen parameter or a buffer unchanged: the bytes already written
                     continue
                 raw = _as_bytes(t)
                 pad = -offset % ALIGN
@@ -161,7 +162,8 @@ class Writer:
                 offset += int(raw.numel())
                 manifest.append(entry)
                 if persistent:
-                    self._same[key] = (t, t._version, entry)  # holding t: its id cannot be reused
+                    self._same[key] = entry
+        self._maps.clear()
         os.replace(path + ".bin.tmp", path + ".bin")
         with open(path + ".json.tmp", "w") as f:
             json.dump({"stepped": stepped, "tensors": manifest}, f)
@@ -192,6 +194,21 @@ def _first_non_finite(t: Any) -> float:
     return float(flat[bad][0].real) if bool(bad.any()) else float("nan")
 
 
+def _mapped(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
+    """The tensor a manifest entry describes, read in place from its file (``maps``: the
+    files mapped so far, by name)."""
+    import torch
+
+    _, _, dtype, shape, stem, offset, nbytes = entry
+    dtype = getattr(torch, dtype)
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    if stem not in maps:
+        path = os.path.join(spool, stem + ".bin")
+        maps[stem] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    return maps[stem][offset : offset + nbytes].view(dtype).reshape(shape)
+
+
 class _Step:
     """One of the reference's step files, mapped: its tensors by (kind, name)."""
 
@@ -205,26 +222,13 @@ class _Step:
         self.tensors: list[list[Any]] = meta["tensors"]
         self._maps: dict[str, Any] = {}
 
-    def items(self) -> Iterator[tuple[tuple[str, str], Any, tuple[str, int]]]:
-        """((kind, name), tensor or None, where its bytes are) for every tensor, in order."""
+    def items(self) -> Iterator[tuple[tuple[str, str], Any]]:
+        """((kind, name), tensor or None) for every tensor, in order."""
         for entry in self.tensors:
-            key = (entry[0], entry[1])
-            if entry[2] is None:
-                yield key, None, ("", -1)
-                continue
-            yield key, self._tensor(entry), (entry[4], entry[5])
+            yield (entry[0], entry[1]), None if entry[2] is None else self._tensor(entry)
 
     def _tensor(self, entry: list[Any]) -> Any:
-        import torch
-
-        _, _, dtype, shape, stem, offset, nbytes = entry
-        dtype = getattr(torch, dtype)
-        if not nbytes:
-            return torch.empty(shape, dtype=dtype)
-        if stem not in self._maps:
-            path = os.path.join(self.spool, stem + ".bin")
-            self._maps[stem] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-        return self._maps[stem][offset : offset + nbytes].view(dtype).reshape(shape)
+        return _mapped(self.spool, entry, self._maps)
 
     def close(self) -> None:
         self._maps.clear()
@@ -244,7 +248,6 @@ class Comparer:
         self.scales: dict[tuple[int, str, str], float] = {}
         self._fingerprints = fingerprints
         self._grads_done = -1
-        self._last: dict[tuple[str, str], tuple[tuple[str, int], Any, int, float]] = {}
 
     def _wait(self, path: str) -> None:
         started = time.monotonic()
@@ -274,35 +277,27 @@ class Comparer:
         mine = {("loss", "loss"): loss}
         mine.update({("param", n): p for n, p in model.named_parameters()})
         mine.update({("buffer", n): b for n, b in model.named_buffers()})
-        self._compare(step, f"a{step}", mine, persistent=True)
+        self._compare(step, f"a{step}", mine)
         if self._fingerprints:
             from ddparity.harness.fingerprint import param_fingerprints
 
             self.result.fingerprints[step] = param_fingerprints(model)
 
-    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any], persistent: bool = False) -> None:
+    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
         while len(self.result.steps) <= step:
             self.result.steps.append({})
         out = self.result.steps[step]
         ref = _Step(self.spool, stem, self._wait)
         try:
-            for key, expected, where in ref.items():
+            for key, expected in ref.items():
                 got = mine.get(key)
-                last = self._last.get(key) if persistent else None
-                if (last is not None and where[1] >= 0 and last[0] == where and got is not None
-                        and last[1] is got and last[2] == got._version):
-                    out[key] = last[3]  # neither side changed since the last step
-                    continue
                 out[key] = distance(expected, got)
-                if persistent and got is not None:
-                    self._last[key] = (where, got, got._version, out[key])
                 if self.own_values:
                     self.values[(step, key[0], key[1])] = max_abs(got)
         finally:
             ref.close()
 
     def finish(self) -> Distances:
-        self._last.clear()
         return self.result
 
 

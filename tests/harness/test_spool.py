@@ -57,22 +57,29 @@ def test_a_replica_compared_with_itself_is_at_distance_zero_and_a_change_is_meas
     assert reference.params == 6 and reference.non_finite is None
 
 
-def test_tensors_that_did_not_change_are_written_once():
-    model = _model()
+def test_frozen_tensors_that_did_not_change_are_written_once_and_a_data_update_is_seen():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 4000))
+    model[1].requires_grad_(False)  # a frozen layer: 16 K values, most of the bytes
+    model(torch.randn(2, 4)).sum().backward()
     with Spool() as spool:
-        writer = Writer(spool.path)
+        writer, comparer = Writer(spool.path), Comparer(spool.path, "ddp", 0, 2, 5)
         _step(writer, 0, model)
-        with torch.no_grad():
-            model[0].weight.mul_(2)  # one parameter changes; the frozen one and the buffers do not
-        _step(writer, 1, model)
-        first, second = (os.path.getsize(os.path.join(spool.path, f"a{s}.bin")) for s in (0, 1))
-        comparer = Comparer(spool.path, "ddp", 0, 2, 5)
         _step(comparer, 0, model)
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # the trained layer changes, the frozen one not
+        _step(writer, 1, model)
         _step(comparer, 1, model)
-    assert second < first / 2, (first, second)
+        with torch.no_grad():
+            model[1].weight.data.add_(1.0)  # an update no version counter sees (p.data, as EMA code does)
+        _step(writer, 2, model)
+        model[1].weight.data.sub_(1.0)
+        _step(comparer, 2, model)
+        sizes = [os.path.getsize(os.path.join(spool.path, f"a{s}.bin")) for s in range(3)]
+    assert sizes[1] < sizes[0] / 10 and sizes[2] > sizes[0] / 2, sizes
     steps = comparer.finish().steps
-    assert steps[1][("param", "0.weight")] == 0.0 and steps[0][("param", "0.weight")] > 0
-    assert steps[1][("param", "2.weight")] == 0.0
+    assert steps[1][("param", "1.weight")] == 0.0 and steps[1][("param", "0.weight")] == 0.0
+    assert steps[2][("param", "1.weight")] == 1.0  # the reference's new values, not the old bytes
 
 
 def test_the_first_non_finite_value_is_found_where_it_is_written():
