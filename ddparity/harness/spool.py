@@ -96,7 +96,7 @@ def _as_bytes(t: Any) -> Any:
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.element_size() != 1 or flat.dtype != torch.uint8 else flat
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 def _dtype_name(t: Any) -> str:
@@ -173,14 +173,8 @@ class Writer:
         """The reference summarised: entries in comparison order, the first non-finite value."""
         ref = self.reference
         ref.steps = [{k: e[k] for kind in RECORD_KINDS for k in e if k[0] == kind} for e in ref.steps]
-        for step in sorted(self._bad):
-            for kind in ("loss", "grad", "param"):
-                if kind in self._bad[step]:
-                    name, value = self._bad[step][kind]
-                    ref.non_finite = (step, kind, name, value)
-                    break
-            if ref.non_finite is not None:
-                break
+        ref.non_finite = next(((step, kind, *self._bad[step][kind]) for step in sorted(self._bad)
+                               for kind in RECORD_KINDS if kind in self._bad[step]), None)
         ref.params = sum(1 for k in ref.steps[0] if k[0] == "param") if ref.steps else 0
         self._same.clear()
         return ref

@@ -15,8 +15,6 @@ writes the reference's tensors to the check's spool or compares a run's with the
 
 from __future__ import annotations
 
-import gc
-import os
 from typing import Any
 
 from ddparity.case import Case
@@ -26,6 +24,7 @@ from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.modes.timed import TimedMode
 from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.protocol import RankContext
+from ddparity.harness.rank import released
 from ddparity.harness.spool import Comparer, Writer, calibrated, write_state
 from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train, valid_counts
 from ddparity.measurements import RankProfile
@@ -34,31 +33,6 @@ from ddparity.trace import Distances, Reference
 WAIT_LIMIT_S = 3600.0
 """The longest a run waits for the reference to reach a step (the controller stops a
 stuck check long before: this bounds the wait should it not)."""
-
-
-RELEASE_ABOVE_BYTES = 1 << 30
-"""A rank this large after a task collects its garbage and trims its heap (100 ms with
-transformers imported: not worth it after a small model's check)."""
-
-
-def released() -> None:
-    """Hand a finished replica's memory back to the system: a warm rank that idles after
-    training a large model should not hold it (reference cycles through hooks, and glibc
-    keeps freed small blocks)."""
-    import ctypes
-
-    try:
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        resident = RELEASE_ABOVE_BYTES
-    if resident < RELEASE_ABOVE_BYTES:
-        return
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], dict[str, list[int]]]:
@@ -78,7 +52,6 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
         sizes.append(size if size is not None else -1)
         if step == 0:
             valid = valid_counts(batch)
-    released()
     return sizes, valid
 
 
@@ -86,17 +59,14 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     """The single-device reference, written to the spool step by step, calibrated by its
     twin for the largest world size to be compared."""
     writer = Writer(spool)
-    try:
-        trained = train(case, spool, ctx.device, SingleMode(case.steps), writer)
-        reference = writer.finish()
-        reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
-        reference.autocast_dtype = trained.autocast_dtype
-        released()
-        twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
-        train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)), twin)
-        return calibrated(reference, twin)
-    finally:
-        released()
+    trained = train(case, spool, ctx.device, SingleMode(case.steps), writer)
+    reference = writer.finish()
+    reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
+    reference.autocast_dtype = trained.autocast_dtype
+    released()  # one replica at a time: the reference's before the twin's
+    twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
+    train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)), twin)
+    return calibrated(reference, twin)
 
 
 def dp_task(ctx: RankContext, case: Case, spool: str,
@@ -105,20 +75,16 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
     distances to the reference, the DataParallel pitfalls found and whether the run was
     simulated."""
     out = {}
-    try:
-        for ws in world_sizes:
-            mode = DataParallelMode(case.steps, ws, ctx.device)
-            sink = Comparer(spool, "dp", 0, ws, WAIT_LIMIT_S)
-            train(case, spool, ctx.device, mode, sink)
-            out[ws] = (sink.finish(), mode.notes, mode.simulated)
-            released()
-    finally:
-        released()
+    for ws in world_sizes:
+        released()  # the last world size's replica before this one's
+        mode = DataParallelMode(case.steps, ws, ctx.device)
+        sink = Comparer(spool, "dp", 0, ws, WAIT_LIMIT_S)
+        train(case, spool, ctx.device, mode, sink)
+        out[ws] = (sink.finish(), mode.notes, mode.simulated)
     return out
 
 
-def ddp_task(ctx: RankContext, case: Case, spool: str, detect: bool = True, settle: Any = None,
-             release: bool = True) -> Distances:
+def ddp_task(ctx: RankContext, case: Case, spool: str, detect: bool = True, settle: Any = None) -> Distances:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (``detect``: with
     phases, the bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`;
     ``settle``: called once the replica is built, before training); its distance to the
@@ -126,20 +92,13 @@ def ddp_task(ctx: RankContext, case: Case, spool: str, detect: bool = True, sett
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
                    case.ddp_options, detect=detect, settle=settle)
     sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, fingerprints=not detect)
-    try:
-        train(case, spool, ctx.device, mode, sink)
-        return sink.finish()
-    finally:
-        if release:
-            released()
+    train(case, spool, ctx.device, mode, sink)
+    return sink.finish()
 
 
 def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: int) -> RankProfile:
     """Time ``warmup + steps`` iterations of the case under DDP; keep the last ``steps``."""
     mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,
                      case.ddp_options)
-    try:
-        train(case, state, ctx.device, mode)
-        return mode.profile
-    finally:
-        released()
+    train(case, state, ctx.device, mode)
+    return mode.profile

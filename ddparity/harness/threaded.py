@@ -50,7 +50,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
     import torch
     import torch.distributed as dist
 
-    from ddparity.harness.tasks import ddp_task, released
+    from ddparity.harness.tasks import ddp_task
     from ddparity.harness.training import build_model
 
     module = threaded_pg()
@@ -75,7 +75,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
                 runs[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, spool, detect=False,
-                                      settle=built.wait, release=False)
+                                      settle=built.wait)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:
@@ -98,5 +98,4 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
         causes = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
         rank, exc = causes[0]  # the first to fail; the others were woken by it
         raise SimulatedRankError(rank, f"{type(exc).__name__}: {exc}") from exc
-    released()
     return runs
