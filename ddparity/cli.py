@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
     prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
     prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
-                      default=settings.PROFILE_WORLD_SIZES,
+                      default=None,
                       help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")
     prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes)")
     prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
@@ -125,17 +125,23 @@ def _health(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
+    from ddparity.harness import torchrun
     from ddparity.harness.pool import default_pool
     from ddparity.verbs.profile import profile
+
+    if args.plot:
+        from ddparity.plot import check_plot_path
+
+        check_plot_path(args.plot)  # before minutes of profiling, not after
+    if torchrun.launched():
+        return _under_torchrun(args, "profile")
+    if args.world_sizes is None:
+        args.world_sizes = settings.PROFILE_WORLD_SIZES
 
     if args.demo and args.target:
         raise UsageError("give TARGET or --demo, not both")
     if not (args.demo or args.target):
         raise UsageError("missing TARGET (module:function or file.py:function returning a Case), or use --demo")
-    if args.plot:
-        from ddparity.plot import check_plot_path
-
-        check_plot_path(args.plot)  # before minutes of profiling, not after
     if args.demo:
         from ddparity.fixtures.models import profile_demo
 
@@ -159,11 +165,58 @@ def _profile(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
+    """``check`` or ``profile`` inside a torchrun (or srun) launch: this process is one rank."""
+    from ddparity.case import load_case
+    from ddparity.errors import WorldStartError
+    from ddparity.verbs import launched
+
+    if args.demo or getattr(args, "demo_faults", False):
+        raise UsageError(f"under torchrun, {verb} one TARGET; the built-in demos run locally (ddparity {verb} --demo)")
+    if not args.target:
+        raise UsageError("missing TARGET (module:function or file.py:function returning a Case)")
+    if args.json and os.environ.get("RANK") == "0":
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise UsageError(f"cannot write the JSON report to {args.json!r}: {folder!r} is not a writable directory")
+    timeout = settings.TIMEOUT_S if args.timeout is None else args.timeout
+    if verb == "check":
+        opts = launched.launch_options(args.modes, args.world_sizes, args.backend, timeout, args.tolerance, args.steps)
+    elif args.world_sizes is not None:
+        raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
+    case = load_case(args.target)
+
+    def emit(report: Any) -> None:
+        print(report.render(), flush=True)
+        if args.json:
+            if verb == "check":
+                _write_json(args.json, [report])
+            else:
+                _write_data(args.json, report.to_json(), "JSON profile")
+        if getattr(args, "plot", None):
+            from ddparity.plot import plot_profile
+
+            plot_profile(report, args.plot)
+            print(f"plot written to {args.plot}")
+
+    try:
+        if verb == "check":
+            launched.check_launched(case, opts, emit)
+        launched.profile_launched(case, args.backend, timeout, args.steps, args.warmup, emit)
+    except WorldStartError as exc:
+        print(f"ddparity: {exc}", file=sys.stderr)
+        return 3
+
+
 def _check(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
+    from ddparity.harness import torchrun
     from ddparity.harness.pool import default_pool
     from ddparity.report import Report
     from ddparity.verbs.check import check
+
+    if torchrun.launched():
+        return _under_torchrun(args, "check")
 
     if sum(map(bool, (args.demo, args.demo_faults, args.target))) > 1:
         raise UsageError("give one of TARGET, --demo or --demo-faults")

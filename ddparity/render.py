@@ -67,7 +67,8 @@ def _render_hang(hang: Hang) -> list[str]:
 
 
 def _render_crash(crash: Crash) -> list[str]:
-    lines = [f"  rank {crash.rank} raised: {crash.error}"] if crash.exitcode is None else [f"  {crash.error}"]
+    said = crash.exitcode is not None or crash.error.startswith(f"rank {crash.rank} ")  # how it died, said
+    lines = [f"  {crash.error}"] if said else [f"  rank {crash.rank} raised: {crash.error}"]
     if crash.traceback:
         lines.extend(_indent(crash.traceback))
     if crash.output:

@@ -110,7 +110,7 @@ def _install_recorder(spec: RankSpec, client) -> Recorder:  # noqa: ANN001
     return install_recorder(RankChannel(client, spec.store_prefix, spec.rank))
 
 
-def _encode_exception(exc: BaseException) -> bytes:
+def encode_exception(exc: BaseException) -> bytes:
     import cloudpickle
 
     from ddparity.errors import RemoteError
@@ -138,7 +138,7 @@ def _run_task(msg: RunTask, ctx: RankContext) -> TaskDone:
             task_id=msg.task_id,
             rank=ctx.rank,
             ok=False,
-            payload=_encode_exception(exc),
+            payload=encode_exception(exc),
             error=f"{type(exc).__name__}: {exc}",
             traceback="".join(traceback.format_exception(exc)),
             seconds=time.perf_counter() - started,

@@ -191,16 +191,44 @@ def _first_non_finite(t: Any) -> float:
 def _mapped(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
     """The tensor a manifest entry describes, read in place from its file (``maps``: the
     files mapped so far, by name)."""
+    return typed(entry, mapped_bytes(spool, entry, maps))
+
+
+def mapped_bytes(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
+    """A manifest entry's raw bytes (a uint8 tensor), mapped from its file."""
     import torch
 
-    _, _, dtype, shape, stem, offset, nbytes = entry
-    dtype = getattr(torch, dtype)
+    _, _, _, _, stem, offset, nbytes = entry
     if not nbytes:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(0, dtype=torch.uint8)
     if stem not in maps:
         path = os.path.join(spool, stem + ".bin")
         maps[stem] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-    return maps[stem][offset : offset + nbytes].view(dtype).reshape(shape)
+    return maps[stem][offset : offset + nbytes]
+
+
+def typed(entry: list[Any], raw: Any) -> Any:
+    """A manifest entry's tensor, given its raw bytes."""
+    import torch
+
+    dtype = getattr(torch, entry[2])
+    if not raw.numel():
+        return torch.empty(entry[3], dtype=dtype)
+    return raw.view(dtype).reshape(entry[3])
+
+
+def wait_for(spool: str, path: str, limit_s: float) -> None:
+    """Until the reference wrote ``path`` (raises :class:`ReferenceFailed` when the spool is
+    aborted or after ``limit_s``)."""
+    started = time.monotonic()
+    while not os.path.exists(path):
+        if os.path.exists(os.path.join(spool, ABORT)):
+            raise ReferenceFailed("the reference run stopped before this step")
+        waited = time.monotonic() - started
+        if waited > limit_s:
+            raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {limit_s:g} s")
+        # a small model's step is milliseconds: look often at first, then every POLL_MAX_S
+        time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
 
 
 class _Step:
@@ -232,8 +260,12 @@ class Comparer:
     """A run's sink: compares every step with the reference's, where both are."""
 
     def __init__(self, spool: str, mode: str, rank: int, world_size: int, limit_s: float,
-                 own_values: bool = False, fingerprints: bool = False) -> None:
+                 own_values: bool = False, fingerprints: bool = False,
+                 open_step: Callable[[str], Any] | None = None) -> None:
         self.spool = spool
+        self._open = open_step or (lambda stem: _Step(self.spool, stem, self._wait))
+        """Where the reference's steps come from: the spool here, or (another node of a
+        launch, :mod:`ddparity.harness.refserve`) rank 0 over the network."""
         self.limit_s = limit_s
         self.result = Distances(mode, rank, world_size)
         self.own_values = own_values
@@ -244,15 +276,7 @@ class Comparer:
         self._grads_done = -1
 
     def _wait(self, path: str) -> None:
-        started = time.monotonic()
-        while not os.path.exists(path):
-            if os.path.exists(os.path.join(self.spool, ABORT)):
-                raise ReferenceFailed("the reference run stopped before this step")
-            waited = time.monotonic() - started
-            if waited > self.limit_s:
-                raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {self.limit_s:g} s")
-            # a small model's step is milliseconds: look often at first, then every POLL_MAX_S
-            time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
+        wait_for(self.spool, path, self.limit_s)
 
     def note_scales(self, step: int, loss_scale: Any, grad_scales: dict[str, Any]) -> None:
         """The twin's summand sizes of this step (see :mod:`ddparity.harness.modes.twin`)."""
@@ -281,7 +305,7 @@ class Comparer:
         while len(self.result.steps) <= step:
             self.result.steps.append({})
         out = self.result.steps[step]
-        ref = _Step(self.spool, stem, self._wait)
+        ref = self._open(stem)
         try:
             for key, expected in ref.items():
                 got = mine.get(key)

@@ -14,7 +14,9 @@ import faulthandler
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,12 +25,39 @@ from ddparity.harness.protocol import RankContext
 from ddparity.settings import TIMEOUT_S
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 EXIT_HANG = 3
 
 
+def _slurm_tasks() -> bool:
+    """A task of a Slurm job step of several tasks (``srun -n N ...``), not started by torchrun."""
+    return ("RANK" not in os.environ and "SLURM_STEP_ID" in os.environ
+            and os.environ.get("SLURM_NTASKS", "1").isdigit() and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+
+
 def launched() -> bool:
-    """True in a process started by torchrun (or another ``env://`` launcher)."""
+    """True in a process started by torchrun (or another ``env://`` launcher), or as one
+    task of a Slurm step of several (``srun``): the launched processes are the world."""
+    if _slurm_tasks():
+        for ours, theirs in SLURM.items():
+            os.environ.setdefault(ours, os.environ.get(theirs, "0"))
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise UsageError(f"under srun, set {' and '.join(missing)} (where rank 0 listens), e.g. export "
+                             f"MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29500")
+        return True
     return all(k in os.environ for k in ENV)
+
+
+def node_id() -> str:
+    """Which machine this process is on, as the launcher numbers them (torchrun's node
+    rank, Slurm's node id), else the host name."""
+    import socket
+
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        if key in os.environ:
+            return f"node {os.environ[key]}"
+    return socket.gethostname()
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -77,6 +106,87 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(EXIT_HANG)
+
+
+@dataclass
+class Launch:
+    """This process's place in a launch: its rank context, the launch's store (under a
+    ddparity prefix), its node, and (once :func:`form_world` ran) a gloo group of its own
+    for serving the reference."""
+
+    ctx: RankContext
+    store: Any
+    node: str
+    root_store: Any = None
+    serve: Any = None
+
+
+def _pg_timeout(timeout: float) -> timedelta:
+    """The process group's own timeout stays out of the watch's way: the watch ends a hang first."""
+    from ddparity.harness.launchwatch import DEAD_S
+
+    return timedelta(seconds=timeout + 4 * DEAD_S + 60)
+
+
+def connect(backend: str, timeout: float, tasks: tuple[int, ...]) -> Launch:
+    """Reach the launch's store (torchrun's agent's, or rank 0's) without forming the
+    process group yet, create this rank's side-channel keys for ``tasks`` and wait (a store
+    barrier, bounded by a watchdog) until every rank has."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ddparity.harness.launchwatch import prepare_keys
+
+    ctx = context(backend)
+    if ctx.device.startswith("cuda"):
+        torch.cuda.set_device(ctx.device)
+    with Watchdog(timeout, ctx.rank, "reaching the launch's store"):
+        try:
+            root, _, _ = next(dist.rendezvous("env://", timeout=_pg_timeout(timeout)))
+        except Exception as exc:  # a rendezvous that fails is the cluster's problem, said plainly
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise WorldStartError(f"rank {ctx.rank}: could not reach the launch's store at {where}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'launch')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store = dist.PrefixStore(f"ddparity/{run_id}/", root)
+        node = node_id()
+        prepare_keys(store, ctx.rank, tasks, node)
+        store.add("joined", 1)
+        while int(store.add("joined", 0)) < ctx.world_size:
+            time.sleep(0.05)
+    return Launch(ctx, store, node, root)
+
+
+def form_world(launch: Launch, timeout: float) -> None:
+    """Every rank: the launch's process group (the one the model trains on), and a gloo
+    group of ddparity's own (``launch.serve``)."""
+    import torch.distributed as dist
+
+    ctx = launch.ctx
+    try:
+        dist.init_process_group(ctx.backend, store=dist.PrefixStore("default_pg", launch.root_store),
+                                rank=ctx.rank, world_size=ctx.world_size, timeout=_pg_timeout(timeout))
+        launch.serve = dist.new_group(backend="gloo", timeout=_pg_timeout(timeout))
+    except Exception as exc:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise WorldStartError(f"rank {ctx.rank}: could not form the {ctx.backend} process group at {where}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+
+@contextmanager
+def alone(backend: str) -> Iterator[None]:
+    """A process group of this process alone (the reference, as a local check runs it: a
+    collective the user's code issues is one rank's, not a wait for ranks that are not
+    there)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: float = TIMEOUT_S) -> tuple[RankContext, list[Any] | None]:

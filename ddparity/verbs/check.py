@@ -23,7 +23,7 @@ from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_ta
 from ddparity.harness.world import PendingTask
 from ddparity.report import Report, RunResult
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
-from ddparity.trace import Reference
+from ddparity.trace import Distances, Reference
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, run_backend
 
 
@@ -200,18 +200,27 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
         outcomes = pending.result()
     except WorldFailure as exc:
         return failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
-    tol = _tolerance(case, opts, reference, ws)
     simulated = backend == "threaded"
     runs = outcomes[0].value if simulated else [o.value for o in outcomes]
-    stop = _stop(blowup, tol)
-    found = divergences(reference, runs, tol, until=stop.step if stop else None)
+    records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
-                    seconds=time.perf_counter() - started, tolerance=tol.description, repro=repro)
-    run.worst = worst(found)
+                    seconds=time.perf_counter() - started, repro=repro)
     if simulated:
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
-    records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
+    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid)
+
+
+def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],
+              reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
+    """A DDP run whose every rank finished: its distances to the reference (``runs``, one
+    per rank) and what the ranks left in the side channel (``records``) judged."""
+    ws, simulated = run.world_size, run.simulated
+    tol = _tolerance(case, opts, reference, ws)
+    stop = _stop(blowup, tol)
+    found = divergences(reference, runs, tol, until=stop.step if stop else None)
+    run.tolerance = tol.description
+    run.worst = worst(found)
     judged = judge_completed(run, records, found, {d.rank: d.fingerprints for d in runs} if simulated else None)
     params = reference.params
     cause = (likely_cause(found, ws, valid=valid) if judged.status == "diverged"

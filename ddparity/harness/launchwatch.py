@@ -1,0 +1,319 @@
+"""Hangs, crashes and collective mismatches inside a torchrun (or Slurm) launch.
+
+In a local World the controller watches its ranks from outside. In a launch there is no
+outside: the launched processes are the world, possibly on many machines. So every
+process runs a :class:`LaunchWatch` thread, and they talk through the launch's own store
+(the TCPStore that ``init_process_group`` joined: it answers while the process group is
+wedged, and under torchrun it lives in the agent, so it outlives a dead rank):
+
+* ``B<r>`` — every process beats every :data:`BEAT_S`; a rank whose beat stops for
+  :data:`DEAD_S` died (or is frozen);
+* the side channel of :mod:`ddparity.harness.sidechannel` (progress, ledger, fingerprints;
+  the same recorder as local ranks) — no progress for ``timeout`` is a hang; ranks that
+  issued different collectives are a desync, judged live by
+  :class:`~ddparity.checks.collectives.LiveWatch`;
+* ``X<r>`` — a rank whose task raised says what and where;
+* ``D``/``S<r>`` — a stack request and each rank's answer (its Python threads);
+* ``V`` — the verdict's exit code; every process exits with it.
+
+The *reporter* is the lowest rank still beating (rank 0 unless it died). It alone judges;
+when it finds a failure it asks every rank for its stack, builds the same
+:class:`~ddparity.errors.WorldFailure` a World would raise, hands it to the verb's
+``report`` (which prints the report and writes the JSON) and publishes the exit code.
+A rank stuck in NCCL or gloo is ended by its own watch thread (``os._exit``): the launch
+ends in seconds, not at the process group's 30-minute timeout.
+
+torchrun stops the other workers (SIGTERM) as soon as one exits; a watched process takes
+SIGTERM as news, not as an order, for up to :data:`TERM_GRACE_S` (torchrun waits 30 s
+before SIGKILL), so the dead rank is still found and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.harness.outcomes import RankOutcome, with_stacks
+from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, task_prefix
+
+BEAT_S = 0.25
+DEAD_S = 5.0
+"""A rank whose beat has not moved for this long is gone (its watch thread beats even while
+its main thread waits in a collective)."""
+ERROR_GRACE_S = 2.0
+"""After a rank raised, how long others may still report their own errors."""
+STACKS_WAIT_S = 3.0
+TERM_GRACE_S = 20.0
+EXIT_INTERRUPTED = 130
+
+
+def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
+    """Every thread's Python stack in this process, the main thread first (not ddparity's
+    own threads: the watch, the ledger's publisher, the reference's server)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        name = names.get(ident, f"0x{ident:x}")
+        if name.startswith(skip):
+            continue
+        parts.append(f"Thread {name} (most recent call last):\n" + "".join(traceback.format_stack(frame)).rstrip())
+    return "\n".join(parts)
+
+
+def prepare_keys(store: Any, rank: int, tasks: tuple[int, ...], node: str) -> None:
+    """This rank's keys, created before any process reads them (a TCPStore get of a
+    missing key blocks); ``I<r>`` says where it runs (node, pid)."""
+    keys = [f"{task_prefix('', t)}{kind}{rank}" for t in tasks for kind in KEY_LETTERS]
+    values = [""] * len(keys)
+    keys += [f"B{rank}", f"S{rank}", f"I{rank}"]
+    values += ["0", "", f"{node}\n{os.getpid()}"]
+    store.multi_set(keys, values)
+
+
+def _comm_error(exc: BaseException) -> bool:
+    """An error a rank gets because a peer is gone (the peer is the news, not this rank)."""
+    text = str(exc)
+    return type(exc).__name__ in ("DistError", "DistBackendError", "DistNetworkError") or any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL error"))
+
+
+class LaunchWatch:
+    """This process's watch thread (see the module docstring). ``report(exc, stage)``
+    renders a failure and returns the exit code; ``stage`` is the task the ranks were in
+    (1: rank 0 builds and trains the reference, 2: every rank trains). ``live`` judges
+    the ranks' progress records while every rank trains (a reason to stop, or None)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
+                 report: Callable[[WorldFailure, int], int], live: Callable[[list[str]], str | None]) -> None:
+        self.store, self.rank, self.n, self.timeout, self._report = store, rank, world_size, timeout, report
+        self.stage = 1
+        self.on_exit: list[Callable[[], None]] = []
+        """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
+        self._claim = threading.Lock()
+        self._claimed = False
+        self._beats: dict[int, tuple[str, float]] = {}
+        self._seen: list[str] | None = None
+        self._progress_at = time.monotonic()
+        self._failed_at: float | None = None
+        self._term_at: float | None = None
+        self._answered = 0
+        self._live = live
+        self._where = [v.decode().split("\n") for v in store.multi_get([f"I{r}" for r in range(world_size)])]
+        self._wake = self._catch_sigterm()
+        self._thread = threading.Thread(target=self._loop, name="ddparity-watch", daemon=True)
+        self._thread.start()
+
+    # -- what the verb calls ---------------------------------------------------------
+
+    def claim(self) -> bool:
+        """The right to end the launch (once: the verb's report or the watch's)."""
+        with self._claim:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """This rank's task raised: tell the reporter, then wait for the verdict."""
+        import cloudpickle
+
+        from ddparity.harness.rank import encode_exception
+
+        text = "".join(traceback.format_exception(exc))
+        self.store.set(f"X{self.rank}", cloudpickle.dumps((cloudpickle.loads(encode_exception(exc)), text)))
+        self.store.add("failures", 1)
+        self.idle()
+
+    def finish(self, code: int) -> NoReturn:
+        """Publish the verdict, give the others a moment to read it, exit with it."""
+        self.store.set("V", str(code))
+        self._exit(code, wait_for_others=True)
+
+    def idle(self) -> NoReturn:
+        """Nothing left to do here but wait for the verdict (the watch thread exits)."""
+        while True:
+            time.sleep(3600)
+
+    # -- the thread ------------------------------------------------------------------
+
+    def _catch_sigterm(self) -> int | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # news, read by the watch thread below
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        return read
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                time.sleep(BEAT_S)
+                self.store.add(f"B{self.rank}", 1)
+                if self.store.check(["V"]):
+                    self._exit(int(self.store.get("V")))
+                self._signals()
+                self._answer_stack_request()
+                dead = self._dead()
+                if min(r for r in range(self.n) if r not in dead or r == self.rank) == self.rank:
+                    self._judge(dead)  # the lowest rank still beating is the reporter
+        except Exception as exc:  # the store is gone: the node that held it is
+            if self._claimed:
+                return
+            sys.stderr.write(f"ddparity: rank {self.rank}: lost the launch's store ({type(exc).__name__}: {exc}); "
+                             f"the process that held it (torchrun's agent, or rank 0) is gone. This rank's "
+                             f"stacks:\n{own_stacks()}\n")
+            self._exit(3)
+
+    def _signals(self) -> None:
+        if self._wake is None:
+            return
+        try:
+            got = os.read(self._wake, 64)
+        except BlockingIOError:
+            got = b""
+        if signal.SIGTERM in got and self._term_at is None:
+            self._term_at = time.monotonic()
+            self.store.set(f"T{self.rank}", "1")
+        if self._term_at is not None and time.monotonic() - self._term_at > TERM_GRACE_S:
+            sys.stderr.write(f"ddparity: rank {self.rank}: stopped by the launcher (SIGTERM) and no verdict came in "
+                             f"{TERM_GRACE_S:g} s; this rank's stacks:\n{own_stacks()}\n")
+            self._exit(3)
+
+    def _answer_stack_request(self) -> None:
+        asked = int(self.store.add("D", 0))
+        if asked > self._answered:
+            self._answered = asked
+            self.store.set(f"S{self.rank}", own_stacks())
+            self.store.add("stacks", 1)
+
+    def _dead(self) -> list[int]:
+        """Ranks whose process is gone from this node, or whose beat stopped for :data:`DEAD_S`."""
+        now = time.monotonic()
+        values = [v.decode() for v in self.store.multi_get([f"B{r}" for r in range(self.n)])]
+        dead = []
+        for r, value in enumerate(values):
+            last = self._beats.get(r)
+            if last is None or last[0] != value:
+                self._beats[r] = (value, now)
+            if (last is not None and last[0] == value and now - last[1] > DEAD_S) or not self._running_here(r):
+                dead.append(r)
+        return dead
+
+    def _running_here(self, rank: int) -> bool:
+        """False when ``rank`` ran on this node and its process is gone (at once, not after a stalled beat)."""
+        import psutil
+
+        node, pid = self._where[rank]
+        if node != self._where[self.rank][0] or rank == self.rank:
+            return True
+        try:
+            return psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _death(self, rank: int) -> str:
+        node, pid = self._where[rank]
+        if not self._running_here(rank):
+            return f"rank {rank} (pid {pid} on {node}) died; torchrun's summary says how it ended"
+        return (f"rank {rank} (pid {pid} on {node}) stopped beating for {DEAD_S:g} s: it died, or its node is "
+                f"frozen or unreachable")
+
+    def _participants(self) -> list[int]:
+        return [0] if self.stage == 1 else list(range(self.n))
+
+    def _judge(self, dead: list[int]) -> None:
+        if self._claimed:
+            return
+        now = time.monotonic()
+        ranks = self._participants()
+        channel = TaskChannel(self.store, "", self.stage, self.n)
+        progress = [channel.progress()[r] if r in ranks else "" for r in range(self.n)]
+        failure: WorldFailure | None = None
+        if progress != self._seen:
+            self._seen, self._progress_at = progress, now
+            if self.stage == 2:
+                reason = self._live(progress)
+                if reason:
+                    failure = TaskStopped(f"the task was stopped: {reason}", reason, ranks)
+        raised = self._raised() if int(self.store.add("failures", 0)) else {}
+        if raised and self._failed_at is None:
+            self._failed_at = now
+        # a peer's death reaches the others as their own errors first: give it time to show
+        grace = DEAD_S + 1 if raised and all(_comm_error(e) for e, _ in raised.values()) else ERROR_GRACE_S
+        dead = [r for r in dead if r not in raised]
+        if failure is None and dead:
+            failure = RankCrashed(self._death(dead[0]), dead[0], None)
+        elif failure is None and raised and self._failed_at is not None and now - self._failed_at >= grace:
+            failure = self._task_failed(raised, ranks)
+        elif failure is None and now - self._progress_at > self.timeout:
+            pending = [r for r in ranks if not self.store.check([f"R{r}"])]
+            failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending)
+        elif failure is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
+            failure = TaskStopped("the launcher stopped every rank (SIGTERM) before the check ended",
+                                  "stopped by the launcher", ranks)
+        if failure is not None and self.claim():
+            self._conclude(failure, channel, ranks, dead)
+
+    def _raised(self) -> dict[int, tuple[BaseException, str]]:
+        import cloudpickle
+
+        return {r: cloudpickle.loads(self.store.get(f"X{r}")) for r in range(self.n) if self.store.check([f"X{r}"])}
+
+    def _task_failed(self, raised: dict[int, tuple[BaseException, str]], ranks: list[int]) -> TaskFailed:
+        outcomes = [RankOutcome(r, False, error=e, traceback=tb) for r, (e, tb) in sorted(raised.items())]
+        outcomes += [RankOutcome(r, False, error=StillRunning(f"rank {r} was still running {ERROR_GRACE_S:g} s "
+                                                              f"after rank(s) {sorted(raised)} failed (most likely "
+                                                              f"waiting for them in a collective)"))
+                     for r in ranks if r not in raised and not self.store.check([f"R{r}"])]
+        head = outcomes[0]
+        return TaskFailed(f"task failed on rank(s) {', '.join(map(str, sorted(raised)))}: "
+                          f"{type(head.error).__name__}: {head.error}\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}", outcomes)
+
+    def _conclude(self, failure: WorldFailure, channel: TaskChannel, ranks: list[int], dead: list[int]) -> None:
+        stacks = self._gather_stacks([r for r in range(self.n) if r not in dead])
+        failure.stacks = {r: stacks.get(r, "") for r in ranks if r not in dead}
+        if isinstance(failure, TaskFailed):  # the bystanders' stacks, where a World keeps them
+            failure.outcomes = [o if not isinstance(o.error, StillRunning) else
+                                RankOutcome(o.rank, False, error=o.error, output=stacks.get(o.rank, ""))
+                                for o in failure.outcomes]
+        if isinstance(failure, TaskTimeout):
+            failure.args = (with_stacks(str(failure), failure.stacks),)
+        records = channel.read()
+        failure.records = {r: records[r] for r in ranks}
+        try:
+            code = self._report(failure, self.stage)
+        except BaseException:
+            traceback.print_exc()
+            code = 4
+        self.finish(code)
+
+    def _gather_stacks(self, alive: list[int]) -> dict[int, str]:
+        before = int(self.store.add("stacks", 0))
+        self.store.add("D", 1)
+        self._answer_stack_request()
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while int(self.store.add("stacks", 0)) < before + len(alive) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        values = self.store.multi_get([f"S{r}" for r in alive])
+        return {r: v.decode("utf-8", "replace") for r, v in zip(alive, values)}
+
+    def _exit(self, code: int, wait_for_others: bool = False) -> NoReturn:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for cleanup in self.on_exit:
+                cleanup()
+        finally:
+            if wait_for_others:  # rank 0 may hold the store (a launch without torchrun's agent)
+                time.sleep(2 * BEAT_S + 0.2)
+            os._exit(code)

@@ -1,0 +1,320 @@
+"""``check`` and ``profile`` inside a torchrun (or Slurm) launch: the launched processes
+are the world (``torchrun ... -m ddparity check TARGET``).
+
+Every process loads the target and joins the launch (:func:`ddparity.harness.torchrun.join`).
+For ``check``:
+
+1. rank 0 builds the initial state into its spool and trains the single-device reference
+   (and its calibration twin) on its own device, writing every step; the others wait;
+2. every rank trains its DDP replica at world size ``WORLD_SIZE`` and compares each step
+   with the reference: in place where it can read rank 0's spool (rank 0's node), else
+   served by rank 0 over a gloo group of its own (:mod:`ddparity.harness.refserve`);
+3. rank 0 gathers the distances and what the ranks left in the side channel (through the
+   launch's store), judges them exactly as a local check does, prints the report and
+   writes the JSON; every process exits with the verdict's code.
+
+A hang, a crash or a collective mismatch anywhere is found by the processes' watch threads
+(:mod:`ddparity.harness.launchwatch`) and reported the same way, by the lowest rank alive.
+``profile`` times DDP steps on every rank and rank 0 summarises them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from ddparity.case import Case
+from ddparity.checks.collectives import LiveWatch
+from ddparity.checks.equivalence import NonFinite, first_non_finite
+from ddparity.errors import UsageError, WorldFailure
+from ddparity.harness import torchrun
+from ddparity.harness.launchwatch import LaunchWatch
+from ddparity.report import Report, RunResult
+from ddparity.settings import CheckOptions
+from ddparity.trace import Reference
+
+NONCE = "nonce"
+PROGRAM = "torchrun <the same launch options> -m ddparity"
+
+
+def _world_size() -> int:
+    text = os.environ.get("WORLD_SIZE", "")
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"$WORLD_SIZE={text!r} is not a positive integer; is this process started by torchrun?")
+    return int(text)
+
+
+def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend: str, timeout: float,
+                   tolerance: str | float, steps: int | None) -> CheckOptions:
+    """The check's options under a launch, where torchrun decides the world size."""
+    if world_sizes is not None:
+        raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
+    if "dp" in modes:
+        raise UsageError("mode dp (DataParallel) runs in one process over its GPUs: run it without torchrun "
+                         "(ddparity check TARGET --modes dp)")
+    if backend == "threaded":
+        raise UsageError("--backend threaded simulates ranks in one process; under torchrun the launched "
+                         "processes are the ranks: use auto, gloo or nccl")
+    return CheckOptions.validated("check", modes=modes, world_sizes=(_world_size(),), backend=backend,
+                                  timeout=timeout, tolerance=tolerance, steps=steps)
+
+
+def _repro(case: Case, backend: str, opts: CheckOptions) -> str:
+    target = case.target or "TARGET"
+    return f"{PROGRAM} check {target} --backend {backend} --steps {case.steps} --tolerance {opts.tolerance}"
+
+
+def _processes(world_size: int) -> str:
+    nodes = os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_NNODES")
+    return f"{world_size} processes" + (f" on {nodes} node(s)" if nodes else "")
+
+
+class _LaunchedCheck:
+    """One process's part of a launched check (the state the failure report needs)."""
+
+    def __init__(self, case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> None:
+        from ddparity.harness.recorder import install_recorder
+        from ddparity.harness.sidechannel import RankChannel
+
+        self.case, self.opts, self._emit_to = case, opts, emit
+        self.launch = torchrun.connect(opts.backend, opts.timeout, tasks=(1, 2))
+        self.ctx = self.launch.ctx
+        self.recorder = install_recorder(RankChannel(self.launch.store, "", self.ctx.rank))
+        self.started = time.perf_counter()
+        self.reference: Reference | None = None
+        self.blowup: NonFinite | None = None
+        self.ref_seconds = 0.0
+        self.valid: dict[str, list[int]] = {}
+        self.watch = LaunchWatch(self.launch.store, self.ctx.rank, self.ctx.world_size, opts.timeout,
+                                 self._report_failure, LiveWatch())
+
+    # -- rank 0's reference ----------------------------------------------------------
+
+    def reference_stage(self) -> dict[str, Any]:
+        from ddparity.harness.rank import released
+        from ddparity.harness.spool import Spool
+        from ddparity.harness.tasks import prepare_task, reference_task
+        from ddparity.verbs.plan import cannot_run
+
+        case, ctx, store = self.case, self.ctx, self.launch.store
+        self.recorder.begin_task(1)
+        self.spool = Spool()
+        self.watch.on_exit.append(self.spool.close)
+        with torchrun.alone(ctx.backend):
+            sizes, self.valid = prepare_task(ctx, case, self.spool.path)
+            unrunnable = cannot_run(case, self.opts, "gloo", ctx.world_size, sizes)  # GPUs: the launch's own
+            if unrunnable is not None:
+                unrunnable.backend, unrunnable.repro = ctx.backend, _repro(case, ctx.backend, self.opts)
+                self.unrunnable = unrunnable
+            else:
+                self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,))
+                self.ref_seconds = time.perf_counter() - self.started
+                self.blowup = first_non_finite(self.reference)
+        released()
+        self.recorder.end_task()
+        nonce = secrets.token_hex(16)
+        with open(os.path.join(self.spool.path, NONCE), "w") as f:
+            f.write(nonce)
+        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "run": unrunnable is None}
+        store.set("go", json.dumps(go))
+        return go
+
+    def wait_for_reference(self) -> dict[str, Any]:
+        store = self.launch.store
+        while not store.check(["go"]):  # the watch reports rank 0 should it hang or die meanwhile
+            time.sleep(0.05)
+        return json.loads(store.get("go"))
+
+    # -- every rank's DDP replica ------------------------------------------------------
+
+    def ddp_stage(self, go: dict[str, Any]) -> Any:
+        from ddparity.harness.refserve import ReferenceServer, RemoteReference
+        from ddparity.harness.spool import Spool
+        from ddparity.harness.tasks import WAIT_LIMIT_S, ddp_task
+
+        ctx, launch = self.ctx, self.launch
+        self.watch.stage = 2
+        torchrun.form_world(launch, self.opts.timeout)
+        if ctx.rank == 0:
+            self.server = ReferenceServer(launch.serve, go["spool"], list(range(1, ctx.world_size)), WAIT_LIMIT_S)
+        remote = None if ctx.rank == 0 else RemoteReference(launch.serve)
+        spool_path = go["spool"]
+        if remote is not None and self._reads_rank0_spool(go):
+            remote.close()  # on rank 0's node: the spool in place
+            remote = None
+        elif remote is not None:
+            own = Spool()
+            self.watch.on_exit.append(own.close)
+            remote.fetch_state(own.path)
+            spool_path = own.path
+        launch.store.set(f"N{ctx.rank}", "served" if remote is not None else "spool")
+        self.recorder.begin_task(2)
+        distances = ddp_task(ctx, self.case, spool_path, open_step=remote.open_step if remote else None)
+        self.recorder.end_task()
+        if remote is not None:
+            remote.close()
+        return distances
+
+    def _reads_rank0_spool(self, go: dict[str, Any]) -> bool:
+        if self.launch.node != go["node"]:
+            return False
+        try:
+            with open(os.path.join(go["spool"], NONCE)) as f:
+                return f.read() == go["nonce"]
+        except OSError:
+            return False
+
+    # -- rank 0's report ----------------------------------------------------------------
+
+    def report_completed(self) -> int:
+        import cloudpickle
+
+        from ddparity.harness.sidechannel import TaskChannel
+        from ddparity.verbs.check import judge_ddp
+
+        store, n = self.launch.store, self.ctx.world_size
+        while not all(store.check([f"R{r}"]) for r in range(n)):
+            time.sleep(0.05)
+        if not self.watch.claim():
+            self.watch.idle()
+        runs = [cloudpickle.loads(store.get(f"R{r}")) for r in range(n)]
+        records = TaskChannel(store, "", 2, n).read()
+        report = self._report()
+        run = self._ddp_run("pass")
+        served = [r for r in range(n) if store.get(f"N{r}") == b"served"]
+        if served:
+            run.notes.append(f"rank(s) {served} (not on rank 0's node) compared against the reference served by "
+                             f"rank 0 over the network")
+        assert self.reference is not None
+        report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
+                                     self.valid))
+        return self._emit(report)
+
+    def report_unrunnable(self) -> int:
+        if not self.watch.claim():
+            self.watch.idle()
+        report = Report(self.case.label, [self.unrunnable])
+        return self._emit(report)
+
+    def _report(self) -> Report:
+        report = Report(self.case.label)
+        if "single" in self.opts.modes and self.reference is not None:
+            blowup = self.blowup
+            report.runs.append(RunResult(mode="single", world_size=1, backend=self.ctx.backend,
+                                         status="error" if blowup else "pass",
+                                         reason=blowup.reason() if blowup else None, tolerance="reference",
+                                         seconds=self.ref_seconds))
+        return report
+
+    def _ddp_run(self, status: str) -> RunResult:
+        ctx = self.ctx
+        run = RunResult(mode="ddp", world_size=ctx.world_size, backend=ctx.backend, status=status,
+                        seconds=time.perf_counter() - self.started,
+                        repro=_repro(self.case, ctx.backend, self.opts))
+        run.notes.append(f"launched: {_processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
+        return run
+
+    def _report_failure(self, exc: WorldFailure, stage: int) -> int:
+        from ddparity.verbs.check import _case_failed
+        from ddparity.verbs.plan import failure
+
+        report = Report(self.case.label)
+        if stage == 1:
+            _case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
+            for run in report.runs:
+                run.repro = _repro(self.case, self.ctx.backend, self.opts)
+        else:
+            report = self._report()
+            report.runs.append(self._ddp_run("error").failed(failure(exc)))
+        return self._emit(report)
+
+    def _emit(self, report: Report) -> int:
+        self._emit_to(report)
+        return report.exit_code
+
+
+def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> NoReturn:
+    """This process's part of ``check`` in a launch; rank 0 (or the lowest rank alive)
+    hands the report to ``emit`` (print it, write the JSON); every process exits with the
+    verdict's code."""
+    import cloudpickle
+
+    case = case.with_steps(opts.steps).validate()
+    me = _LaunchedCheck(case, opts, emit)
+    rank = me.ctx.rank
+    try:
+        go = me.reference_stage() if rank == 0 else me.wait_for_reference()
+        if not go["run"]:
+            if rank == 0:
+                me.watch.finish(me.report_unrunnable())
+            me.watch.idle()
+        distances = me.ddp_stage(go)
+        me.launch.store.set(f"R{rank}", cloudpickle.dumps(distances))
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException as exc:
+        me.watch.fail(exc)
+    if rank != 0:
+        me.watch.idle()
+    me.watch.finish(me.report_completed())
+
+
+def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
+                     emit: Callable[[Any], None]) -> NoReturn:
+    """This process's part of ``profile`` in a launch: every rank times DDP steps, rank 0
+    summarises and reports; every process exits with the report's code."""
+    import cloudpickle
+
+    from ddparity.checks.comm import add_scaling, summarize
+    from ddparity.harness.recorder import install_recorder
+    from ddparity.harness.sidechannel import RankChannel
+    from ddparity.harness.tasks import profile_task
+    from ddparity.harness.training import initial_state
+    from ddparity.report import ProfileReport
+    from ddparity.verbs.profile import _failed
+
+    if backend == "threaded":
+        raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
+    case = case.validate()
+    launch = torchrun.connect(backend, timeout, tasks=(2,))
+    ctx, store = launch.ctx, launch.store
+    recorder = install_recorder(RankChannel(store, "", ctx.rank))
+    started = time.perf_counter()
+
+    def failed(exc: WorldFailure, stage: int) -> int:
+        report = ProfileReport(case.label, [_failed(ctx.world_size, ctx.backend, exc, time.perf_counter() - started)])
+        emit(report)
+        return report.exit_code
+
+    watch = LaunchWatch(store, ctx.rank, ctx.world_size, timeout, failed, LiveWatch())
+    watch.stage = 2
+    try:
+        torchrun.form_world(launch, timeout)
+        recorder.begin_task(2)
+        profile = profile_task(ctx, case, initial_state(case), steps, warmup)  # DDP broadcasts rank 0's state
+        recorder.end_task()
+        store.set(f"R{ctx.rank}", cloudpickle.dumps(profile))
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException as exc:
+        watch.fail(exc)
+    if ctx.rank != 0:
+        watch.idle()
+    while not all(store.check([f"R{r}"]) for r in range(ctx.world_size)):
+        time.sleep(0.05)
+    if not watch.claim():
+        watch.idle()
+    run = summarize([cloudpickle.loads(store.get(f"R{r}")) for r in range(ctx.world_size)], ctx.backend)
+    run.seconds = time.perf_counter() - started
+    run.notes.append(f"launched: {_processes(ctx.world_size)}; bus bandwidth over the launch's own interconnect")
+    report = ProfileReport(case.label, [run])
+    add_scaling(report.runs)
+    emit(report)
+    watch.finish(report.exit_code)
+
+
+__all__ = ["check_launched", "launch_options", "profile_launched"]
