@@ -265,8 +265,12 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
 
 def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
                      emit: Callable[[Any], None]) -> NoReturn:
-    """This process's part of ``profile`` in a launch: every rank times DDP steps, rank 0
-    summarises and reports; every process exits with the report's code."""
+    """This process's part of ``profile`` in a launch: rank 0 times the case on its own
+    first (world size 1, in a process group of its own: the baseline of the scaling
+    figure), then every rank times DDP steps; rank 0 summarises both and reports; every
+    process exits with the report's code."""
+    import dataclasses
+
     import cloudpickle
 
     from ddparity.checks.comm import add_scaling, summarize
@@ -280,24 +284,37 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     if backend == "threaded":
         raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
     case = case.validate()
-    launch = torchrun.connect(backend, timeout, tasks=(2,))
+    launch = torchrun.connect(backend, timeout, tasks=(1, 2))
     ctx, store = launch.ctx, launch.store
     recorder = install_recorder(RankChannel(store, "", ctx.rank))
     started = time.perf_counter()
+    runs: list[Any] = []
 
     def failed(exc: WorldFailure, stage: int) -> int:
-        report = ProfileReport(case.label, [_failed(ctx.world_size, ctx.backend, exc, time.perf_counter() - started)])
+        ws = 1 if stage == 1 else ctx.world_size
+        report = ProfileReport(case.label, [*runs, _failed(ws, ctx.backend, exc, time.perf_counter() - started)])
         emit(report)
         return report.exit_code
 
-    watch = LaunchWatch(store, ctx.rank, ctx.world_size, timeout, failed, LiveWatch())
-    watch.stage = 2
-    try:
-        torchrun.form_world(launch, timeout)
-        recorder.begin_task(2)
-        profile = profile_task(ctx, case, initial_state(case), steps, warmup)  # DDP broadcasts rank 0's state
+    def timed(world: Any, stage: int) -> Any:
+        recorder.begin_task(stage)
+        profile = profile_task(world, case, initial_state(case), steps, warmup)  # DDP broadcasts rank 0's state
         recorder.end_task()
-        store.set(f"R{ctx.rank}", cloudpickle.dumps(profile))
+        return profile
+
+    watch = LaunchWatch(store, ctx.rank, ctx.world_size, timeout, failed, LiveWatch())
+    try:
+        if ctx.rank == 0:
+            with torchrun.alone(ctx.backend):
+                one = summarize([timed(dataclasses.replace(ctx, world_size=1), 1)], ctx.backend)
+            one.notes.append("rank 0 alone: the baseline of the scaling figure")
+            runs.append(one)
+            store.set("go", "1")
+        while not store.check(["go"]):
+            time.sleep(0.05)
+        watch.stage = 2
+        torchrun.form_world(launch, timeout)
+        store.set(f"R{ctx.rank}", cloudpickle.dumps(timed(ctx, 2)))
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as exc:
@@ -311,7 +328,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     run = summarize([cloudpickle.loads(store.get(f"R{r}")) for r in range(ctx.world_size)], ctx.backend)
     run.seconds = time.perf_counter() - started
     run.notes.append(f"launched: {_processes(ctx.world_size)}; bus bandwidth over the launch's own interconnect")
-    report = ProfileReport(case.label, [run])
+    report = ProfileReport(case.label, [*runs, run])
     add_scaling(report.runs)
     emit(report)
     watch.finish(report.exit_code)

@@ -1,0 +1,215 @@
+"""``ddparity check`` and ``profile`` inside a launch, as users run them on a cluster:
+``python -m torch.distributed.run --standalone --nproc-per-node 2 -m ddparity check ...``,
+two torchrun agents forming one world over loopback (two "nodes": the second cannot use
+the first one's spool), and processes started with only the ``env://`` variables (what
+``srun`` or a hand-written launcher gives). Verdicts, exit codes of every process, and no
+process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import wait_gone
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ours(folder) -> set[int]:  # noqa: ANN001
+    """Processes running in ``folder`` (every process a launch in it started)."""
+    out = set()
+    for proc in psutil.process_iter(["cwd"]):
+        try:
+            if proc.info["cwd"] == str(folder) and proc.pid != os.getpid():
+                out.add(proc.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _worker_exit_codes(stderr: str) -> list[int]:
+    """The exit codes torchrun's failure summary lists for its workers."""
+    return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+
+
+def torchrun(folder, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float, dict | None]:  # noqa: ANN001
+    out = folder / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ddparity",
+           *args, "--json", str(out)]
+    started = time.monotonic()
+    result = subprocess.run(cmd, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
+    seconds = time.monotonic() - started
+    assert not wait_gone(_ours(folder), 10), "processes of the launch outlived it"
+    data = json.loads(out.read_text()) if out.exists() else None
+    return result, seconds, data
+
+
+def ddp_run(data: dict) -> dict:
+    [run] = [r for r in data["runs"] if r["mode"] == "ddp"]
+    return run
+
+
+def test_a_clean_case_passes_and_every_rank_exits_0(tmp_path):
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.models:mlp_sgd", "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert data["ok"] and [(r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
+        ("single", 1, "pass"), ("ddp", 2, "pass")]
+    assert result.stdout.count("ddparity check:") == 1  # rank 0 alone prints the report
+    assert "launched: 2 processes" in result.stdout
+
+
+@pytest.mark.parametrize("target, cause", [
+    ("bugs:summed_loss", "a loss summed over the batch"),
+    ("bugs:batchnorm_on_shards", "BatchNorm on shards"),
+])
+def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_path, target, cause):
+    result, _, data = torchrun(tmp_path, "check", f"ddparity.fixtures.{target}", "--steps", "2")
+    run = ddp_run(data)
+    assert run["status"] == "diverged" and run["first_divergence"]["step"] == 0
+    assert cause in result.stdout
+    assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
+
+
+def test_a_stuck_rank_is_a_hang_naming_it_and_ends_every_rank_in_time(tmp_path):
+    result, seconds, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:stuck_rank", "--timeout", "5")
+    run = ddp_run(data)
+    assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [1]
+    assert "time.sleep(3600)" in run["hang"]["ranks"]["1"]["stack"]  # the stuck rank's own stack
+    assert "all_reduce" in run["hang"]["ranks"]["0"]["collective"]  # and where the other waits
+    assert set(_worker_exit_codes(result.stderr)) == {3}
+    assert seconds < 90  # the process group's own timeout would be 30 minutes
+
+
+def test_a_raising_rank_is_a_crash_with_its_traceback(tmp_path):
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:raising_rank")
+    run = ddp_run(data)
+    assert run["status"] == "crash" and run["crash"]["rank"] == 1
+    assert "injected fault: rank 1 raised at step 1" in run["crash"]["traceback"]
+    assert set(_worker_exit_codes(result.stderr)) == {3}
+
+
+def test_a_dead_rank_is_a_crash_naming_it_not_the_peer_that_lost_it(tmp_path):
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:exiting_rank")
+    run = ddp_run(data)
+    assert run["status"] == "crash" and run["crash"]["rank"] == 1
+    assert "rank 1 (pid" in run["crash"]["error"] and "died" in run["crash"]["error"]
+    assert 7 in _worker_exit_codes(result.stderr)  # torchrun's summary: the fault's own exit code
+
+
+def test_a_skipped_collective_is_a_desync_naming_the_rank(tmp_path):
+    _, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:skipped_collective", "--timeout", "20")
+    run = ddp_run(data)
+    assert run["status"] == "desync" and run["desync"]["ranks"] == [1]
+
+
+def test_profile_times_rank_0_alone_then_the_launch(tmp_path):
+    result, _, data = torchrun(tmp_path, "profile", "ddparity.fixtures.models:profile_demo", "--steps", "3",
+                               "--warmup", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [(r["world_size"], r["status"]) for r in data["runs"]] == [(1, "ok"), (2, "ok")]
+    assert data["runs"][1]["busbw_gbps"] > 0
+
+
+def test_options_torchrun_decides_are_usage_errors_on_every_rank(tmp_path):
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.models:mlp_sgd", "--world-sizes", "2")
+    assert data is None and "--world-sizes is torchrun's to decide here" in result.stderr
+    assert 2 in _worker_exit_codes(result.stderr)
+
+
+def _two_nodes(folder, *args: str) -> tuple[list[subprocess.CompletedProcess], dict | None]:  # noqa: ANN001
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous on 127.0.0.1."""
+    out = folder / "report.json"
+    port = _free_port()
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
+                                "-m", "ddparity", *args, "--json", str(out)],
+                               cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    results = []
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=240)
+        results.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
+    assert not wait_gone(_ours(folder), 10)
+    return results, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_two_nodes_on_loopback_compare_the_remote_rank_against_the_served_reference(tmp_path):
+    agents, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.bugs:summed_loss", "--steps", "2")
+    run = ddp_run(data)
+    assert run["status"] == "diverged"
+    assert any("compared against the reference served by rank 0" in n for n in run["notes"])
+    assert [a.returncode for a in agents] == [1, 1]
+    # a pass needs every tensor of every step compared on every rank (one never compared is
+    # an infinite distance): the served rank compared them all
+    clean, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.models:mlp_sgd", "--steps", "2")
+    assert data["ok"] and [a.returncode for a in clean] == [0, 0]
+    assert any("compared against the reference served by rank 0" in n for n in ddp_run(data)["notes"])
+
+
+def test_a_rank_dead_on_another_node_is_found_by_its_silence(tmp_path):
+    agents, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.faults:exiting_rank")
+    run = ddp_run(data)
+    assert run["status"] == "crash" and run["crash"]["rank"] == 1
+    assert "stopped beating" in run["crash"]["error"]
+
+
+def _env_launch(folder, *args: str, world_size: int = 2) -> list[subprocess.Popen]:  # noqa: ANN001
+    """Processes given only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 holds the store)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddparity", *args], cwd=folder, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("target, code", [
+    ("models:mlp_sgd", 0), ("bugs:summed_loss", 1), ("faults:raising_rank", 3), ("faults:stuck_rank", 3)])
+def test_every_process_of_an_env_launch_exits_with_the_verdicts_code(tmp_path, target, code):
+    procs = _env_launch(tmp_path, "check", f"ddparity.fixtures.{target}", "--steps", "2", "--timeout", "5")
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [code, code], outputs
+    assert outputs[0][0].count("ddparity check:") == 1 and "ddparity check:" not in outputs[1][0]
+    assert not wait_gone(_ours(tmp_path), 10)
+
+
+def test_a_launch_whose_agent_is_killed_leaves_no_process(tmp_path):
+    """torchrun's agent holds the store; SIGKILL it mid-check and its workers, which it can
+    no longer stop, notice the store is gone and exit on their own."""
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "ddparity", "check", "ddparity.fixtures.faults:stuck_rank", "--timeout", "60"],
+                             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_ours(tmp_path) - {agent.pid}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(8)  # the workers are training (rank 1 is stuck)
+    workers = _ours(tmp_path) - {agent.pid}
+    assert len(workers) >= 2
+    agent.send_signal(signal.SIGKILL)
+    _, stderr = agent.communicate(timeout=30)
+    assert not wait_gone(workers, 15), "workers outlived their killed agent"
