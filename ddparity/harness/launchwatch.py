@@ -51,6 +51,9 @@ ERROR_GRACE_S = 2.0
 """After a rank raised, how long others may still report their own errors."""
 STACKS_WAIT_S = 3.0
 TERM_GRACE_S = 20.0
+ACK_WAIT_S = 10.0
+"""How long the reporter waits for every live rank to read the verdict before it exits
+(under ``srun`` the store lives in rank 0: it must outlast their reading)."""
 EXIT_INTERRUPTED = 130
 
 
@@ -95,6 +98,8 @@ class LaunchWatch:
                  report: Callable[[WorldFailure, int], int], live: Callable[[list[str]], str | None]) -> None:
         self.store, self.rank, self.n, self.timeout, self._report = store, rank, world_size, timeout, report
         self.stage = 1
+        self._last_dead: list[int] = []
+        self._finishing = False
         self.on_exit: list[Callable[[], None]] = []
         """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
         self._claim = threading.Lock()
@@ -134,6 +139,7 @@ class LaunchWatch:
 
     def finish(self, code: int) -> NoReturn:
         """Publish the verdict, give the others a moment to read it, exit with it."""
+        self._finishing = True
         self.store.set("V", str(code))
         self._exit(code, wait_for_others=True)
 
@@ -159,11 +165,14 @@ class LaunchWatch:
             while True:
                 time.sleep(BEAT_S)
                 self.store.add(f"B{self.rank}", 1)
+                if self._finishing:
+                    continue  # this process publishes the verdict and waits for the others to read it
                 if self.store.check(["V"]):
+                    self.store.add("acked", 1)
                     self._exit(int(self.store.get("V")))
                 self._signals()
                 self._answer_stack_request()
-                dead = self._dead()
+                dead = self._last_dead = self._dead()
                 if min(r for r in range(self.n) if r not in dead or r == self.rank) == self.rank:
                     self._judge(dead)  # the lowest rank still beating is the reporter
         except Exception as exc:  # the store is gone: the node that held it is
@@ -315,5 +324,13 @@ class LaunchWatch:
                 cleanup()
         finally:
             if wait_for_others:  # rank 0 may hold the store (a launch without torchrun's agent)
-                time.sleep(2 * BEAT_S + 0.2)
+                others = self.n - 1 - len([r for r in self._last_dead if r != self.rank])
+                deadline = time.monotonic() + ACK_WAIT_S
+                while time.monotonic() < deadline:
+                    try:
+                        if int(self.store.add("acked", 0)) >= others:
+                            break
+                    except Exception:
+                        break
+                    time.sleep(0.05)
             os._exit(code)

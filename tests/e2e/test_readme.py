@@ -3,7 +3,10 @@ and through the CLI, passing with dropout compared on."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +36,20 @@ def test_your_own_training_loop_example_runs_as_written(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "ddparity.cli", "check", "my_training.py:case", "--world-sizes", "2"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stdout + cli.stderr
+
+
+def test_the_cluster_sections_torchrun_line_runs_as_written(tmp_path):
+    section = _section("On a cluster (`torchrun`, `srun`)")
+    [line] = [ln for ln in section.splitlines() if ln.startswith("$ torchrun --standalone")]
+    args = shlex.split(line[2:])
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # torchrun leaves its log folders in $TMPDIR
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args[1:]], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr  # the bug it shows is found
+    shown = section.split(line, 1)[1].split("```", 1)[0]
+    for kept in [ln for ln in shown.splitlines() if ln.strip() and "..." not in ln and "seconds" not in ln
+                 and "tolerance 0" not in ln
+                 and not re.search(r"\d+\.\d\d\s*$", ln)]:
+        assert kept.strip() in run.stdout, kept
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["status"] for r in report["runs"]] == ["pass", "diverged"]

@@ -25,9 +25,12 @@ from tests.conftest import wait_gone
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
-def _env() -> dict[str, str]:
+def _env(folder) -> dict[str, str]:  # noqa: ANN001
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("SLURM_", "TORCHELASTIC"))}
     env["OMP_NUM_THREADS"] = "1"
+    # torchrun's log folders and ddparity's spools in the test's folder (checked by _spools)
+    (folder / "tmp").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(folder / "tmp")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     return env
 
@@ -50,6 +53,11 @@ def _ours(folder) -> set[int]:  # noqa: ANN001
     return out
 
 
+def _spools(folder) -> list[str]:  # noqa: ANN001
+    """ddparity's spools a launch left in its folder (none may outlive it)."""
+    return [p.name for p in (folder / "tmp").glob("ddparity-spool-*")]
+
+
 def _worker_exit_codes(stderr: str) -> list[int]:
     """The exit codes torchrun's failure summary lists for its workers."""
     return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
@@ -60,9 +68,10 @@ def torchrun(folder, *args: str, timeout: float = 240) -> tuple[subprocess.Compl
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ddparity",
            *args, "--json", str(out)]
     started = time.monotonic()
-    result = subprocess.run(cmd, cwd=folder, env=_env(), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=folder, env=_env(folder), capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - started
     assert not wait_gone(_ours(folder), 10), "processes of the launch outlived it"
+    assert _spools(folder) == []
     data = json.loads(out.read_text()) if out.exists() else None
     return result, seconds, data
 
@@ -146,13 +155,14 @@ def _two_nodes(folder, *args: str) -> tuple[list[subprocess.CompletedProcess], d
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
                                 "-m", "ddparity", *args, "--json", str(out)],
-                               cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=folder, env=_env(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     results = []
     for agent in agents:
         stdout, stderr = agent.communicate(timeout=240)
         results.append(subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr))
     assert not wait_gone(_ours(folder), 10)
+    assert _spools(folder) == []
     return results, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -181,7 +191,7 @@ def _env_launch(folder, *args: str, world_size: int = 2) -> list[subprocess.Pope
     port = _free_port()
     procs = []
     for rank in range(world_size):
-        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        env = {**_env(folder), "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "ddparity", *args], cwd=folder, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -196,6 +206,7 @@ def test_every_process_of_an_env_launch_exits_with_the_verdicts_code(tmp_path, t
     assert [p.returncode for p in procs] == [code, code], outputs
     assert outputs[0][0].count("ddparity check:") == 1 and "ddparity check:" not in outputs[1][0]
     assert not wait_gone(_ours(tmp_path), 10)
+    assert _spools(tmp_path) == []
 
 
 def test_a_launch_whose_agent_is_killed_leaves_no_process(tmp_path):
@@ -203,7 +214,7 @@ def test_a_launch_whose_agent_is_killed_leaves_no_process(tmp_path):
     no longer stop, notice the store is gone and exit on their own."""
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                               "-m", "ddparity", "check", "ddparity.fixtures.faults:stuck_rank", "--timeout", "60"],
-                             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(_ours(tmp_path) - {agent.pid}) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -213,3 +224,22 @@ def test_a_launch_whose_agent_is_killed_leaves_no_process(tmp_path):
     agent.send_signal(signal.SIGKILL)
     _, stderr = agent.communicate(timeout=30)
     assert not wait_gone(workers, 15), "workers outlived their killed agent"
+
+
+def test_srun_tasks_are_a_launch_and_a_missing_master_addr_names_the_fix(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(tmp_path), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.bugs:summed_loss",
+                                       "--steps", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    assert "launched: 2 processes on 1 node(s)" in outputs[0][0]
+    env = {**_env(tmp_path), "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    bad = subprocess.run([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.models:mlp_sgd"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "under srun, set MASTER_ADDR and MASTER_PORT" in bad.stderr
