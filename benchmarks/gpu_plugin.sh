@@ -52,6 +52,16 @@ PY
   timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m ddparity.cli health --backend nccl \
       --json "$OUT/health_torchrun.json"; echo "exit $?"
   DDPARITY_HEALTH_FAULT=wrong_matmul@0 timeout 120 python3 -m ddparity.cli health --backend nccl; echo "exit $? (expected 1)"
+  echo "== check and profile under torchrun with nccl (one process per GPU; reference on cuda:0)"
+  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m ddparity check \
+      ddparity.fixtures.models:mlp_sgd --backend nccl --json "$OUT/check_torchrun_nccl.json"; echo "exit $? (expected 0)"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m ddparity check \
+      ddparity.fixtures.bugs:batchnorm_on_shards --backend nccl --json "$OUT/check_torchrun_bn.json"; echo "exit $? (1 with 2+ GPUs)"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m ddparity profile \
+      ddparity.fixtures.models:profile_demo --backend nccl --json "$OUT/profile_torchrun_nccl.json"; echo "exit $?"
+  echo "== the torchrun fault matrix on this machine's CPUs (gloo; two agents on loopback too)"
+  timeout 400 python3 benchmarks/bench_torchrun.py --repeat 3; echo "exit $?"
   echo "== ddparity profile on this machine's CPUs (gloo), 1,2,4,8"
   timeout 120 python3 -m ddparity.cli profile --demo --world-sizes 1,2,4,8 --json "$OUT/profile_gloo.json"; echo "exit $?"
   echo "== plugin benchmark on this machine's CPUs (gloo), -n 0/2/4/8"

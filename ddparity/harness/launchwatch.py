@@ -218,6 +218,10 @@ class LaunchWatch:
                 dead.append(r)
         return dead
 
+    def gone(self, rank: int) -> bool:
+        """``rank`` ran on this node and its process is gone."""
+        return not self._running_here(rank)
+
     def _running_here(self, rank: int) -> bool:
         """False when ``rank`` ran on this node and its process is gone (at once, not after a stalled beat)."""
         import psutil

@@ -61,7 +61,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         ref_pending = ref_world.submit(reference_task, case, spool.path, tuple(ddp_sizes) + tuple(dp_sizes),
                                        timeout=opts.timeout)
     except WorldFailure as exc:
-        return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
+        return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     # The first runnable DDP run trains alongside the reference (comparing each step as the
     # reference writes it); the others follow.
     backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
@@ -77,7 +77,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                 early[1].result()
             except WorldFailure:
                 pass
-        return _case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
+        return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     blowup = first_non_finite(reference)
     if "single" in opts.modes:
         report.runs.append(
@@ -153,7 +153,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
     return runs
 
 
-def _case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, exc: WorldFailure,
+def case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, exc: WorldFailure,
                  elapsed: float) -> Report:
     """The case cannot even run on one device: every requested run shares that fate."""
     for mode, ws in _planned(opts):

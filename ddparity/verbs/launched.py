@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -88,6 +89,7 @@ class _LaunchedCheck:
         self.reference: Reference | None = None
         self.blowup: NonFinite | None = None
         self.ref_seconds = 0.0
+        self.go: dict[str, Any] | None = None
         self.valid: dict[str, list[int]] = {}
         self.watch = LaunchWatch(self.launch.store, self.ctx.rank, self.ctx.world_size, opts.timeout,
                                  self._report_failure, LiveWatch())
@@ -119,21 +121,24 @@ class _LaunchedCheck:
         nonce = secrets.token_hex(16)
         with open(os.path.join(self.spool.path, NONCE), "w") as f:
             f.write(nonce)
-        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "run": unrunnable is None}
+        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "run": unrunnable is None,
+              "single": self._single_run()}
         store.set("go", json.dumps(go))
+        self.go = go
         return go
 
     def wait_for_reference(self) -> dict[str, Any]:
         store = self.launch.store
         while not store.check(["go"]):  # the watch reports rank 0 should it hang or die meanwhile
             time.sleep(0.05)
-        return json.loads(store.get("go"))
+        self.go = json.loads(store.get("go"))
+        return self.go
 
     # -- every rank's DDP replica ------------------------------------------------------
 
     def ddp_stage(self, go: dict[str, Any]) -> Any:
         from ddparity.harness.refserve import ReferenceServer, RemoteReference
-        from ddparity.harness.spool import Spool
+        from ddparity.harness.spool import Spool, load_state
         from ddparity.harness.tasks import WAIT_LIMIT_S, ddp_task
 
         ctx, launch = self.ctx, self.launch
@@ -142,22 +147,27 @@ class _LaunchedCheck:
         if ctx.rank == 0:
             self.server = ReferenceServer(launch.serve, go["spool"], list(range(1, ctx.world_size)), WAIT_LIMIT_S)
         remote = None if ctx.rank == 0 else RemoteReference(launch.serve)
-        spool_path = go["spool"]
+        spool_path, state = go["spool"], None
         if remote is not None and self._reads_rank0_spool(go):
             remote.close()  # on rank 0's node: the spool in place
             remote = None
+            # should rank 0 die (a gloo abort), its spool is ours to remove
+            self.watch.on_exit.append(lambda: self._remove_if_gone(go["spool"]))
         elif remote is not None:
-            own = Spool()
-            self.watch.on_exit.append(own.close)
-            remote.fetch_state(own.path)
-            spool_path = own.path
+            with Spool() as own:  # the state, loaded (mapped) then unlinked: nothing left should this rank die
+                remote.fetch_state(own.path)
+                state = load_state(own.path)
         launch.store.set(f"N{ctx.rank}", "served" if remote is not None else "spool")
         self.recorder.begin_task(2)
-        distances = ddp_task(ctx, self.case, spool_path, open_step=remote.open_step if remote else None)
+        distances = ddp_task(ctx, self.case, spool_path, open_step=remote.open_step if remote else None, state=state)
         self.recorder.end_task()
         if remote is not None:
             remote.close()
         return distances
+
+    def _remove_if_gone(self, spool: str) -> None:
+        if self.watch.gone(0):
+            shutil.rmtree(spool, ignore_errors=True)
 
     def _reads_rank0_spool(self, go: dict[str, Any]) -> bool:
         if self.launch.node != go["node"]:
@@ -200,14 +210,20 @@ class _LaunchedCheck:
         report = Report(self.case.label, [self.unrunnable])
         return self._emit(report)
 
+    def _single_run(self) -> dict[str, Any] | None:
+        """The reference's run as rank 0 saw it (any rank may have to report it)."""
+        if "single" not in self.opts.modes or self.reference is None:
+            return None
+        blowup = self.blowup
+        return {"status": "error" if blowup else "pass", "reason": blowup.reason() if blowup else None,
+                "seconds": self.ref_seconds}
+
     def _report(self) -> Report:
         report = Report(self.case.label)
-        if "single" in self.opts.modes and self.reference is not None:
-            blowup = self.blowup
-            report.runs.append(RunResult(mode="single", world_size=1, backend=self.ctx.backend,
-                                         status="error" if blowup else "pass",
-                                         reason=blowup.reason() if blowup else None, tolerance="reference",
-                                         seconds=self.ref_seconds))
+        single = self.go.get("single") if self.go else None
+        if single:
+            report.runs.append(RunResult(mode="single", world_size=1, backend=self.ctx.backend, tolerance="reference",
+                                         **single))
         return report
 
     def _ddp_run(self, status: str) -> RunResult:
@@ -219,12 +235,12 @@ class _LaunchedCheck:
         return run
 
     def _report_failure(self, exc: WorldFailure, stage: int) -> int:
-        from ddparity.verbs.check import _case_failed
+        from ddparity.verbs.check import case_failed
         from ddparity.verbs.plan import failure
 
         report = Report(self.case.label)
         if stage == 1:
-            _case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
+            case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
             for run in report.runs:
                 run.repro = _repro(self.case, self.ctx.backend, self.opts)
         else:
@@ -279,7 +295,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     from ddparity.harness.tasks import profile_task
     from ddparity.harness.training import initial_state
     from ddparity.report import ProfileReport
-    from ddparity.verbs.profile import _failed
+    from ddparity.verbs.profile import failed_run
 
     if backend == "threaded":
         raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
@@ -292,7 +308,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
 
     def failed(exc: WorldFailure, stage: int) -> int:
         ws = 1 if stage == 1 else ctx.world_size
-        report = ProfileReport(case.label, [*runs, _failed(ws, ctx.backend, exc, time.perf_counter() - started)])
+        report = ProfileReport(case.label, [*runs, failed_run(ws, ctx.backend, exc, time.perf_counter() - started)])
         emit(report)
         return report.exit_code
 

@@ -62,7 +62,7 @@ def profile(
             [(batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, spool.path,
                                                                            timeout=opts.timeout)
         except WorldFailure as exc:
-            report.runs = [_failed(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
+            report.runs = [failed_run(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
             for run in report.runs:
                 run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
             return report
@@ -91,7 +91,7 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: A
         return WorldProfile(world_size=ws, backend=backend, status="error", reason=str(exc),
                             seconds=time.perf_counter() - started)
     except WorldFailure as exc:
-        return _failed(ws, backend, exc, time.perf_counter() - started)
+        return failed_run(ws, backend, exc, time.perf_counter() - started)
     run = summarize(outcomes, backend)
     run.seconds = time.perf_counter() - started
     cpus = os.cpu_count() or 1
@@ -103,7 +103,7 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: A
     return run
 
 
-def _failed(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
+def failed_run(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
     """A hang, crash or error while profiling, with the evidence ``check`` would give."""
     ended = failure(exc)
     return WorldProfile(world_size=ws, backend=backend, status=ended.status, reason=render_failure(ended),

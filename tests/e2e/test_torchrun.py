@@ -243,3 +243,11 @@ def test_srun_tasks_are_a_launch_and_a_missing_master_addr_names_the_fix(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.models:mlp_sgd"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "under srun, set MASTER_ADDR and MASTER_PORT" in bad.stderr
+
+
+def test_nccl_without_a_gpu_in_a_launch_is_a_usage_error(tmp_path):
+    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.models:mlp_sgd", "--backend",
+                             "nccl"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "backend nccl: LOCAL_RANK 0 but 0 CUDA device(s) visible" in result.stderr
