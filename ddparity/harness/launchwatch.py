@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.harness.outcomes import RankOutcome, with_stacks
 from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, task_prefix
+from ddparity.records import RankRecords
 
 BEAT_S = 0.25
 DEAD_S = 5.0
@@ -100,6 +101,7 @@ class LaunchWatch:
         self.stage = 1
         self._last_dead: list[int] = []
         self._finishing = False
+        self._progress = [""] * world_size
         self.on_exit: list[Callable[[], None]] = []
         """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
         self._claim = threading.Lock()
@@ -172,16 +174,42 @@ class LaunchWatch:
                     self._exit(int(self.store.get("V")))
                 self._signals()
                 self._answer_stack_request()
+                ranks = self._participants()
+                seen = TaskChannel(self.store, "", self.stage, self.n).progress()
+                self._progress = [seen[r] if r in ranks else "" for r in range(self.n)]
                 dead = self._last_dead = self._dead()
                 if min(r for r in range(self.n) if r not in dead or r == self.rank) == self.rank:
                     self._judge(dead)  # the lowest rank still beating is the reporter
         except Exception as exc:  # the store is gone: the node that held it is
             if self._claimed:
                 return
-            sys.stderr.write(f"ddparity: rank {self.rank}: lost the launch's store ({type(exc).__name__}: {exc}); "
-                             f"the process that held it (torchrun's agent, or rank 0) is gone. This rank's "
-                             f"stacks:\n{own_stacks()}\n")
+            self._lost_store(exc)
+
+    def _lost_store(self, exc: BaseException) -> NoReturn:
+        """The store's node is gone (under torchrun its agent exits once its own workers
+        died). The lowest rank still running on each node reports what it last saw: a
+        collective mismatch if the ranks' last positions show one, else the loss itself."""
+        lost = (f"lost the launch's store ({type(exc).__name__}: {exc}): the process that held it (torchrun's "
+                f"agent on another node, or rank 0) is gone")
+        mine = self._where[self.rank][0]
+        here = [r for r in range(self.n) if self._where[r][0] == mine and self._running_here(r)]
+        if self.rank != min(here, default=self.rank) or not self.claim():
+            sys.stderr.write(f"ddparity: rank {self.rank}: {lost}. This rank's stacks:\n{own_stacks()}\n")
             self._exit(3)
+        ranks = self._participants()
+        reason = self._live(self._progress) if self.stage == 2 else None
+        elsewhere = [r for r in ranks if self._where[r][0] != mine] or [r for r in ranks if r != self.rank] or [0]
+        failure: WorldFailure = (TaskStopped(f"the task was stopped: {reason}", reason, ranks) if reason else
+                                 RankCrashed(f"rank {elsewhere[0]}'s node is gone or unreachable: {lost} "
+                                             f"(rank {self.rank}'s own view)", elsewhere[0], None))
+        failure.stacks = {self.rank: own_stacks()}
+        failure.records = {r: RankRecords(self._progress[r]) for r in ranks}
+        try:
+            code = self._report(failure, self.stage)
+        except BaseException:
+            traceback.print_exc()
+            code = 4
+        self._exit(code)
 
     def _signals(self) -> None:
         if self._wake is None:
@@ -250,7 +278,7 @@ class LaunchWatch:
         now = time.monotonic()
         ranks = self._participants()
         channel = TaskChannel(self.store, "", self.stage, self.n)
-        progress = [channel.progress()[r] if r in ranks else "" for r in range(self.n)]
+        progress = self._progress
         failure: WorldFailure | None = None
         if progress != self._seen:
             self._seen, self._progress_at = progress, now

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -47,12 +49,27 @@ class ReferenceFailed(RuntimeError):
     """The reference stopped (its run failed, or the check ended) before the step a run waits for."""
 
 
-class Spool:
-    """The controller's handle on one check's spool directory."""
+JANITOR = """import os, shutil, sys, time
+parent = int(sys.argv[2])  # not getppid() here: the owner may be gone before this line runs
+while os.getppid() == parent:
+    time.sleep(0.2)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+"""Removes a spool once the process that owns it is gone, however it went (a launched rank
+0 that gloo aborts over a mismatched collective runs no finalizer, and no other process
+on its node may be left to clean up)."""
 
-    def __init__(self, parent: str | None = None) -> None:
+
+class Spool:
+    """The controller's handle on one check's spool directory (``janitor``: also removed
+    should this process die without removing it)."""
+
+    def __init__(self, parent: str | None = None, janitor: bool = False) -> None:
         # 0700: this user only; named by the controller's pid, so leftovers can be told apart
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+        if janitor:
+            subprocess.Popen([sys.executable, "-c", JANITOR, self.path, str(os.getpid())], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def abort(self) -> None:
         """Tell runs waiting for the reference that it will not come."""

@@ -104,7 +104,7 @@ class _LaunchedCheck:
 
         case, ctx, store = self.case, self.ctx, self.launch.store
         self.recorder.begin_task(1)
-        self.spool = Spool()
+        self.spool = Spool(janitor=True)
         self.watch.on_exit.append(self.spool.close)
         with torchrun.alone(ctx.backend):
             sizes, self.valid = prepare_task(ctx, case, self.spool.path)

@@ -186,6 +186,15 @@ def test_a_rank_dead_on_another_node_is_found_by_its_silence(tmp_path):
     assert "stopped beating" in run["crash"]["error"]
 
 
+def test_a_mismatch_that_aborts_the_store_holders_node_is_still_a_desync(tmp_path):
+    """gloo aborts rank 0 over the mismatched collective; when its node's agent held the
+    store, the store goes with it: rank 1 reports from the positions it last saw."""
+    agents, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.faults:skipped_collective", "--timeout", "20")
+    run = ddp_run(data)
+    assert run["status"] == "desync" and run["desync"]["ranks"] == [1]
+    assert sorted(a.returncode for a in agents) == [1, 1]
+
+
 def _env_launch(folder, *args: str, world_size: int = 2) -> list[subprocess.Popen]:  # noqa: ANN001
     """Processes given only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 holds the store)."""
     port = _free_port()

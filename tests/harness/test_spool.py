@@ -117,3 +117,22 @@ def test_distance_is_measured_in_chunks_and_in_a_wide_enough_dtype(monkeypatch):
     assert distance(a, b) == 3.0 and max_abs(-a) == 99.0
     x = torch.tensor([1.0, 1.0 + 2 ** -7], dtype=torch.bfloat16)
     assert distance(x[:1], x[1:]) == 2 ** -7  # not rounded away in bf16
+
+
+def test_a_spools_janitor_removes_it_when_its_owner_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from ddparity.harness.spool import Spool; "
+            f"s = Spool(parent={str(tmp_path)!r}, janitor=True); print(s.path, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    path = owner.stdout.readline().strip()
+    assert os.path.isdir(path)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(path)
