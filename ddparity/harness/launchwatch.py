@@ -174,6 +174,8 @@ class LaunchWatch:
                     self._exit(int(self.store.get("V")))
                 self._signals()
                 self._answer_stack_request()
+                if not self._heads_node():
+                    continue
                 ranks = self._participants()
                 seen = TaskChannel(self.store, "", self.stage, self.n).progress()
                 self._progress = [seen[r] if r in ranks else "" for r in range(self.n)]
@@ -192,7 +194,7 @@ class LaunchWatch:
         lost = (f"lost the launch's store ({type(exc).__name__}: {exc}): the process that held it (torchrun's "
                 f"agent on another node, or rank 0) is gone")
         mine = self._where[self.rank][0]
-        here = [r for r in range(self.n) if self._where[r][0] == mine and self._running_here(r)]
+        here = [r for r in range(self.n) if self._where[r][0] == mine and self._running_here(r)]  # no store now
         if self.rank != min(here, default=self.rank) or not self.claim():
             sys.stderr.write(f"ddparity: rank {self.rank}: {lost}. This rank's stacks:\n{own_stacks()}\n")
             self._exit(3)
@@ -233,18 +235,27 @@ class LaunchWatch:
             self.store.set(f"S{self.rank}", own_stacks())
             self.store.add("stacks", 1)
 
-    def _dead(self) -> list[int]:
-        """Ranks whose process is gone from this node, or whose beat stopped for :data:`DEAD_S`."""
+    def _dead(self, among: list[int] | None = None) -> list[int]:
+        """Ranks (of ``among``, default all) whose process is gone from this node, or whose
+        beat stopped for :data:`DEAD_S`."""
         now = time.monotonic()
-        values = [v.decode() for v in self.store.multi_get([f"B{r}" for r in range(self.n)])]
+        among = list(range(self.n)) if among is None else among
+        values = [v.decode() for v in self.store.multi_get([f"B{r}" for r in among])] if among else []
         dead = []
-        for r, value in enumerate(values):
+        for r, value in zip(among, values):
             last = self._beats.get(r)
             if last is None or last[0] != value:
                 self._beats[r] = (value, now)
             if (last is not None and last[0] == value and now - last[1] > DEAD_S) or not self._running_here(r):
                 dead.append(r)
         return dead
+
+    def _heads_node(self) -> bool:
+        """This is the lowest rank on its node still running and beating (the others of a
+        node leave the watching to it: store reads grow with nodes, not ranks)."""
+        mine = self._where[self.rank][0]
+        below = [r for r in range(self.rank) if self._where[r][0] == mine]
+        return set(self._dead(below)) == set(below)
 
     def gone(self, rank: int) -> bool:
         """``rank`` ran on this node and its process is gone."""
