@@ -102,18 +102,17 @@ def _health(args: argparse.Namespace) -> int:
 
         if args.world_size is not None:
             raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
-        try:
-            ctx, report = health_under_torchrun(args.backend, args.timeout, args.min_busbw, args.sizes)
-        except WorldStartError as exc:
-            print(f"ddparity: {exc}", file=sys.stderr)
-            return 3
-        code = 0
-        if report is not None:
+
+        def emit(report: Any) -> None:
             print(report.render(), flush=True)
             if args.json:
                 _write_data(args.json, report.to_json(), "JSON health report")
-            code = report.exit_code
-        return torchrun.agree(ctx, code, args.timeout)
+
+        try:
+            health_under_torchrun(emit, args.backend, args.timeout, args.min_busbw, args.sizes)
+        except WorldStartError as exc:
+            print(f"ddparity: {exc}", file=sys.stderr)
+            return 3
     from ddparity.verbs.health import health
 
     report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)

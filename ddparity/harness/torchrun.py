@@ -1,11 +1,13 @@
-"""Running a rank task in a process that torchrun (or any ``env://`` launcher) started.
+"""The environment of a launch (torchrun, srun, or any ``env://`` launcher): which rank
+this process is, the launch's store, its process group, and a process group of one.
 
-On a real cluster the launcher owns the processes: each one joins the process group from
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, runs the task, and rank 0 gathers
-the results. What a ddparity World does for local ranks — a deadline on every wait, every
-rank's stack on a hang — is done here by a watchdog in each process: past the deadline it
-prints the process's stacks (faulthandler) and exits with code 3, so a dead or wedged
-node fails the launch in ``timeout`` seconds instead of NCCL's 30 minutes.
+On a cluster the launcher owns the processes. :func:`connect` reaches the launch's store
+(torchrun's agent holds it; rank 0 under srun) before any process group exists, so the
+watch threads (:mod:`ddparity.harness.launchwatch`) can see every rank from the start;
+:func:`form_world` then joins the group the model trains on (and a gloo group of
+ddparity's own); :func:`alone` gives rank 0 a group of its own for work that must not wait
+for the other ranks (the reference). A rank that cannot reach the store is ended by a
+:class:`Watchdog` (its stacks, exit code 3) instead of waiting for the store's timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import faulthandler
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +24,6 @@ from typing import Any
 
 from ddparity.errors import UsageError, WorldStartError
 from ddparity.harness.protocol import RankContext
-from ddparity.settings import TIMEOUT_S
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
@@ -187,37 +188,3 @@ def alone(backend: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def run(task: Callable[..., Any], *args: Any, backend: str = "auto", timeout: float = TIMEOUT_S) -> tuple[RankContext, list[Any] | None]:
-    """Join the process group, run ``task(ctx, *args)`` here, gather every rank's result
-    on rank 0 (others get None). The process group stays up for :func:`agree`."""
-    import torch
-    import torch.distributed as dist
-
-    ctx = context(backend)
-    if ctx.device.startswith("cuda"):
-        torch.cuda.set_device(ctx.device)
-    with Watchdog(timeout, ctx.rank, "joining the process group"):
-        try:
-            dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
-        except Exception as exc:  # a rendezvous that fails is the cluster's problem, said plainly
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            raise WorldStartError(f"rank {ctx.rank}: could not join the {ctx.backend} process group at {where}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-    with Watchdog(timeout, ctx.rank, f"{getattr(task, '__name__', 'the task')}"):
-        result = task(ctx, *args)
-        gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-    return ctx, gathered
-
-
-def agree(ctx: RankContext, value: int, timeout: float = TIMEOUT_S) -> int:
-    """Rank 0's ``value`` on every rank (e.g. the exit code), then leave the process group."""
-    import torch.distributed as dist
-
-    with Watchdog(timeout, ctx.rank, "sharing the verdict"):
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        dist.destroy_process_group()
-    return int(box[0])

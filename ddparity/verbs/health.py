@@ -9,7 +9,8 @@ The ranks measure (:mod:`ddparity.harness.health_task`), rank 0 or the controlle
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import NoReturn
 
 from ddparity.checks.health import judge
 from ddparity.errors import WorldFailure
@@ -55,10 +56,7 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     try:
         outcomes = world.start().run(health_task, opts, timeout=timeout)
     except WorldFailure as exc:
-        ended = failure(exc)
-        report.failure = {"status": ended.status, "reason": render_failure(ended), "hang": json_or_none(ended.hang),
-                          "crash": json_or_none(ended.crash)}
-        return report
+        return _failed(report, exc)
     finally:
         world.close()
     report.ranks = list(outcomes)
@@ -66,23 +64,41 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     return report
 
 
-def health_under_torchrun(backend: str = "auto", timeout: float = TIMEOUT_S, min_busbw: float | None = None,
-                          sizes_mib: tuple[float, ...] | None = None) -> tuple[Any, HealthReport | None]:
-    """This process's part of a torchrun-launched health check: ``(ctx, report)``, the
-    report on rank 0 only."""
-    from ddparity.harness import torchrun
+def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
+                          min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> NoReturn:
+    """This process's part of a torchrun-launched health check: every launched process
+    measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
+    to ``emit``; every process exits with its code. Hangs and crashes are found by the
+    launch's watch threads (:mod:`ddparity.harness.launchwatch`)."""
+    from ddparity.verbs.launched import everyone
 
     opts = options(sizes_mib)
     _check_numbers(timeout, min_busbw)
-    ctx, gathered = torchrun.run(health_task, opts, backend=backend, timeout=timeout)
-    if gathered is None:
-        return ctx, None
-    report = HealthReport("torchrun", ctx.backend, ctx.world_size, ranks=list(gathered),
-                          repro=health_repro("torchrun <the same launch options> -m ddparity.cli",
-                                             f"--backend {ctx.backend}", timeout, min_busbw, opts.sizes_bytes,
-                                             FAULT_ENV))
+
+    def report_for(backend: str, world_size: int) -> HealthReport:
+        return HealthReport("torchrun", backend, world_size,
+                            repro=health_repro("torchrun <the same launch options> -m ddparity", f"--backend {backend}",
+                                               timeout, min_busbw, opts.sizes_bytes, FAULT_ENV))
+
+    def failed(exc: WorldFailure, stage: int) -> int:
+        report = _failed(report_for(me.ctx.backend, me.ctx.world_size), exc)
+        emit(report)
+        return report.exit_code
+
+    me = everyone(backend, timeout, failed)
+    ranks = me.run(None, health_task, opts)
+    report = report_for(me.ctx.backend, me.ctx.world_size)
+    report.ranks = list(ranks)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw)
-    return ctx, report
+    emit(report)
+    me.watch.finish(report.exit_code)
+
+
+def _failed(report: HealthReport, exc: WorldFailure) -> HealthReport:
+    ended = failure(exc)
+    report.failure = {"status": ended.status, "reason": render_failure(ended), "hang": json_or_none(ended.hang),
+                      "crash": json_or_none(ended.crash)}
+    return report
 
 
 def _check_numbers(timeout: float, min_busbw: float | None) -> None:

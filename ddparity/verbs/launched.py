@@ -187,7 +187,7 @@ class _LaunchedCheck:
         from ddparity.verbs.check import judge_ddp
 
         store, n = self.launch.store, self.ctx.world_size
-        while not all(store.check([f"R{r}"]) for r in range(n)):
+        while not store.check([f"R{r}" for r in range(n)]):  # one round trip: all there?
             time.sleep(0.05)
         if not self.watch.claim():
             self.watch.idle()
@@ -279,19 +279,70 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     me.watch.finish(me.report_completed())
 
 
+class _Everyone:
+    """A launch in which every rank runs one task (``profile``'s timed steps, ``health``'s
+    measurements); rank 0 may first run one alone (stage 1)."""
+
+    def __init__(self, backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> None:
+        from ddparity.harness.recorder import install_recorder
+        from ddparity.harness.sidechannel import RankChannel
+
+        self.timeout = timeout
+        self.launch = torchrun.connect(backend, timeout, tasks=(1, 2))
+        self.ctx, self.store = self.launch.ctx, self.launch.store
+        self.recorder = install_recorder(RankChannel(self.store, "", self.ctx.rank))
+        self.watch = LaunchWatch(self.store, self.ctx.rank, self.ctx.world_size, timeout, failed, LiveWatch())
+
+    def alone(self, task: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0: ``task`` in a process group of its own (world size 1)."""
+        import dataclasses
+
+        with torchrun.alone(self.ctx.backend):
+            self.recorder.begin_task(1)
+            value = task(dataclasses.replace(self.ctx, world_size=1), *args)
+            self.recorder.end_task()
+        return value
+
+    def run(self, first: Callable[[], None] | None, task: Callable[..., Any], *args: Any) -> list[Any]:
+        """``first()`` on rank 0 (stage 1, e.g. :meth:`alone`), then ``task(ctx, *args)`` on
+        every rank; rank 0 gets every rank's value, once it holds the right to report (the
+        others, and rank 0 without it, wait here for the verdict)."""
+        import cloudpickle
+
+        ctx, store = self.ctx, self.store
+        try:
+            if ctx.rank == 0:
+                if first is not None:
+                    first()
+                store.set("go", "1")
+            while not store.check(["go"]):
+                time.sleep(0.05)
+            self.watch.stage = 2
+            torchrun.form_world(self.launch, self.timeout)
+            self.recorder.begin_task(2)
+            value = task(ctx, *args)
+            self.recorder.end_task()
+            store.set(f"R{ctx.rank}", cloudpickle.dumps(value))
+        except KeyboardInterrupt:
+            os._exit(130)
+        except BaseException as exc:
+            self.watch.fail(exc)
+        if ctx.rank != 0:
+            self.watch.idle()
+        while not store.check([f"R{r}" for r in range(ctx.world_size)]):
+            time.sleep(0.05)
+        if not self.watch.claim():
+            self.watch.idle()
+        return [cloudpickle.loads(store.get(f"R{r}")) for r in range(ctx.world_size)]
+
+
 def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
                      emit: Callable[[Any], None]) -> NoReturn:
     """This process's part of ``profile`` in a launch: rank 0 times the case on its own
     first (world size 1, in a process group of its own: the baseline of the scaling
     figure), then every rank times DDP steps; rank 0 summarises both and reports; every
     process exits with the report's code."""
-    import dataclasses
-
-    import cloudpickle
-
     from ddparity.checks.comm import add_scaling, summarize
-    from ddparity.harness.recorder import install_recorder
-    from ddparity.harness.sidechannel import RankChannel
     from ddparity.harness.tasks import profile_task
     from ddparity.harness.training import initial_state
     from ddparity.report import ProfileReport
@@ -300,54 +351,35 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     if backend == "threaded":
         raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
     case = case.validate()
-    launch = torchrun.connect(backend, timeout, tasks=(1, 2))
-    ctx, store = launch.ctx, launch.store
-    recorder = install_recorder(RankChannel(store, "", ctx.rank))
     started = time.perf_counter()
     runs: list[Any] = []
 
     def failed(exc: WorldFailure, stage: int) -> int:
-        ws = 1 if stage == 1 else ctx.world_size
-        report = ProfileReport(case.label, [*runs, failed_run(ws, ctx.backend, exc, time.perf_counter() - started)])
+        ws = 1 if stage == 1 else me.ctx.world_size
+        report = ProfileReport(case.label, [*runs, failed_run(ws, me.ctx.backend, exc, time.perf_counter() - started)])
         emit(report)
         return report.exit_code
 
-    def timed(world: Any, stage: int) -> Any:
-        recorder.begin_task(stage)
-        profile = profile_task(world, case, initial_state(case), steps, warmup)  # DDP broadcasts rank 0's state
-        recorder.end_task()
-        return profile
+    def baseline() -> None:
+        one = summarize([me.alone(profile_task, case, initial_state(case), steps, warmup)], me.ctx.backend)
+        one.notes.append("rank 0 alone: the baseline of the scaling figure")
+        runs.append(one)
 
-    watch = LaunchWatch(store, ctx.rank, ctx.world_size, timeout, failed, LiveWatch())
-    try:
-        if ctx.rank == 0:
-            with torchrun.alone(ctx.backend):
-                one = summarize([timed(dataclasses.replace(ctx, world_size=1), 1)], ctx.backend)
-            one.notes.append("rank 0 alone: the baseline of the scaling figure")
-            runs.append(one)
-            store.set("go", "1")
-        while not store.check(["go"]):
-            time.sleep(0.05)
-        watch.stage = 2
-        torchrun.form_world(launch, timeout)
-        store.set(f"R{ctx.rank}", cloudpickle.dumps(timed(ctx, 2)))
-    except KeyboardInterrupt:
-        os._exit(130)
-    except BaseException as exc:
-        watch.fail(exc)
-    if ctx.rank != 0:
-        watch.idle()
-    while not all(store.check([f"R{r}"]) for r in range(ctx.world_size)):
-        time.sleep(0.05)
-    if not watch.claim():
-        watch.idle()
-    run = summarize([cloudpickle.loads(store.get(f"R{r}")) for r in range(ctx.world_size)], ctx.backend)
+    me = _Everyone(backend, timeout, failed)
+    # every rank builds the initial state from the seed; DDP broadcasts rank 0's anyway
+    profiles = me.run(baseline, lambda ctx: profile_task(ctx, case, initial_state(case), steps, warmup))
+    run = summarize(profiles, me.ctx.backend)
     run.seconds = time.perf_counter() - started
-    run.notes.append(f"launched: {_processes(ctx.world_size)}; bus bandwidth over the launch's own interconnect")
+    run.notes.append(f"launched: {_processes(me.ctx.world_size)}; bus bandwidth over the launch's own interconnect")
     report = ProfileReport(case.label, [*runs, run])
     add_scaling(report.runs)
     emit(report)
-    watch.finish(report.exit_code)
+    me.watch.finish(report.exit_code)
 
 
-__all__ = ["check_launched", "launch_options", "profile_launched"]
+def everyone(backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> _Everyone:
+    """A launch in which every rank runs one task (see :class:`_Everyone`)."""
+    return _Everyone(backend, timeout, failed)
+
+
+__all__ = ["check_launched", "everyone", "launch_options", "profile_launched"]
