@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -81,10 +82,10 @@ class Case:
             raise UsageError(f"Case.optimizer must be a name or a callable, got {self.optimizer!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise UsageError(f"Case.steps must be an int >= 1, got {self.steps!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise UsageError(f"Case.seed must be an int, got {self.seed!r}")
-        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise UsageError(f"Case.lr must be a positive number, got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise UsageError(f"Case.seed must be an int with 0 <= seed < 2**63 (torch's generators), got {self.seed!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise UsageError(f"Case.lr must be a positive, finite number, got {self.lr!r}")
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise UsageError(f"Case.dtype must be a floating torch.dtype such as torch.float32, got {self.dtype!r}")
         unknown = sorted(set(self.ddp_options) - set(DDP_OPTIONS))

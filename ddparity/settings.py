@@ -90,7 +90,7 @@ def _is_number(value: Any) -> bool:
 
 
 def validate_modes(modes: Any, where: str) -> tuple[str, ...]:
-    modes = tuple(modes)
+    modes = tuple(_sequence(modes, "modes", where, "('single', 'ddp')"))
     if not modes:
         raise UsageError(f"{where}: no modes given; use one or more of: {', '.join(MODES)}")
     for mode in modes:
@@ -100,7 +100,7 @@ def validate_modes(modes: Any, where: str) -> tuple[str, ...]:
 
 
 def validate_world_sizes(sizes: Any, where: str) -> tuple[int, ...]:
-    sizes = tuple(sizes)
+    sizes = tuple(_sequence(sizes, "world_sizes", where))
     if not sizes:
         raise UsageError(f"{where}: no world sizes given; use e.g. --world-sizes 1,2,4")
     for ws in sizes:
@@ -120,17 +120,41 @@ def validate_backend(backend: Any, where: str, choices: tuple[str, ...] = CHECK_
     return str(backend)
 
 
+MIN_TIMEOUT_S = 1.0
+"""Ranks publish that they are computing once a second: a shorter timeout would take a
+clean step for a hang."""
+
+
+def _timeout_problem(value: float) -> str | None:
+    if not math.isfinite(value):
+        return "must be a finite number of seconds (an infinite one would never report a hang)"
+    if not value >= MIN_TIMEOUT_S:
+        return (f"must be at least {MIN_TIMEOUT_S:g} s (ranks publish their progress every second: a shorter "
+                f"timeout takes a clean step for a hang)" if value > 0 else "must be a positive number of seconds")
+    return None
+
+
 def validate_timeout(timeout: Any, where: str) -> float:
-    if not _is_number(timeout) or not timeout > 0:
-        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    problem = _timeout_problem(timeout) if _is_number(timeout) else "must be a positive number of seconds"
+    if problem:
+        raise UsageError(f"{where}: timeout {problem}, got {timeout!r}")
     return timeout
+
+
+def _tolerance_ok(value: float) -> bool:
+    """A relative tolerance compares: finite, >= 0 (0 = bit-exact) and below 1 (1 would pass
+    a tensor that is all zeros, or twice its size)."""
+    return math.isfinite(value) and 0 <= value < 1
+
+
+TOLERANCE_HELP = "tolerance must be 'auto' or a relative tolerance 0 <= t < 1 (0 = bit-exact)"
 
 
 def validate_tolerance(tolerance: Any, where: str) -> str | float:
     if tolerance == "auto":
         return "auto"
-    if not _is_number(tolerance) or not tolerance >= 0:
-        raise UsageError(f"{where}: tolerance must be 'auto' or a number >= 0 (relative), got {tolerance!r}")
+    if not _is_number(tolerance) or not _tolerance_ok(tolerance):
+        raise UsageError(f"{where}: {TOLERANCE_HELP}, got {tolerance!r}")
     return tolerance
 
 
@@ -168,6 +192,8 @@ def _split(text: str) -> list[str]:
 
 
 def parse_world_sizes(text: str, where: str) -> tuple[int, ...]:
+    if any(not part.strip() for part in text.split(",")):
+        raise UsageError(f"{where}: an empty world size in {text!r}; give integers separated by commas, e.g. 1,2,4")
     try:
         sizes = tuple(int(part) for part in _split(text))
     except ValueError:
@@ -186,8 +212,9 @@ def parse_timeout(text: str, where: str) -> float:
         value = float(text)
     except ValueError:
         raise UsageError(f"{where}: timeout must be a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {text!r}")
+    problem = _timeout_problem(value)
+    if problem:
+        raise UsageError(f"{where}: timeout {problem}, got {text!r}")
     return value
 
 
@@ -198,8 +225,8 @@ def parse_tolerance(text: str, where: str) -> str | float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not value >= 0:
-        raise UsageError(f"{where}: tolerance must be 'auto' or a number >= 0 (relative), got {text!r}")
+    if not _tolerance_ok(value):
+        raise UsageError(f"{where}: {TOLERANCE_HELP}, got {text!r}")
     return value
 
 
@@ -303,9 +330,9 @@ class WorldSpec:
             raise UsageError(f"threads_per_rank must be an int >= 1, got {self.threads_per_rank!r}")
 
 
-def _sequence(value: Any, name: str, where: str) -> Any:
+def _sequence(value: Any, name: str, where: str, example: str = "(1, 2, 4)") -> Any:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise UsageError(f"{where}: {name} must be a sequence such as (1, 2, 4), got {value!r}")
+        raise UsageError(f"{where}: {name} must be a sequence such as {example}, got {value!r}")
     return value
 
 

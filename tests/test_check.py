@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -185,6 +187,14 @@ def test_fixed_tolerance_zero_demands_bit_exactness_and_float_passes():
         (dict(world_sizes=(0,)), "world size must be an integer >= 1"),
         (dict(tolerance="loose"), "tolerance must be 'auto'"),
         (dict(timeout=0), "timeout must be a positive"),
+        (dict(timeout=math.inf), "timeout must be a finite number"),
+        (dict(timeout=math.nan), "timeout must be a finite number"),
+        (dict(timeout=0.001), "timeout must be at least 1 s"),
+        (dict(tolerance=math.inf), "relative tolerance 0 <= t < 1"),
+        (dict(tolerance=math.nan), "relative tolerance 0 <= t < 1"),
+        (dict(tolerance=1.0), "relative tolerance 0 <= t < 1"),
+        (dict(world_sizes=2), "world_sizes must be a sequence such as"),
+        (dict(modes="single,ddp"), "modes must be a sequence such as"),
     ],
 )
 def test_bad_options_are_usage_errors(kwargs, message):

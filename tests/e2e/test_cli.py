@@ -166,7 +166,12 @@ def test_demo_faults_reports_every_fault_as_expected():
         pytest.param(["{file}:clean", "--backend", "nccl"], "nccl", marks=pytest.mark.skipif(
             cuda_device_count() > 0, reason="nccl is valid where GPUs exist")),
         (["{file}:clean", "--modes", "single,tpu"], "unknown mode 'tpu'"),
-        (["{file}:clean", "--tolerance", "tight"], "tolerance must be 'auto' or a number"),
+        (["{file}:clean", "--tolerance", "tight"], "tolerance must be 'auto' or a relative tolerance"),
+        (["{file}:clean", "--tolerance", "inf"], "tolerance must be 'auto' or a relative tolerance 0 <= t < 1"),
+        (["{file}:clean", "--tolerance", "nan"], "tolerance must be 'auto' or a relative tolerance 0 <= t < 1"),
+        (["{file}:clean", "--timeout", "inf"], "timeout must be a finite number of seconds"),
+        (["{file}:clean", "--timeout", "0.001"], "timeout must be at least 1 s"),
+        (["{file}:clean", "--world-sizes", "1,,2"], "an empty world size in '1,,2'"),
         ([], "missing TARGET"),
         (["--demo-faults", "--world-sizes", "1,2"], "fault injections need world sizes >= 2"),
         (["--demo", "--demo-faults"], "give one of TARGET, --demo or --demo-faults"),
