@@ -104,6 +104,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "world_size(*sizes): run the test once per world size (ids ws2, ws4); without arguments, "
         "the --ddparity-world-sizes setting",
     )
+    config.addinivalue_line(
+        "markers",
+        "ddparity_timeout(seconds): this test's timeout for the world and parity fixtures (default "
+        "--ddparity-timeout)",
+    )
     config.stash[SETTINGS] = PluginSettings.from_config(config)
     config.stash[RUNS] = []
     if config.pluginmanager.hasplugin("xdist"):
@@ -148,16 +153,53 @@ def ddparity_pool(request: pytest.FixtureRequest) -> Any:
     return pool
 
 
+def _timeout(request: pytest.FixtureRequest) -> float:
+    """The test's ``@pytest.mark.ddparity_timeout(SECONDS)``, else the session's setting."""
+    marker = request.node.get_closest_marker("ddparity_timeout")
+    if marker is None:
+        return request.config.stash[SETTINGS].timeout
+    if len(marker.args) != 1 or marker.kwargs:
+        raise pytest.UsageError(f"{request.node.nodeid}: use @pytest.mark.ddparity_timeout(SECONDS)")
+    try:
+        return settings.validate_timeout(marker.args[0], "@pytest.mark.ddparity_timeout")
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+class _TimedWorld:
+    """The pool's World, with the test's timeout as every task's default (a task that hangs
+    fails its test at ``--ddparity-timeout``, not at the World's own 300 s)."""
+
+    def __init__(self, world: Any, timeout: float) -> None:
+        self._world, self._timeout = world, timeout
+
+    def run(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._world.run(fn, *args, timeout=self._timeout if timeout is None else timeout, **kwargs)
+
+    def execute(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._world.execute(fn, *args, timeout=self._timeout if timeout is None else timeout, **kwargs)
+
+    def submit(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._world.submit(fn, *args, timeout=self._timeout if timeout is None else timeout, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._world, name)
+
+    def __repr__(self) -> str:
+        return f"{self._world!r} (task timeout {self._timeout:g} s)"
+
+
 @pytest.fixture
 def world(request: pytest.FixtureRequest, world_size: int, ddparity_pool: Any) -> Any:
     """A warm :class:`ddparity.World` of the test's world size, shared across tests; a
-    world whose ranks died or hung is rebuilt before the next task."""
-    settings = request.config.stash[SETTINGS]
+    world whose ranks died or hung is rebuilt before the next task. Tasks time out at the
+    session's ``--ddparity-timeout`` (or the test's ``@pytest.mark.ddparity_timeout``)."""
+    session = request.config.stash[SETTINGS]
     from ddparity.verbs.plan import choose_backend
 
     try:
-        backend = choose_backend(settings.backend, (world_size,))
-        return ddparity_pool.get(world_size, backend)
+        backend = choose_backend(session.backend, (world_size,))
+        return _TimedWorld(ddparity_pool.get(world_size, backend), _timeout(request))
     except UsageError as exc:
         pytest.skip(str(exc))
 
@@ -176,7 +218,7 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
         from ddparity.verbs.plan import choose_backend
 
         options.setdefault("backend", settings.backend)
-        options.setdefault("timeout", settings.timeout)
+        options.setdefault("timeout", _timeout(request))
         options.setdefault("world_sizes", sizes)
         try:
             choose_backend(options["backend"], tuple(options["world_sizes"]))

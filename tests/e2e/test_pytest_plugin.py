@@ -258,3 +258,36 @@ def test_falsifying_example_is_printed(case):
     result.assert_outcomes(passed=1, failed=1)
     # hypothesis < 6.170 heads the example "Falsifying example:", newer ones "Failing test case:"
     result.stdout.re_match_lines([r".*(Falsifying example|Failing test case).*", r".*case=Case\(model=MLPFactory\(sizes=\(.*"])
+
+
+def test_the_world_fixture_honours_the_session_timeout_and_a_tests_own(pytester):
+    pytester.makepyfile(test_world_hang='''
+import time
+import pytest
+
+def wait_or_sleep(ctx):
+    import torch.distributed as dist
+    if ctx.rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+@pytest.mark.world_size(2)
+def test_session_timeout(world):
+    world.run(wait_or_sleep)
+
+@pytest.mark.world_size(2)
+@pytest.mark.ddparity_timeout(2)
+def test_own_timeout(world):
+    world.run(wait_or_sleep)
+
+@pytest.mark.world_size(2)
+def test_after(world):
+    assert world.run(lambda ctx: ctx.rank) == [0, 1]
+''')
+    started = time.monotonic()
+    result = run(pytester, "--ddparity-timeout", "4", "-v")
+    assert time.monotonic() - started < 120  # not the World's own 300 s, twice
+    result.stdout.fnmatch_lines(["*test_session_timeout?ws2? FAILED*", "*test_own_timeout?ws2? FAILED*",
+                                 "*test_after?ws2? PASSED*"])
+    result.stdout.fnmatch_lines(["*made no progress on task * for 4 s*"])
+    result.stdout.fnmatch_lines(["*made no progress on task * for 2 s*"])
