@@ -185,6 +185,8 @@ def load_target(target: str) -> Any:
                 f"cannot import module {where!r} for target {target!r}: {exc}; check the name, "
                 "run from the directory that contains it, or give a file path instead"
             ) from None
+        except SystemExit as exc:
+            raise UsageError(_exited(f"importing {where!r}", exc)) from None
         except Exception as exc:
             raise UsageError(f"importing {where!r} raised {type(exc).__name__}: {exc}") from None
     try:
@@ -213,11 +215,19 @@ def _import_file(path: str, target: str) -> Any:
         sys.path.insert(0, directory)  # its own sibling imports work, as under `python file.py`
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[name]
+        raise UsageError(_exited(f"importing {path!r}", exc)) from None
     except Exception as exc:
         del sys.modules[name]
         raise UsageError(f"importing {path!r} raised {type(exc).__name__}: {exc}") from None
     cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def _exited(doing: str, exc: SystemExit) -> str:
+    return (f"{doing} called sys.exit({exc.code!r}): code that builds a Case must not exit (put a script's "
+            f"own work under `if __name__ == \"__main__\":`)")
 
 
 def load_case(target: str) -> Case:
@@ -228,6 +238,8 @@ def load_case(target: str) -> Case:
     elif callable(fn):
         try:
             case = fn()
+        except SystemExit as exc:
+            raise UsageError(_exited(f"calling {target}", exc)) from None
         except Exception as exc:
             raise UsageError(f"{target} raised {type(exc).__name__}: {exc}") from None
     else:

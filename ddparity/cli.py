@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _health(args: argparse.Namespace) -> int:
     from ddparity.harness import torchrun
 
+    if not torchrun.launched() or os.environ.get("RANK") == "0":
+        _check_writable(args.json, "JSON health report")
     if torchrun.launched():
         from ddparity.errors import WorldStartError
         from ddparity.verbs.health import health_under_torchrun
@@ -134,6 +136,7 @@ def _profile(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)  # before minutes of profiling, not after
     if torchrun.launched():
         return _under_torchrun(args, "profile")
+    _check_writable(args.json, "JSON profile")
     if args.world_sizes is None:
         args.world_sizes = settings.PROFILE_WORLD_SIZES
 
@@ -164,6 +167,17 @@ def _profile(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _check_writable(path: str | None, what: str) -> None:
+    """An output path that cannot be written is bad input, found before any work (not a
+    verdict thrown away, or a divergence's exit 1 turned into 2, at the end)."""
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"cannot write the {what} to {path!r}: no directory {folder!r}")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise UsageError(f"cannot write the {what} to {path!r}: permission denied")
+
+
 def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     """``check`` or ``profile`` inside a torchrun (or srun) launch: this process is one rank."""
     from ddparity.case import load_case
@@ -174,10 +188,8 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
         raise UsageError(f"under torchrun, {verb} one TARGET; the built-in demos run locally (ddparity {verb} --demo)")
     if not args.target:
         raise UsageError("missing TARGET (module:function or file.py:function returning a Case)")
-    if args.json and os.environ.get("RANK") == "0":
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise UsageError(f"cannot write the JSON report to {args.json!r}: {folder!r} is not a writable directory")
+    if os.environ.get("RANK") == "0":
+        _check_writable(args.json, "JSON report")
     timeout = settings.TIMEOUT_S if args.timeout is None else args.timeout
     if verb == "check":
         opts = launched.launch_options(args.modes, args.world_sizes, args.backend, timeout, args.tolerance, args.steps)
@@ -216,6 +228,7 @@ def _check(args: argparse.Namespace) -> int:
 
     if torchrun.launched():
         return _under_torchrun(args, "check")
+    _check_writable(args.json, "JSON report")
 
     if sum(map(bool, (args.demo, args.demo_faults, args.target))) > 1:
         raise UsageError("give one of TARGET, --demo or --demo-faults")

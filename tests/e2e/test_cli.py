@@ -47,6 +47,10 @@ USER_FILE = textwrap.dedent(
 
     def bad_optimizer():
         return Case(model=lambda: nn.Linear(6, 3), data=data, optimizer="sgdd")
+
+    def exits():
+        import sys
+        sys.exit(5)
     """
 )
 
@@ -172,6 +176,8 @@ def test_demo_faults_reports_every_fault_as_expected():
         (["{file}:clean", "--timeout", "inf"], "timeout must be a finite number of seconds"),
         (["{file}:clean", "--timeout", "0.001"], "timeout must be at least 1 s"),
         (["{file}:clean", "--world-sizes", "1,,2"], "an empty world size in '1,,2'"),
+        (["{file}:exits"], "called sys.exit(5): code that builds a Case must not exit"),
+        (["{file}:summed", "--json", "/no-such-dir-ddparity/r.json"], "no directory '/no-such-dir-ddparity'"),
         ([], "missing TARGET"),
         (["--demo-faults", "--world-sizes", "1,2"], "fault injections need world sizes >= 2"),
         (["--demo", "--demo-faults"], "give one of TARGET, --demo or --demo-faults"),
