@@ -1,4 +1,6 @@
-"""A rank's stdout and stderr, drained by a thread in the controller."""
+"""A rank's stdout and stderr, drained by a thread in the controller: the last
+:data:`TAIL_BYTES` of each task's output are kept (a rank that prints gigabytes costs the
+controller a megabyte), with a note of how much was dropped."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from multiprocessing.connection import Connection
 from ddparity.harness.protocol import OUTPUT_END_MARK
 
 _END_MARK_RE = re.compile(re.escape(OUTPUT_END_MARK).replace(b"%d", rb"\d+"))
+_MARK_HEAD = OUTPUT_END_MARK.split(b"%d")[0]
+TAIL_BYTES = 1 << 20
 
 
 class OutputReader(threading.Thread):
@@ -20,6 +24,7 @@ class OutputReader(threading.Thread):
         super().__init__(name=f"ddparity-output-rank{rank}", daemon=True)
         self._conn = conn
         self._buffer = bytearray()
+        self._dropped = 0
         self._cond = threading.Condition()
         self.closed = False
 
@@ -36,8 +41,26 @@ class OutputReader(threading.Thread):
                     self._cond.notify_all()
                     break
                 self._buffer += chunk
+                self._trim()
                 self._cond.notify_all()
         self._conn.close()
+
+    def _trim(self) -> None:
+        """Keep the tail of the task's output (call with the lock held): up to the first
+        task-end mark still to be taken, what follows it being the next task's."""
+        mark = self._buffer.find(_MARK_HEAD)
+        excess = (len(self._buffer) if mark < 0 else mark) - TAIL_BYTES
+        if excess > 0:
+            del self._buffer[:excess]
+            self._dropped += excess
+
+    def _note(self) -> bytes:
+        """What was dropped since the last take (call with the lock held)."""
+        dropped, self._dropped = self._dropped, 0
+        if not dropped:
+            return b""
+        return (f"[ddparity: {dropped} bytes of this rank's earlier output dropped; the last "
+                f"{TAIL_BYTES >> 20} MiB kept]\n").encode()
 
     def take_until(self, mark: bytes, timeout: float) -> str:
         """Everything up to ``mark`` (removed with it), or all there is after ``timeout``."""
@@ -54,6 +77,7 @@ class OutputReader(threading.Thread):
             else:
                 data = bytes(self._buffer[:cut])
                 del self._buffer[: cut + len(mark)]
+            data = self._note() + data
         return data.decode("utf-8", "replace")
 
     @property
@@ -66,5 +90,5 @@ class OutputReader(threading.Thread):
         if settle:
             self.join(settle)
         with self._cond:
-            data, self._buffer = bytes(self._buffer), bytearray()
+            data, self._buffer = self._note() + bytes(self._buffer), bytearray()
         return _END_MARK_RE.sub(b"", data).decode("utf-8", "replace")

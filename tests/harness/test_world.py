@@ -64,6 +64,25 @@ def test_output_is_captured_per_rank_including_c_level(world2):
         assert "ddparity-task-end" not in outcome.output
 
 
+def _flood(ctx):
+    import sys
+
+    line = "x" * 1023 + "\n"
+    for _ in range(5 * 1024):  # 5 MiB on every rank
+        sys.stdout.write(line)
+    print(f"last line of rank {ctx.rank}")
+    return ctx.rank
+
+
+def test_a_rank_that_prints_megabytes_keeps_only_its_tail_with_a_note(world2):
+    outcomes = world2.execute(_flood)
+    for o in outcomes:
+        assert len(o.output) < (1 << 20) + 200
+        assert o.output.startswith("[ddparity: ") and "bytes of this rank's earlier output dropped" in o.output
+        assert o.output.rstrip().endswith(f"last line of rank {o.rank}")
+    assert world2.run(lambda ctx: ctx.rank) == [0, 1]  # the stream is still cut at task ends
+
+
 def test_a_raising_task_reports_the_rank_and_leaves_a_usable_world(world2):
     def fails_on_one(ctx):
         if ctx.rank == 1:
