@@ -186,7 +186,12 @@ def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
             f"Case(loss=lambda out, y: torch.nn.functional.{name}(out.{field}, y)), or your own "
             f"Case(train_step=...)"
         )
-    return replica.loss_fn(outputs, targets)
+    loss = replica.loss_fn(outputs, targets)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaseError(f"the loss must be a tensor with one element, got {got} (a reduction='none' loss? "
+                        f"reduce it, e.g. .mean(), as your training does)")
+    return loss
 
 
 def sync_off(wrapped: Any) -> Callable[[], Any] | None:
@@ -215,6 +220,9 @@ def build_model(case: Case) -> Any:
         raise CaseError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, torch.nn.Module):
         raise CaseError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
+    if next(model.parameters(), None) is None:
+        raise CaseError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train, "
+                        f"synchronise or compare; give a model with parameters")
     return model
 
 

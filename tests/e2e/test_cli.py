@@ -51,6 +51,13 @@ USER_FILE = textwrap.dedent(
     def exits():
         import sys
         sys.exit(5)
+
+    def no_params():
+        return Case(model=nn.ReLU, data=data)
+
+    def per_sample_loss():
+        return Case(model=lambda: nn.Linear(6, 3), data=data,
+                    loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
     """
 )
 
@@ -177,6 +184,8 @@ def test_demo_faults_reports_every_fault_as_expected():
         (["{file}:clean", "--timeout", "0.001"], "timeout must be at least 1 s"),
         (["{file}:clean", "--world-sizes", "1,,2"], "an empty world size in '1,,2'"),
         (["{file}:exits"], "called sys.exit(5): code that builds a Case must not exit"),
+        (["{file}:no_params"], "the model (ReLU) has no parameters"),
+        (["{file}:per_sample_loss"], "the loss must be a tensor with one element, got a tensor of shape [8]"),
         (["{file}:summed", "--json", "/no-such-dir-ddparity/r.json"], "no directory '/no-such-dir-ddparity'"),
         ([], "missing TARGET"),
         (["--demo-faults", "--world-sizes", "1,2"], "fault injections need world sizes >= 2"),
@@ -189,6 +198,7 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, mess
     text = result.stdout + result.stderr
     assert message in text
     assert "Traceback" not in result.stderr
+    assert "ddparity/harness/rank.py" not in text  # never a traceback through ddparity's rank loop
 
 
 def test_modes_single_dp_ddp_label_the_simulated_runs(tmp_path):
