@@ -7,9 +7,11 @@ preloaded torch when forking here is unsafe (see :func:`start_method`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import multiprocessing
 import signal
+import threading
 import time
 from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection, wait
@@ -124,6 +126,23 @@ def queued(conn: Connection) -> list[Any]:
             return messages
 
 
+_LAUNCHER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _started(proc: Any) -> None:
+    """``proc.start()`` from a thread that lives as long as this process. A rank asks to be
+    killed when its parent dies (``PR_SET_PDEATHSIG``), and the kernel ties that to the
+    *thread* that forked it: a World started from a worker thread (a check in a
+    ThreadPoolExecutor) would lose its ranks when that thread ends."""
+    global _LAUNCHER
+    if threading.current_thread() is threading.main_thread():
+        proc.start()
+        return
+    if _LAUNCHER is None:
+        _LAUNCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddparity-launcher")
+    _LAUNCHER.submit(proc.start).result()
+
+
 def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
     """Start one process per spec (``fork`` or ``forkserver``) into ``ranks``, each with a
     control pipe and an output pipe read by an :class:`OutputReader`."""
@@ -157,12 +176,12 @@ def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
             enabled = gc.isenabled()
             gc.disable()
             try:
-                proc.start()
+                _started(proc)
             finally:
                 if enabled:
                     gc.enable()
         else:
-            proc.start()
+            proc.start()  # the forkserver forks it: its parent is the forkserver's main thread
         ranks.procs.append(proc)
         ranks.controls.append(controls[rank][0])
         controls[rank][1].close()

@@ -280,3 +280,21 @@ def test_a_rank_that_dies_after_its_task_is_noticed_and_replaced(caplog):
             assert world.run(lambda ctx: ctx.rank) == [0, 1]
         assert world.generation == gen + 1
         assert "rank 1 died after its last task finished (exit code 9)" in caplog.text
+
+
+def test_a_world_started_from_a_thread_that_ends_keeps_its_ranks():
+    """A rank's death signal is tied to the thread that forked it: ranks forked from a worker
+    thread (a check in a ThreadPoolExecutor) must not die when that thread ends."""
+    import threading
+
+    world = World(2)
+    try:
+        starter = threading.Thread(target=world.start)
+        starter.start()
+        starter.join()
+        pids = world.pids
+        time.sleep(1.5)  # SIGKILL would have come at once
+        assert all(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        assert world.run(lambda ctx: ctx.rank) == [0, 1] and world.pids == pids  # the same ranks, no rebuild
+    finally:
+        world.close()
