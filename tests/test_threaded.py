@@ -81,6 +81,7 @@ def test_a_raising_simulated_rank_is_a_crash_naming_it(pool):
                 backend="threaded", pool=pool).runs[0]
     assert run.status == "crash" and run.crash["rank"] == 5
     assert "simulated rank 5: ValueError: bad shard" in run.crash["error"]
+    assert run.simulated and run.to_json()["simulated"] is True  # a failed simulated run is still simulated
 
 
 def test_a_hung_simulated_rank_is_reported_and_the_process_replaced(pool):
@@ -88,7 +89,7 @@ def test_a_hung_simulated_rank_is_reported_and_the_process_replaced(pool):
     report = check(Case(model=lambda: RaisesOnRank5(hang=True), data=classes, steps=2), modes=("ddp",),
                    world_sizes=(8,), backend="threaded", timeout=3, pool=pool)
     run = report.runs[0]
-    assert run.status == "hang" and report.exit_code == 3
+    assert run.status == "hang" and report.exit_code == 3 and run.simulated
     stacks = "".join(info["stack"] for info in run.hang["ranks"].values())
     assert "ddparity-simulated-rank5" in stacks  # the stuck thread, by name, with its stack
     assert "forward" in stacks

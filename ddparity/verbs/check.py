@@ -186,6 +186,7 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
         return started, world.submit(ddp_task, case, spool.path, timeout=opts.timeout, watch=LiveWatch())
     except WorldStartError as exc:
         return started, RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
+                                  simulated=backend == "threaded",
                                   seconds=time.perf_counter() - started,
                                   repro=check_repro(case, "ddp", ws, backend, opts.tolerance))
 
@@ -199,7 +200,9 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     try:
         outcomes = pending.result()
     except WorldFailure as exc:
-        return failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
+        failed = failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
+        failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
+        return failed
     simulated = backend == "threaded"
     runs = outcomes[0].value if simulated else [o.value for o in outcomes]
     records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
