@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -257,7 +258,26 @@ class _ForkserverRank(multiprocessing.get_context("forkserver").Process):  # typ
         return _NoMainPopen(process_obj)
 
 
+def _let_the_forkserver_go() -> None:
+    """A forkserver child holds the write end of the forkserver's "alive" pipe, so the
+    forkserver (this rank's parent) would outlive the controller as long as the rank does,
+    and the rank's death signal, tied to its parent, would never fire: ranks of a killed
+    controller lived on (a forked rank inherits the controller's copy). A rank never asks the
+    forkserver for processes: it lets go."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+
+
 def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherited: tuple[int, ...]) -> None:
+    _let_the_forkserver_go()  # a forked rank too: it inherited the controller's copy
     gc.freeze()  # what a forked rank inherited is never collected here (see start_ranks)
     gc.enable()
     from ddparity.harness.rank import rank_main

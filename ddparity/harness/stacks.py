@@ -10,8 +10,11 @@ import subprocess
 import sys
 import time
 
-PY_SPY_TIMEOUT_S = 5.0
+PY_SPY_TIMEOUT_S = 3.5
 """The most a py-spy stack dump of all ranks (run side by side) may take."""
+PYTHON_PASS_S = 2.0
+"""Of which the Python stacks of every rank (milliseconds each) may take this much; native
+frames, slow to unwind from busy ranks on few cores, fill the rest of the budget."""
 
 
 def _py_spy() -> str | None:
@@ -53,32 +56,33 @@ def tidy_stack(text: str) -> str:
 
 
 def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S, native: bool = True) -> dict[int, str]:
-    """``py-spy dump --native`` of every pid, side by side; {} for those it cannot read
-    (no py-spy, ptrace not permitted). Native frames show where C++ code (gloo, NCCL)
-    waits; without them a rank inside a collective looks idle."""
+    """Every pid's stack, from ``py-spy dump``, side by side; {} for those it cannot read
+    (no py-spy, ptrace not permitted). First every rank's Python stack (fast, so a hang at
+    8 ranks on 2 cores is still reported within its bound), then, within what is left of
+    ``timeout``, ``--native`` dumps replace them where they finish: native frames show
+    where C++ code (gloo, NCCL) waits; without them a rank inside a collective looks idle."""
     exe = _py_spy()
     if exe is None or not pids:
         return {}
-
-    def launch(pid: int, native: bool) -> subprocess.Popen[str]:
-        cmd = [exe, "dump", "--pid", str(pid)] + (["--native"] if native else [])
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL)
-
     deadline = time.monotonic() + timeout
+    out = _dump(exe, pids, False, min(deadline, time.monotonic() + PYTHON_PASS_S))
+    if native:
+        out.update(_dump(exe, {r: pid for r, pid in pids.items()}, True, deadline))
+    return out
+
+
+def _dump(exe: str, pids: dict[int, int], native: bool, deadline: float) -> dict[int, str]:
+    procs = {r: subprocess.Popen([exe, "dump", "--pid", str(pid)] + (["--native"] if native else []),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+             for r, pid in pids.items()}
     out: dict[int, str] = {}
-    for with_native in (True, False) if native else (False,):
-        todo = {r: pid for r, pid in pids.items() if r not in out}
-        procs = {r: launch(pid, with_native) for r, pid in todo.items()}
-        for rank, proc in procs.items():
-            try:
-                text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                continue
-            if proc.returncode == 0 and text.strip():
-                out[rank] = tidy_stack(text)
-        if len(out) == len(pids) or time.monotonic() >= deadline:
-            break
+    for rank, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(0.05, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            continue
+        if proc.returncode == 0 and text.strip():
+            out[rank] = tidy_stack(text)
     return out

@@ -298,3 +298,30 @@ def test_a_world_started_from_a_thread_that_ends_keeps_its_ranks():
         assert world.run(lambda ctx: ctx.rank) == [0, 1] and world.pids == pids  # the same ranks, no rebuild
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tmp_path, how):
+    """``threads_per_rank=2`` starts ranks from the forkserver; the parent dies mid-task."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(
+        """
+        import time
+        from ddparity import World
+        world = World(2, threads_per_rank=2).start()
+        print(" ".join(map(str, world.pids)), flush=True)
+        world.run(lambda ctx: time.sleep(600))
+        """
+    ))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = {int(p) for p in proc.stdout.readline().split()}
+        assert len(ranks) == 2
+        time.sleep(1.0)  # the task is running
+        everything = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | ranks
+        proc.send_signal(how)
+        proc.wait(timeout=10)
+        assert not wait_gone(everything, 15), "the forkserver, its tracker or ranks outlived their parent"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
