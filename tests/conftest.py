@@ -22,11 +22,12 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     return alive
 
 
-HELPERS = ("forkserver", "resource_tracker")
+HELPERS = ("forkserver", "resource_tracker", "ddparity-janitor")
 
 
 def _is_helper(pid: int) -> bool:
-    """The forkserver or resource tracker itself (our direct child), not a rank the
+    """The forkserver, resource tracker or the janitor of multiprocessing's temporary
+    directory (our direct children, living as long as the session), not a rank the
     forkserver forked (same command line, but the forkserver's child)."""
     try:
         proc = psutil.Process(pid)

@@ -144,6 +144,22 @@ def _started(proc: Any) -> None:
     _LAUNCHER.submit(proc.start).result()
 
 
+_SWEPT: set[str] = set()
+
+
+def _clean_up_after_the_forkserver() -> None:
+    """multiprocessing's temporary directory (the forkserver's socket) is removed by a
+    finalizer that a killed controller never runs: a janitor removes it then."""
+    from multiprocessing import util
+
+    from ddparity.harness.spool import remove_when_gone
+
+    path = util.get_temp_dir()
+    if path not in _SWEPT:
+        _SWEPT.add(path)
+        remove_when_gone(path)
+
+
 def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
     """Start one process per spec (``fork`` or ``forkserver``) into ``ranks``, each with a
     control pipe and an output pipe read by an :class:`OutputReader`."""
@@ -183,6 +199,7 @@ def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
                     gc.enable()
         else:
             proc.start()  # the forkserver forks it: its parent is the forkserver's main thread
+            _clean_up_after_the_forkserver()
         ranks.procs.append(proc)
         ranks.controls.append(controls[rank][0])
         controls[rank][1].close()

@@ -60,6 +60,13 @@ shutil.rmtree(sys.argv[1], ignore_errors=True)
 on its node may be left to clean up)."""
 
 
+def remove_when_gone(path: str) -> None:
+    """Start a janitor that removes ``path`` once this process is gone (see :data:`JANITOR`)."""
+    subprocess.Popen([sys.executable, "-c", JANITOR, path, str(os.getpid()), "ddparity-janitor"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+
+
 class Spool:
     """The controller's handle on one check's spool directory (``janitor``: also removed
     should this process die without removing it)."""
@@ -68,8 +75,7 @@ class Spool:
         # 0700: this user only; named by the controller's pid, so leftovers can be told apart
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
         if janitor:
-            subprocess.Popen([sys.executable, "-c", JANITOR, self.path, str(os.getpid())], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            remove_when_gone(self.path)
 
     def abort(self) -> None:
         """Tell runs waiting for the reference that it will not come."""

@@ -313,7 +313,10 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
         world.run(lambda ctx: time.sleep(600))
         """
     ))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     try:
         ranks = {int(p) for p in proc.stdout.readline().split()}
         assert len(ranks) == 2
@@ -322,6 +325,7 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
         proc.send_signal(how)
         proc.wait(timeout=10)
         assert not wait_gone(everything, 15), "the forkserver, its tracker or ranks outlived their parent"
+        assert list(tmp.glob("pymp-*")) == []  # multiprocessing's directory (the forkserver's socket) too
     finally:
         proc.kill()
         proc.wait(timeout=10)
