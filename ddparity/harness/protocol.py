@@ -25,6 +25,7 @@ class RankSpec:
     threads: int
     loopback_ifname: str | None
     controller_pid: int = 0  # allowed to ptrace the rank (py-spy stacks) where ptrace is restricted
+    side_dir: str = ""  # the world's private side-channel folder (ddparity.harness.sidechannel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,11 +103,11 @@ def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
 
 
 def _install_recorder(spec: RankSpec, client) -> Recorder:  # noqa: ANN001
-    """The collective ledger and progress heartbeat, written to the controller's store."""
+    """The collective ledger and progress heartbeat, written to the world's private folder."""
     from ddparity.harness.recorder import install_recorder
-    from ddparity.harness.sidechannel import RankChannel
+    from ddparity.harness.sidechannel import FileRankChannel
 
-    return install_recorder(RankChannel(client, spec.store_prefix, spec.rank))
+    return install_recorder(FileRankChannel(spec.side_dir, spec.store_prefix, spec.rank))
 
 
 def encode_exception(exc: BaseException) -> bytes:

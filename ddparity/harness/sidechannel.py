@@ -1,12 +1,15 @@
-"""The side channel: per-task keys in the world's rendezvous store, readable while the
-process group is wedged.
+"""The side channel: per-task records of each rank, readable while the process group is
+wedged (a rank stuck in ``all_reduce``, or one that died, still leaves what it wrote).
 
-The store server runs in the controller (a thread of the TCPStore), not behind any
-collective, so a rank stuck in ``all_reduce`` or one that died still leaves what it wrote
-here. This module is transport only: the values are written and read by the codec in
-:mod:`ddparity.records`.
+Two transports, one interface (written and read by the codec in :mod:`ddparity.records`):
 
-Keys of task ``T`` for rank ``r`` (all under ``<world prefix>/side/t<T>/``):
+* local worlds: files in a private directory of the controller (mode 0700, see
+  :func:`private_root`): no other local user can read them, or write a record that
+  would change a verdict (a store on a loopback port takes any client's keys);
+* a launch (torchrun, srun), whose ranks are on several machines: keys in the launch's
+  own store (:class:`RankChannel`, :class:`TaskChannel`).
+
+Records of task ``T`` for rank ``r``:
 
 * ``P<r>`` — progress: the rank's latest position (step, phase, recent collectives),
   overwritten at every event. The watchdog polls these.
@@ -16,6 +19,9 @@ Keys of task ``T`` for rank ``r`` (all under ``<world prefix>/side/t<T>/``):
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from ddparity.records import RankRecords
@@ -87,3 +93,86 @@ class TaskChannel:
         for kind in KEY_LETTERS:
             for key in self._keys[kind]:
                 self._store.delete_key(key)
+
+
+_ROOT: str | None = None
+
+
+def private_root() -> str:
+    """This process's private directory for its worlds' side channels (0700, created once,
+    removed by a janitor when the process is gone)."""
+    global _ROOT
+    if _ROOT is None or not os.path.isdir(_ROOT):
+        from ddparity.harness.spool import remove_when_gone
+
+        _ROOT = tempfile.mkdtemp(prefix=f"ddparity-side-{os.getpid()}-")
+        remove_when_gone(_ROOT)
+    return _ROOT
+
+
+def _task_dir(directory: str, generation: str, task_id: int) -> str:
+    return os.path.join(directory, generation.replace("/", "_"), f"t{task_id}")
+
+
+class FileRankChannel:
+    """The rank's end of a local world's side channel: writes only, into the task's folder
+    (created by the controller before the task is sent)."""
+
+    def __init__(self, directory: str, generation: str, rank: int) -> None:
+        self._directory, self._generation, self._rank = directory, generation, rank
+        self._folder = ""
+
+    def begin(self, task_id: int) -> None:
+        self._folder = _task_dir(self._directory, self._generation, task_id)
+
+    def end(self) -> None:
+        self._folder = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self._folder)
+
+    def set_progress(self, value: str) -> None:
+        if self._folder:
+            path = os.path.join(self._folder, f"P{self._rank}")
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(value)
+            os.replace(path + ".tmp", path)  # a reader sees the old record or the new, never half
+
+    def append_ledger(self, line: str) -> None:
+        self._append("L", line)
+
+    def append_fingerprint(self, line: str) -> None:
+        self._append("F", line)
+
+    def _append(self, kind: str, line: str) -> None:
+        if self._folder:
+            with open(os.path.join(self._folder, f"{kind}{self._rank}"), "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+
+class FileTaskChannel:
+    """The controller's end for one task of a local world (see :class:`TaskChannel`)."""
+
+    def __init__(self, directory: str, generation: str, task_id: int, world_size: int) -> None:
+        self._folder = _task_dir(directory, generation, task_id)
+        self._n = world_size
+
+    def prepare(self) -> None:
+        os.makedirs(self._folder, mode=0o700, exist_ok=True)
+
+    def _text(self, name: str) -> str:
+        try:
+            with open(os.path.join(self._folder, name), encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def progress(self) -> list[str]:
+        return [self._text(f"P{r}") for r in range(self._n)]
+
+    def read(self) -> dict[int, RankRecords]:
+        return {r: RankRecords(self._text(f"P{r}"), self._text(f"L{r}"), self._text(f"F{r}")) for r in range(self._n)}
+
+    def clear(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)

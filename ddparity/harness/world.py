@@ -1,14 +1,11 @@
 """``World``: N real rank processes, started once and reused for many tasks.
 
-The controller's only door to the ranks. Start-up is cheap because ranks are forked from
-this (already torch-importing) process, or from a forkserver that preloaded torch when
-forking here is unsafe (a CUDA world, or ranks that want more than one intra-op thread:
-libgomp in a forked child hangs if the parent ever ran a multi-threaded region); how a
-process is started and joined is :mod:`ddparity.harness.launch`, how a failed task
-becomes evidence and an exception :mod:`ddparity.harness.outcomes`.
-
-Ranks die with their controller (``PR_SET_PDEATHSIG``), so even a SIGKILLed parent leaves
-no process behind; every wait here has a deadline.
+The controller's only door to the ranks. Ranks are forked from this (torch-importing)
+process, or from a forkserver that preloaded torch where forking is unsafe (CUDA, or more
+than one intra-op thread: libgomp hangs in a forked child); starting them is
+:mod:`ddparity.harness.launch`, a failed task's evidence :mod:`ddparity.harness.outcomes`,
+the records they leave (in the world's private folder) :mod:`ddparity.harness.sidechannel`.
+Ranks die with their controller (``PR_SET_PDEATHSIG``); every wait here has a deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +14,9 @@ import dataclasses
 import itertools
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from ddparity.harness.protocol import (
     Shutdown,
     TaskDone,
 )
-from ddparity.harness.sidechannel import TaskChannel
+from ddparity.harness.sidechannel import FileTaskChannel, private_root
 from ddparity.records import RankRecords
 from ddparity.settings import PG_TIMEOUT_MARGIN_S, WorldSpec
 
@@ -54,7 +53,7 @@ HARD_LIMIT_FACTOR = 10
 class PendingTask:
     """A task submitted to a :class:`World`; ``result()`` waits for every rank."""
 
-    def __init__(self, world: World, task_id: int, limit: float, channel: TaskChannel | None,
+    def __init__(self, world: World, task_id: int, limit: float, channel: FileTaskChannel | None,
                  watch: Callable[[list[str]], str | None] | None) -> None:
         self._world = world
         self._task_id = task_id
@@ -90,6 +89,7 @@ class World:
         self.spec = WorldSpec(world_size=world_size, backend=backend, **options)
         self._backend: str | None = None
         self._store: rendezvous.LoopbackStore | None = None
+        self._side: str | None = None
         self._ranks = launch.Ranks()
         self._generation = 0
         self._live = False
@@ -164,6 +164,14 @@ class World:
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._side is not None:
+            shutil.rmtree(self._side, ignore_errors=True)
+            self._side = None
+
+    def _side_dir(self) -> str:
+        if self._side is None:
+            self._side = tempfile.mkdtemp(prefix="world-", dir=private_root())
+        return self._side
 
     @property
     def _store_prefix(self) -> str:
@@ -183,7 +191,7 @@ class World:
                 rank=rank, world_size=n, backend=self.backend, device=self._device(rank),
                 store_host=store.host, store_port=store.port, store_prefix=self._store_prefix,
                 pg_timeout_s=self.spec.timeout + PG_TIMEOUT_MARGIN_S, threads=self.spec.threads_per_rank,
-                loopback_ifname=ifname, controller_pid=os.getpid(),
+                loopback_ifname=ifname, controller_pid=os.getpid(), side_dir=self._side_dir(),
             )
             for rank in range(n)
         ]
@@ -270,10 +278,8 @@ class World:
         if limit <= 0:
             raise UsageError(f"timeout must be positive, got {timeout!r}")
         ranks = self._ranks
-        channel = None
-        if self._store is not None:
-            channel = TaskChannel(self._store.store, self._store_prefix, task_id, self.spec.world_size)
-            channel.prepare()
+        channel = FileTaskChannel(self._side_dir(), self._store_prefix, task_id, self.spec.world_size)
+        channel.prepare()
         msg = RunTask(task_id, payload, tuple(sys.path))
         for conn in ranks.controls:
             try:
@@ -299,7 +305,7 @@ class World:
         try:
             records = task._channel.read()
             task._channel.clear()
-        except Exception:  # the store is gone (world closed meanwhile): nothing to read
+        except Exception:  # the folder is gone (world closed meanwhile): nothing to read
             return {}
         finally:
             task._channel = None  # holds the store; a failed task's traceback may live on
