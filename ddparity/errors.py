@@ -90,12 +90,14 @@ class TaskFailed(WorldFailure):
 class SimulatedRankError(RuntimeError):
     """A simulated rank (a thread) raised; ``rank`` says which."""
 
-    def __init__(self, rank: int, message: str) -> None:
+    def __init__(self, rank: int, message: str, ledgers: dict[int, str] | None = None) -> None:
         super().__init__(f"simulated rank {rank}: {message}")
         self.rank = rank
+        self.ledgers = ledgers or {}
+        """Every simulated rank's collective ledger up to the failure (records lines)."""
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
+        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1], self.ledgers))
 
 
 class StillRunning(DdparityError):

@@ -19,12 +19,14 @@ TIMEOUT = 3.0  # seconds without progress before a run counts as a hang
 
 
 def _temp_entries() -> set[str]:
-    """Temp files and folders, less pytest's and the check spools of other processes (xdist
-    workers run checks alongside)."""
+    """Temp files and folders, less pytest's, the check spools of other processes (xdist
+    workers run checks alongside), the session's own private side-channel folder (it lives
+    as long as the process, like the pool) and other processes' multiprocessing folders."""
     places = [tempfile.gettempdir(), "/dev/shm"]
     mine = f"{spool.PREFIX}{os.getpid()}-"
+    others = ("pytest-of-", "ddparity-side-", "pymp-", "torchelastic_")
     return {os.path.join(p, e) for p in places if os.path.isdir(p) for e in os.listdir(p)
-            if not e.startswith("pytest-of-") and (not e.startswith(spool.PREFIX) or e.startswith(mine))}
+            if not e.startswith(others) and (not e.startswith(spool.PREFIX) or e.startswith(mine))}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size
     if fault.status == "desync":
         desync = data["desync"]
         assert isinstance(desync["step"], int) and desync["what"]
-        if name in ("skipped_collective", "mismatched_shape"):
+        if name in ("skipped_collective", "mismatched_shape", "mismatched_op", "wrong_root"):
             assert desync["step"] == 1
             sites = {info["site"] for info in desync["collective"]["ranks"].values()}
             assert any("faults.py" in site for site in sites), desync

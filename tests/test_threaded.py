@@ -9,6 +9,7 @@ import torch
 
 from ddparity import Case, check
 from ddparity.fixtures import bugs
+from ddparity.fixtures.faults import FAULTS
 from ddparity.fixtures.models import MLP, summed_mse
 from ddparity.harness.pool import WorldPool
 from ddparity.settings import REAL_RANKS_LIMIT
@@ -110,3 +111,14 @@ def test_a_torch_without_the_threaded_process_group_gets_a_clear_error(monkeypat
     monkeypatch.delattr(package, "multi_threaded_pg", raising=False)
     with pytest.raises(UsageError, match="--backend threaded needs PyTorch's threaded process group"):
         check(Case(model=MLP, data=classes), modes=("ddp",), world_sizes=(8,), backend="threaded")
+
+
+@pytest.mark.parametrize("fault", ["mismatched_op", "wrong_root", "mismatched_shape"])
+def test_a_collective_one_simulated_rank_issues_differently_is_a_desync_naming_it(pool, fault):
+    """Each simulated rank keeps its own collective ledger: SUM against MAX and a broadcast
+    from another root used to pass, a shape mismatch was a crash of rank 0."""
+    run = check(FAULTS[fault].case(), modes=("ddp",), world_sizes=(8,), backend="threaded", timeout=20,
+                pool=pool).runs[0]
+    assert run.simulated and run.status == "desync", run
+    assert list(run.desync.ranks) == [1]
+    assert "faults.py" in " ".join(info["site"] for info in run.desync.to_json()["collective"]["ranks"].values())

@@ -57,7 +57,7 @@ def _short(obj: Any) -> str:
     return ""
 
 
-def _group_name(group: Any) -> str:
+def group_name(group: Any) -> str:
     if group is None:
         return "world"
     import torch.distributed as dist
@@ -72,7 +72,7 @@ _OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.ab
 """Frames skipped when looking for the caller: the recorder's and the DDP bucket hook's."""
 
 
-def _call_site(depth: int) -> str:
+def call_site(depth: int) -> str:
     """The first frame outside torch and the recorder: where the user issued it."""
     global _TORCH_DIR
     if not _TORCH_DIR:
@@ -94,7 +94,7 @@ def _call_site(depth: int) -> str:
     return "?"
 
 
-def _describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:
+def describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:
     """(comparison key, human description, root) of one collective call."""
     reduce_op = args.get("op")
     rop = getattr(reduce_op, "name", None) or (str(reduce_op) if reduce_op is not None else "")
@@ -239,7 +239,7 @@ class Recorder:
         (one per bucket, as :class:`BucketLayout` found them)."""
         if not self.enabled or not self.channel.active:
             return
-        site = _call_site(2)
+        site = call_site(2)
         for index, bucket in enumerate(layout):
             self.enter("all_reduce", {"tensor": bucket}, blocking=False, site=site,
                        via=f"DDP gradient bucket {index}")
@@ -260,11 +260,11 @@ class Recorder:
     # called by the patched collectives
 
     def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "") -> None:
-        key, desc, _ = _describe(op, args)
-        group = "p2p" if op in P2P else _group_name(args.get("group"))
+        key, desc, _ = describe(op, args)
+        group = "p2p" if op in P2P else group_name(args.get("group"))
         with self._lock:
             seq = self.seq[group] = self.seq.get(group, -1) + 1
-            entry = encode_entry(group, seq, op, key, desc, site or _call_site(3),
+            entry = encode_entry(group, seq, op, key, desc, site or call_site(3),
                                  via or getattr(self._local, "via", ""), self.step, self.phase, time.time(),
                                  not blocking)
             self.recent.append(entry)
@@ -328,12 +328,22 @@ def active() -> Recorder | _Disabled:
     return _active if _active is not None else DISABLED
 
 
+def set_thread_ledger(ledger: Any) -> None:
+    """This thread's collectives go to ``ledger.call`` (a simulated rank's ledger, see
+    :mod:`ddparity.harness.threaded`), or, with None, as before."""
+    if _active is not None:
+        _active._local.ledger = ledger
+
+
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         rec = _active
+        simulated = getattr(rec._local, "ledger", None) if rec is not None else None
+        if simulated is not None:
+            return simulated.call(op, signature, fn, args, kwargs)
         counted = getattr(rec._local, "tally", None) if rec is not None else None
         if rec is not None and counted is not None and not getattr(rec._local, "depth", False):
             first = next(iter(args), None) if args else next(iter(kwargs.values()), None)

@@ -45,11 +45,44 @@ def threaded_pg() -> Any:
     return module
 
 
+class ThreadLedger:
+    """The collectives one simulated rank (a thread) issues, in order, recorded as a real
+    rank's are (:mod:`ddparity.records` lines): the simulated ranks share one process and one
+    recorder, so each thread keeps its own (its collective sequence, its call sites)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._seq: dict[str, int] = {}
+        self._depth = 0
+
+    def call(self, op: str, signature: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import time
+
+        from ddparity.harness.recorder import P2P, call_site, describe, group_name
+        from ddparity.records import encode_entry
+
+        if not self._depth:  # not a collective's own inner one (all_gather_object -> all_gather)
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                return fn(*args, **kwargs)  # torch raises its own error for bad arguments
+            key, desc, _ = describe(op, bound)
+            group = "p2p" if op in P2P else group_name(bound.get("group"))
+            seq = self._seq[group] = self._seq.get(group, -1) + 1
+            self.lines.append(encode_entry(group, seq, op, key, desc, call_site(3), "", -1, "", time.time(), False))
+        self._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
+
 def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int) -> list[Any]:
     """Mode ``ddp`` at ``world_size`` simulated ranks; their distances to the reference, by rank."""
     import torch
     import torch.distributed as dist
 
+    from ddparity.harness.recorder import set_thread_ledger
     from ddparity.harness.tasks import ddp_task
     from ddparity.harness.training import build_model
 
@@ -70,12 +103,16 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
     # (SIGSEGV). A failing thread breaks the barrier, so nobody waits for it.
     built = threading.Barrier(world_size)
 
+    ledgers = [ThreadLedger() for _ in range(world_size)]
+
     def rank_thread(rank: int) -> None:
+        set_thread_ledger(ledgers[rank])
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
                 runs[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, spool, detect=False,
                                       settle=built.wait)
+                runs[rank].ledger = "\n".join(ledgers[rank].lines)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:
@@ -97,5 +134,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
     if errors:
         causes = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
         rank, exc = causes[0]  # the first to fail; the others were woken by it
-        raise SimulatedRankError(rank, f"{type(exc).__name__}: {exc}") from exc
+        failed = SimulatedRankError(rank, f"{type(exc).__name__}: {exc}")
+        failed.ledgers = {r: "\n".join(ledger.lines) for r, ledger in enumerate(ledgers)}
+        raise failed from exc
     return runs

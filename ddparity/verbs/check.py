@@ -16,11 +16,12 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
-from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
+from ddparity.errors import RankCrashed, SimulatedRankError, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.pool import WorldPool, default_pool
 from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
 from ddparity.harness.world import PendingTask
+from ddparity.records import RankRecords
 from ddparity.report import Report, RunResult
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
 from ddparity.trace import Distances, Reference
@@ -200,18 +201,31 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     try:
         outcomes = pending.result()
     except WorldFailure as exc:
+        if backend == "threaded":
+            exc.records = _simulated_records(exc) or exc.records
         failed = failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
         failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
         return failed
     simulated = backend == "threaded"
     runs = outcomes[0].value if simulated else [o.value for o in outcomes]
-    records = {} if simulated else {o.rank: o.records for o in outcomes if o.records is not None}
+    records = ({d.rank: RankRecords(ledger=d.ledger) for d in runs} if simulated else
+               {o.rank: o.records for o in outcomes if o.records is not None})
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
     if simulated:
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     return judge_ddp(case, opts, run, runs, records, reference, blowup, valid)
+
+
+def _simulated_records(exc: WorldFailure) -> dict[int, RankRecords]:
+    """The simulated ranks' ledgers a failed threaded run carried back (a collective they
+    disagreed on is the likely cause of the failure, and names the right rank)."""
+    if isinstance(exc, TaskFailed):
+        for outcome in exc.outcomes:
+            if isinstance(outcome.error, SimulatedRankError) and outcome.error.ledgers:
+                return {r: RankRecords(ledger=text) for r, text in outcome.error.ledgers.items()}
+    return {}
 
 
 def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],
