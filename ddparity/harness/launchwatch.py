@@ -174,12 +174,14 @@ class LaunchWatch:
                     self._exit(int(self.store.get("V")))
                 self._signals()
                 self._answer_stack_request()
-                if not self._heads_node():
-                    continue
+                below = self._below_on_node()
+                dead_below = self._dead(below)
+                if dead_below != below:
+                    continue  # a lower rank on this node is alive: it watches
                 ranks = self._participants()
                 seen = TaskChannel(self.store, "", self.stage, self.n).progress()
                 self._progress = [seen[r] if r in ranks else "" for r in range(self.n)]
-                dead = self._last_dead = self._dead()
+                dead = self._last_dead = sorted(dead_below + self._dead([r for r in range(self.n) if r not in below]))
                 if min(r for r in range(self.n) if r not in dead or r == self.rank) == self.rank:
                     self._judge(dead)  # the lowest rank still beating is the reporter
         except Exception as exc:  # the store is gone: the node that held it is
@@ -206,12 +208,16 @@ class LaunchWatch:
                                              f"(rank {self.rank}'s own view)", elsewhere[0], None))
         failure.stacks = {self.rank: own_stacks()}
         failure.records = {r: RankRecords(self._progress[r]) for r in ranks}
+        self._exit(self._reported(failure))
+
+    def _reported(self, failure: WorldFailure) -> int:
+        """The verb's report of ``failure`` (printed, the JSON written): its exit code, or
+        4 where the report itself failed (its traceback printed)."""
         try:
-            code = self._report(failure, self.stage)
+            return self._report(failure, self.stage)
         except BaseException:
             traceback.print_exc()
-            code = 4
-        self._exit(code)
+            return 4
 
     def _signals(self) -> None:
         if self._wake is None:
@@ -250,12 +256,12 @@ class LaunchWatch:
                 dead.append(r)
         return dead
 
-    def _heads_node(self) -> bool:
-        """This is the lowest rank on its node still running and beating (the others of a
-        node leave the watching to it: store reads grow with nodes, not ranks)."""
+    def _below_on_node(self) -> list[int]:
+        """The ranks below this one on its node: when all are dead this one watches the
+        launch (the others of a node leave it to their lowest: store reads grow with nodes,
+        not ranks)."""
         mine = self._where[self.rank][0]
-        below = [r for r in range(self.rank) if self._where[r][0] == mine]
-        return set(self._dead(below)) == set(below)
+        return [r for r in range(self.rank) if self._where[r][0] == mine]
 
     def gone(self, rank: int) -> bool:
         """``rank`` ran on this node and its process is gone."""
@@ -342,12 +348,7 @@ class LaunchWatch:
             failure.args = (with_stacks(str(failure), failure.stacks),)
         records = channel.read()
         failure.records = {r: records[r] for r in ranks}
-        try:
-            code = self._report(failure, self.stage)
-        except BaseException:
-            traceback.print_exc()
-            code = 4
-        self.finish(code)
+        self.finish(self._reported(failure))
 
     def _gather_stacks(self, alive: list[int]) -> dict[int, str]:
         before = int(self.store.add("stacks", 0))

@@ -78,21 +78,16 @@ class _LaunchedCheck:
     """One process's part of a launched check (the state the failure report needs)."""
 
     def __init__(self, case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> None:
-        from ddparity.harness.recorder import install_recorder
-        from ddparity.harness.sidechannel import RankChannel
-
         self.case, self.opts, self._emit_to = case, opts, emit
-        self.launch = torchrun.connect(opts.backend, opts.timeout, tasks=(1, 2))
-        self.ctx = self.launch.ctx
-        self.recorder = install_recorder(RankChannel(self.launch.store, "", self.ctx.rank))
+        self.world = _Everyone(opts.backend, opts.timeout, self._report_failure)
+        self.launch, self.ctx, self.recorder, self.watch = (self.world.launch, self.world.ctx, self.world.recorder,
+                                                            self.world.watch)
         self.started = time.perf_counter()
         self.reference: Reference | None = None
         self.blowup: NonFinite | None = None
         self.ref_seconds = 0.0
         self.go: dict[str, Any] | None = None
         self.valid: dict[str, list[int]] = {}
-        self.watch = LaunchWatch(self.launch.store, self.ctx.rank, self.ctx.world_size, opts.timeout,
-                                 self._report_failure, LiveWatch())
 
     # -- rank 0's reference ----------------------------------------------------------
 
@@ -181,17 +176,12 @@ class _LaunchedCheck:
     # -- rank 0's report ----------------------------------------------------------------
 
     def report_completed(self) -> int:
-        import cloudpickle
-
+        """Rank 0, once every rank published its distances (the others wait for the verdict)."""
         from ddparity.harness.sidechannel import TaskChannel
         from ddparity.verbs.check import judge_ddp
 
         store, n = self.launch.store, self.ctx.world_size
-        while not store.check([f"R{r}" for r in range(n)]):  # one round trip: all there?
-            time.sleep(0.05)
-        if not self.watch.claim():
-            self.watch.idle()
-        runs = [cloudpickle.loads(store.get(f"R{r}")) for r in range(n)]
+        runs = self.world.gather()
         records = TaskChannel(store, "", 2, n).read()
         report = self._report()
         run = self._ddp_run("pass")
@@ -257,8 +247,6 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     """This process's part of ``check`` in a launch; rank 0 (or the lowest rank alive)
     hands the report to ``emit`` (print it, write the JSON); every process exits with the
     verdict's code."""
-    import cloudpickle
-
     case = case.with_steps(opts.steps).validate()
     me = _LaunchedCheck(case, opts, emit)
     rank = me.ctx.rank
@@ -268,14 +256,11 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
             if rank == 0:
                 me.watch.finish(me.report_unrunnable())
             me.watch.idle()
-        distances = me.ddp_stage(go)
-        me.launch.store.set(f"R{rank}", cloudpickle.dumps(distances))
+        me.world.publish(me.ddp_stage(go))
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as exc:
         me.watch.fail(exc)
-    if rank != 0:
-        me.watch.idle()
     me.watch.finish(me.report_completed())
 
 
@@ -305,10 +290,7 @@ class _Everyone:
 
     def run(self, first: Callable[[], None] | None, task: Callable[..., Any], *args: Any) -> list[Any]:
         """``first()`` on rank 0 (stage 1, e.g. :meth:`alone`), then ``task(ctx, *args)`` on
-        every rank; rank 0 gets every rank's value, once it holds the right to report (the
-        others, and rank 0 without it, wait here for the verdict)."""
-        import cloudpickle
-
+        every rank; rank 0 gets every rank's value (see :meth:`gather`)."""
         ctx, store = self.ctx, self.store
         try:
             if ctx.rank == 0:
@@ -322,18 +304,32 @@ class _Everyone:
             self.recorder.begin_task(2)
             value = task(ctx, *args)
             self.recorder.end_task()
-            store.set(f"R{ctx.rank}", cloudpickle.dumps(value))
+            self.publish(value)
         except KeyboardInterrupt:
             os._exit(130)
         except BaseException as exc:
             self.watch.fail(exc)
-        if ctx.rank != 0:
+        return self.gather()
+
+    def publish(self, value: Any) -> None:
+        """This rank's result of the every-rank task."""
+        import cloudpickle
+
+        self.store.set(f"R{self.ctx.rank}", cloudpickle.dumps(value))
+
+    def gather(self) -> list[Any]:
+        """Rank 0: every rank's published result, once it holds the right to report; the
+        others, and rank 0 without that right, wait here for the verdict (and exit with it)."""
+        import cloudpickle
+
+        n = self.ctx.world_size
+        if self.ctx.rank != 0:
             self.watch.idle()
-        while not store.check([f"R{r}" for r in range(ctx.world_size)]):
+        while not self.store.check([f"R{r}" for r in range(n)]):  # one round trip: all there?
             time.sleep(0.05)
         if not self.watch.claim():
             self.watch.idle()
-        return [cloudpickle.loads(store.get(f"R{r}")) for r in range(ctx.world_size)]
+        return [cloudpickle.loads(self.store.get(f"R{r}")) for r in range(n)]
 
 
 def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
