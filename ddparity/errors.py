@@ -32,10 +32,12 @@ class WorldFailure(DdparityError):
     """A World could not run a task to completion on every rank.
 
     ``records`` holds what each rank left in the side channel (progress, collective
-    ledger, fingerprints) and ``stacks`` the stacks taken before ranks were stopped.
+    ledger, fingerprints), ``simulated`` what the simulated ranks (threads) of a rank left
+    there, and ``stacks`` the stacks taken before ranks were stopped.
     """
 
     records: dict = {}  # noqa: RUF012 - replaced per instance by the World
+    simulated: object = None
     stacks: dict = {}  # noqa: RUF012
 
 
@@ -90,14 +92,12 @@ class TaskFailed(WorldFailure):
 class SimulatedRankError(RuntimeError):
     """A simulated rank (a thread) raised; ``rank`` says which."""
 
-    def __init__(self, rank: int, message: str, ledgers: dict[int, str] | None = None) -> None:
+    def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"simulated rank {rank}: {message}")
         self.rank = rank
-        self.ledgers = ledgers or {}
-        """Every simulated rank's collective ledger up to the failure (records lines)."""
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1], self.ledgers))
+        return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
 
 
 class StillRunning(DdparityError):

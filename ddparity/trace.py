@@ -130,8 +130,3 @@ class Distances:
     rank: int
     world_size: int
     steps: list[dict[tuple[str, str], float]] = field(default_factory=list)
-    fingerprints: dict[int, dict[str, int]] = field(default_factory=dict)
-    """Per step, the parameters' fingerprints (simulated ranks, which publish none)."""
-    ledger: str = ""
-    """A simulated rank's collective ledger (:mod:`ddparity.records` lines; real ranks write
-    theirs to the side channel)."""

@@ -54,11 +54,8 @@ def _ledgers(records: dict[int, Any]) -> dict[int, list[Entry]]:
     return out
 
 
-def judge_completed(run: RunResult, records: dict[int, Any], found: list[Divergence],
-                    trace_prints: dict[int, dict[int, dict[str, int]]] | None = None) -> RunResult:
-    """A run where every rank finished: collectives, then replica state, then numbers.
-    Without side-channel fingerprints (simulated ranks), ``trace_prints`` (fingerprints of
-    the parameters in the ranks' traces) are judged instead."""
+def judge_completed(run: RunResult, records: dict[int, Any], found: list[Divergence]) -> RunResult:
+    """A run where every rank finished: collectives, then replica state, then numbers."""
     if found:
         run.status = "diverged"
         run.first_divergence = found[0]
@@ -70,8 +67,6 @@ def judge_completed(run: RunResult, records: dict[int, Any], found: list[Diverge
         first_step = found[0].step if found else None
         wrong = tuple(sorted({d.rank for d in found if d.step == first_step}))
         prints = {r: parse_fingerprints(s.fingerprints) for r, s in records.items()}
-        if not any(prints.values()) and trace_prints:
-            prints = trace_prints
         drift = first_desync(prints, wrong)
         if drift is not None:
             run.status = "desync"

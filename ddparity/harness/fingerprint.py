@@ -94,9 +94,3 @@ def fingerprint(model: Any, optimizer: Any = None, buffers: bool = True, part: i
             out[f"rng cuda:{i}"] = zlib.crc32(state.numpy().tobytes())
     return out
 
-
-def param_fingerprints(model: Any) -> dict[str, int]:
-    """Fingerprints of the parameters alone, all of each (a simulated rank's, compared by
-    the controller: they publish nothing)."""
-    named = list(model.named_parameters())
-    return dict(zip((f"param {n}" for n, _ in named), _bit_sums([p for _, p in named])))

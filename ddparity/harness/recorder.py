@@ -323,16 +323,22 @@ _active: Recorder | None = None
 DISABLED = _Disabled()
 
 
-def active() -> Recorder | _Disabled:
-    """This rank's recorder (a no-op outside a ddparity rank)."""
+_thread = threading.local()
+
+
+def active() -> Any:
+    """This thread's recorder: a simulated rank's own (see :func:`set_thread_recorder`),
+    else this rank's (a no-op outside a ddparity rank)."""
+    own = getattr(_thread, "recorder", None)
+    if own is not None:
+        return own
     return _active if _active is not None else DISABLED
 
 
-def set_thread_ledger(ledger: Any) -> None:
-    """This thread's collectives go to ``ledger.call`` (a simulated rank's ledger, see
-    :mod:`ddparity.harness.threaded`), or, with None, as before."""
-    if _active is not None:
-        _active._local.ledger = ledger
+def set_thread_recorder(own: Any) -> None:
+    """This thread is a simulated rank: its phases and collectives go to ``own`` (a
+    :class:`~ddparity.harness.threaded.ThreadRecorder`), not to the rank's recorder."""
+    _thread.recorder = own
 
 
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -340,10 +346,10 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        rec = _active
-        simulated = getattr(rec._local, "ledger", None) if rec is not None else None
+        simulated = getattr(_thread, "recorder", None)
         if simulated is not None:
             return simulated.call(op, signature, fn, args, kwargs)
+        rec = _active
         counted = getattr(rec._local, "tally", None) if rec is not None else None
         if rec is not None and counted is not None and not getattr(rec._local, "depth", False):
             first = next(iter(args), None) if args else next(iter(kwargs.values()), None)

@@ -15,6 +15,10 @@ Records of task ``T`` for rank ``r``:
   overwritten at every event. The watchdog polls these.
 * ``L<r>`` — ledger: one line per collective, appended.
 * ``F<r>`` — fingerprints: one line per training step, appended.
+
+A rank that runs simulated ranks (threads, :mod:`ddparity.harness.threaded`) writes theirs
+beside its own, as ``P<r>.s<simulated rank>`` and so on, plus ``T`` (the thread's id) and
+``E`` (the code it passed to ``os._exit``): the World reads them when that rank fails.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 from ddparity.records import RankRecords
 
 KEY_LETTERS = ("P", "L", "F")
 """Progress, ledger, fingerprints: the letter of each record's key."""
+SIMULATED = ".s"
+"""Between a rank's number and a simulated rank's in the name of the latter's records."""
 
 
 def task_prefix(world_prefix: str, task_id: int) -> str:
@@ -119,7 +126,7 @@ class FileRankChannel:
     (created by the controller before the task is sent)."""
 
     def __init__(self, directory: str, generation: str, rank: int) -> None:
-        self._directory, self._generation, self._rank = directory, generation, rank
+        self._directory, self._generation, self._name = directory, generation, str(rank)
         self._folder = ""
 
     def begin(self, task_id: int) -> None:
@@ -132,12 +139,15 @@ class FileRankChannel:
     def active(self) -> bool:
         return bool(self._folder)
 
+    def simulated(self, rank: int) -> FileRankChannel:
+        """The channel of simulated rank ``rank``, a thread of this rank's process (its
+        records sit beside this rank's, as ``P<rank>.s<simulated rank>``...)."""
+        other = FileRankChannel(self._directory, self._generation, 0)
+        other._name, other._folder = f"{self._name}{SIMULATED}{rank}", self._folder
+        return other
+
     def set_progress(self, value: str) -> None:
-        if self._folder:
-            path = os.path.join(self._folder, f"P{self._rank}")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(value)
-            os.replace(path + ".tmp", path)  # a reader sees the old record or the new, never half
+        self._write("P", value)
 
     def append_ledger(self, line: str) -> None:
         self._append("L", line)
@@ -145,10 +155,36 @@ class FileRankChannel:
     def append_fingerprint(self, line: str) -> None:
         self._append("F", line)
 
+    def set_thread(self, ident: int) -> None:
+        """A simulated rank's thread (as faulthandler names it: ``0x...``)."""
+        self._write("T", f"0x{ident:016x}")
+
+    def note_exit(self, code: int) -> None:
+        """A simulated rank called ``os._exit(code)``."""
+        self._write("E", str(code))
+
+    def _write(self, kind: str, value: str) -> None:
+        if self._folder:
+            path = os.path.join(self._folder, f"{kind}{self._name}")
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(value)
+            os.replace(path + ".tmp", path)  # a reader sees the old record or the new, never half
+
     def _append(self, kind: str, line: str) -> None:
         if self._folder:
-            with open(os.path.join(self._folder, f"{kind}{self._rank}"), "a", encoding="utf-8") as f:
+            with open(os.path.join(self._folder, f"{kind}{self._name}"), "a", encoding="utf-8") as f:
                 f.write(line + "\n")
+
+
+@dataclass
+class SimulatedRecords:
+    """What the simulated ranks (threads) of a rank's process left for one task."""
+
+    records: dict[int, RankRecords]
+    threads: dict[int, str]
+    """Each simulated rank's thread, as faulthandler names it (``0x...``)."""
+    exits: dict[int, int]
+    """The simulated ranks that called ``os._exit``, and with which code."""
 
 
 class FileTaskChannel:
@@ -169,10 +205,37 @@ class FileTaskChannel:
             return ""
 
     def progress(self) -> list[str]:
-        return [self._text(f"P{r}") for r in range(self._n)]
+        """Each rank's progress record, by rank, then those of any simulated ranks (a
+        simulated world's progress is its threads')."""
+        own = [self._text(f"P{r}") for r in range(self._n)]
+        try:
+            names = sorted(n for n in os.listdir(self._folder) if n.startswith("P") and SIMULATED in n
+                           and not n.endswith(".tmp"))
+        except OSError:
+            return own
+        return own + [self._text(n) for n in names]
 
     def read(self) -> dict[int, RankRecords]:
-        return {r: RankRecords(self._text(f"P{r}"), self._text(f"L{r}"), self._text(f"F{r}")) for r in range(self._n)}
+        return {r: self._records(str(r)) for r in range(self._n)}
+
+    def _records(self, name: str) -> RankRecords:
+        return RankRecords(self._text(f"P{name}"), self._text(f"L{name}"), self._text(f"F{name}"))
+
+    def read_simulated(self, rank: int = 0) -> SimulatedRecords | None:
+        """What rank ``rank``'s simulated ranks left, or None where it ran none."""
+        try:
+            names = os.listdir(self._folder)
+        except OSError:
+            return None
+        head = f"P{rank}{SIMULATED}"
+        ranks = sorted(int(n[len(head):]) for n in names if n.startswith(head) and n[len(head):].isdigit())
+        if not ranks:
+            return None
+        name = {r: f"{rank}{SIMULATED}{r}" for r in ranks}
+        exits = {r: self._text(f"E{name[r]}") for r in ranks}
+        return SimulatedRecords({r: self._records(name[r]) for r in ranks},
+                                {r: self._text(f"T{name[r]}") for r in ranks},
+                                {r: int(code) for r, code in exits.items() if code.strip().lstrip("-").isdigit()})
 
     def clear(self) -> None:
         shutil.rmtree(self._folder, ignore_errors=True)

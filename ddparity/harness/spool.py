@@ -283,7 +283,7 @@ class Comparer:
     """A run's sink: compares every step with the reference's, where both are."""
 
     def __init__(self, spool: str, mode: str, rank: int, world_size: int, limit_s: float,
-                 own_values: bool = False, fingerprints: bool = False,
+                 own_values: bool = False,
                  open_step: Callable[[str], Any] | None = None) -> None:
         self.spool = spool
         self._open = open_step or (lambda stem: _Step(self.spool, stem, self._wait))
@@ -295,7 +295,6 @@ class Comparer:
         """The twin: also its own tensors' magnitudes and its summands' sizes."""
         self.values: dict[tuple[int, str, str], float] = {}
         self.scales: dict[tuple[int, str, str], float] = {}
-        self._fingerprints = fingerprints
         self._grads_done = -1
 
     def _wait(self, path: str) -> None:
@@ -319,10 +318,6 @@ class Comparer:
         mine.update({("param", n): p for n, p in model.named_parameters()})
         mine.update({("buffer", n): b for n, b in model.named_buffers()})
         self._compare(step, f"a{step}", mine)
-        if self._fingerprints:
-            from ddparity.harness.fingerprint import param_fingerprints
-
-            self.result.fingerprints[step] = param_fingerprints(model)
 
     def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
         while len(self.result.steps) <= step:

@@ -84,18 +84,16 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
     return out
 
 
-def ddp_task(ctx: RankContext, case: Case, spool: str, detect: bool = True, settle: Any = None,
+def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
              open_step: Any = None, state: Any = None) -> Distances:
-    """Mode ``ddp``: this rank's shard of every global batch under DDP (``detect``: with
-    phases, the bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`;
-    ``settle``: called once the replica is built, before training); its distance to the
+    """Mode ``ddp``: this rank's shard of every global batch under DDP (with phases, the
+    bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`; ``settle``: called once the replica is built, before training); its distance to the
     reference, compared step by step as it trains (``open_step``, ``state``: the
     reference's steps and the initial state from elsewhere than ``spool``, see
     :mod:`ddparity.harness.refserve`)."""
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
-                   case.ddp_options, detect=detect, settle=settle)
-    sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, fingerprints=not detect,
-                    open_step=open_step)
+                   case.ddp_options, settle=settle)
+    sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
     train(case, spool if state is None else state, ctx.device, mode, sink)
     return sink.finish()
 

@@ -33,7 +33,7 @@ from ddparity.harness.protocol import (
     Shutdown,
     TaskDone,
 )
-from ddparity.harness.sidechannel import FileTaskChannel, private_root
+from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
 from ddparity.records import RankRecords
 from ddparity.settings import PG_TIMEOUT_MARGIN_S, WorldSpec
 
@@ -293,23 +293,23 @@ class World:
         try:
             outcomes = self._wait_for(task)
         except WorldFailure as exc:
-            exc.records = self._records(task)
+            exc.records, exc.simulated = self._records(task)
             raise
-        records = self._records(task)
+        records, _ = self._records(task)
         return [dataclasses.replace(o, records=records.get(o.rank)) for o in outcomes]
 
-    def _records(self, task: PendingTask) -> dict[int, RankRecords]:
-        """Read (then drop) what the ranks left in the side channel for this task."""
+    def _records(self, task: PendingTask) -> tuple[dict[int, RankRecords], SimulatedRecords | None]:
+        """Read (then drop) what the ranks (and their simulated ranks, if any) left for this task."""
         if task._channel is None:
-            return {}
+            return {}, None
         try:
-            records = task._channel.read()
+            records, simulated = task._channel.read(), task._channel.read_simulated()
             task._channel.clear()
         except Exception:  # the folder is gone (world closed meanwhile): nothing to read
-            return {}
+            return {}, None
         finally:
             task._channel = None  # holds the store; a failed task's traceback may live on
-        return records
+        return records, simulated
 
     def _wait_for(self, task: PendingTask) -> list[RankOutcome]:
         ranks = self._ranks

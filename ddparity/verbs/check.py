@@ -16,12 +16,12 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
-from ddparity.errors import RankCrashed, SimulatedRankError, TaskFailed, UsageError, WorldFailure, WorldStartError
+from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.pool import WorldPool, default_pool
 from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
+from ddparity.harness.threaded import as_simulated, threaded_ddp_task
 from ddparity.harness.world import PendingTask
-from ddparity.records import RankRecords
 from ddparity.report import Report, RunResult
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
 from ddparity.trace import Distances, Reference
@@ -179,8 +179,6 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: Worl
     started = time.perf_counter()
     try:
         if backend == "threaded":
-            from ddparity.harness.threaded import threaded_ddp_task
-
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
             return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
@@ -202,14 +200,13 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
         outcomes = pending.result()
     except WorldFailure as exc:
         if backend == "threaded":
-            exc.records = _simulated_records(exc) or exc.records
+            exc = as_simulated(exc)
         failed = failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
         failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
         return failed
     simulated = backend == "threaded"
-    runs = outcomes[0].value if simulated else [o.value for o in outcomes]
-    records = ({d.rank: RankRecords(ledger=d.ledger) for d in runs} if simulated else
-               {o.rank: o.records for o in outcomes if o.records is not None})
+    runs, records = outcomes[0].value if simulated else ([o.value for o in outcomes],
+                                                          {o.rank: o.records for o in outcomes if o.records is not None})
     run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
     if simulated:
@@ -218,27 +215,17 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched:
     return judge_ddp(case, opts, run, runs, records, reference, blowup, valid)
 
 
-def _simulated_records(exc: WorldFailure) -> dict[int, RankRecords]:
-    """The simulated ranks' ledgers a failed threaded run carried back (a collective they
-    disagreed on is the likely cause of the failure, and names the right rank)."""
-    if isinstance(exc, TaskFailed):
-        for outcome in exc.outcomes:
-            if isinstance(outcome.error, SimulatedRankError) and outcome.error.ledgers:
-                return {r: RankRecords(ledger=text) for r, text in outcome.error.ledgers.items()}
-    return {}
-
-
 def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],
               reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
     """A DDP run whose every rank finished: its distances to the reference (``runs``, one
     per rank) and what the ranks left in the side channel (``records``) judged."""
-    ws, simulated = run.world_size, run.simulated
+    ws = run.world_size
     tol = _tolerance(case, opts, reference, ws)
     stop = _stop(blowup, tol)
     found = divergences(reference, runs, tol, until=stop.step if stop else None)
     run.tolerance = tol.description
     run.worst = worst(found)
-    judged = judge_completed(run, records, found, {d.rank: d.fingerprints for d in runs} if simulated else None)
+    judged = judge_completed(run, records, found)
     params = reference.params
     cause = (likely_cause(found, ws, valid=valid) if judged.status == "diverged"
              else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)

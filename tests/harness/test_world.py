@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -313,8 +316,8 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
         world.run(lambda ctx: time.sleep(600))
         """
     ))
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # short: the forkserver's socket lives in it (AF_UNIX paths end at 108 bytes)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ddp-", dir="/tmp"))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp)})
     try:
@@ -329,3 +332,4 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -2,10 +2,11 @@
 ``DistributedDataParallel`` (real rank processes, or each simulated rank of the threaded
 backend).
 
-With detection (real ranks) the rank reports its phase at every stage of a step, its
-DDP bucket all-reduces are recorded (:mod:`ddparity.harness.ddp_buckets`, wrapping the
-case's own comm hook, if any), and the fingerprints of its replica are published after
-every optimizer step, so the controller can judge hangs and desync.
+The rank reports its phase at every stage of a step, its DDP bucket all-reduces are
+recorded (:mod:`ddparity.harness.ddp_buckets`, wrapping the case's own comm hook, if any),
+and the fingerprints of its replica are published after every optimizer step, so the
+controller can judge hangs and desync. A simulated rank records the same into its own
+recorder (:class:`~ddparity.harness.threaded.ThreadRecorder`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,12 @@ class DDPMode:
     comm_hook: Any = None
     comm_hook_state: Any = None
     ddp_options: Any = None
-    detect: bool = True
     name: str = "ddp"
     settle: Any = None
     """Called once DDP is built (simulated ranks: wait until every thread has built its own)."""
 
     def __post_init__(self) -> None:
-        self.recorder = recorder.active() if self.detect else recorder.DISABLED
-        if not self.detect:
-            recorder.active().pause()
+        self.recorder = recorder.active()  # a simulated rank's own (a thread's)
         self._buckets: ddp_buckets.BucketLayout | None = None
         self._step = -1
 
@@ -47,13 +45,11 @@ class DDPMode:
         # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
         # share one process and would otherwise share one state).
         hook_state = copy.deepcopy(self.comm_hook_state)
-        if self.detect and (self.comm_hook is not None or not ddp_buckets.BucketLayout.available(ddp)):
+        if self.comm_hook is not None or not ddp_buckets.BucketLayout.available(ddp):
             # the case's own hook (or DDP's default one) wrapped to record each bucket
             ddp.register_comm_hook(*ddp_buckets.ddp_comm_hook(self.comm_hook, hook_state))
-        elif self.detect:
+        else:
             self._buckets = ddp_buckets.BucketLayout(ddp)
-        elif self.comm_hook is not None:
-            ddp.register_comm_hook(hook_state, self.comm_hook)
         ddp.register_forward_hook(self._after_forward)
         if self.settle is not None:
             self.settle()
@@ -82,12 +78,11 @@ class DDPMode:
         dist.all_reduce(global_loss)
         self.recorder.set_phase(step, "compare")
         finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
-        if self.detect:
-            self.recorder.set_phase(step, "fingerprint")
-            part = None if step == self.steps - 1 else step  # everything at the last step
-            rec_buffers = not replica.wrapped.broadcast_buffers
-            self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
-                                                         part=part))
+        self.recorder.set_phase(step, "fingerprint")
+        part = None if step == self.steps - 1 else step  # everything at the last step
+        rec_buffers = not replica.wrapped.broadcast_buffers
+        self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
+                                                     part=part))
 
 
 def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
