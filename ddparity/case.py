@@ -13,9 +13,10 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ddparity.errors import UsageError
 
@@ -179,14 +180,15 @@ def load_target(target: str) -> Any:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to you import
         try:
-            module = importlib.import_module(where)
+            with _no_exit(f"importing {where!r}"):
+                module = importlib.import_module(where)
         except ImportError as exc:
             raise UsageError(
                 f"cannot import module {where!r} for target {target!r}: {exc}; check the name, "
                 "run from the directory that contains it, or give a file path instead"
             ) from None
-        except SystemExit as exc:
-            raise UsageError(_exited(f"importing {where!r}", exc)) from None
+        except UsageError:
+            raise
         except Exception as exc:
             raise UsageError(f"importing {where!r} raised {type(exc).__name__}: {exc}") from None
     try:
@@ -214,10 +216,11 @@ def _import_file(path: str, target: str) -> Any:
     if directory not in sys.path:
         sys.path.insert(0, directory)  # its own sibling imports work, as under `python file.py`
     try:
-        spec.loader.exec_module(module)
-    except SystemExit as exc:
+        with _no_exit(f"importing {path!r}"):
+            spec.loader.exec_module(module)
+    except UsageError:
         del sys.modules[name]
-        raise UsageError(_exited(f"importing {path!r}", exc)) from None
+        raise
     except Exception as exc:
         del sys.modules[name]
         raise UsageError(f"importing {path!r} raised {type(exc).__name__}: {exc}") from None
@@ -225,9 +228,33 @@ def _import_file(path: str, target: str) -> Any:
     return module
 
 
-def _exited(doing: str, exc: SystemExit) -> str:
-    return (f"{doing} called sys.exit({exc.code!r}): code that builds a Case must not exit (put a script's "
-            f"own work under `if __name__ == \"__main__\":`)")
+class _HardExit(BaseException):
+    """``os._exit`` called by code that builds a Case (a BaseException, as SystemExit is:
+    the user's ``except Exception`` lets it through)."""
+
+    def __init__(self, code: Any) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextmanager
+def _no_exit(doing: str) -> Iterator[None]:
+    """``sys.exit`` and ``os._exit`` inside (a script imported as a target) become a
+    UsageError that says so: ``os._exit`` would end ddparity on the spot, without a word."""
+    real = os._exit
+
+    def refused(code: int) -> NoReturn:
+        raise _HardExit(code)
+
+    os._exit = refused  # type: ignore[assignment]
+    try:
+        yield
+    except (SystemExit, _HardExit) as exc:
+        call = "sys.exit" if isinstance(exc, SystemExit) else "os._exit"
+        raise UsageError(f"{doing} called {call}({exc.code!r}): code that builds a Case must not exit (put a "
+                         f"script's own work under `if __name__ == \"__main__\":`)") from None
+    finally:
+        os._exit = real
 
 
 def load_case(target: str) -> Case:
@@ -237,9 +264,10 @@ def load_case(target: str) -> Case:
         case = fn
     elif callable(fn):
         try:
-            case = fn()
-        except SystemExit as exc:
-            raise UsageError(_exited(f"calling {target}", exc)) from None
+            with _no_exit(f"calling {target}"):
+                case = fn()
+        except UsageError:
+            raise
         except Exception as exc:
             raise UsageError(f"{target} raised {type(exc).__name__}: {exc}") from None
     else:

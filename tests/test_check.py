@@ -130,6 +130,26 @@ def test_a_factory_that_raises_is_an_error_for_every_run():
     assert report.exit_code == 2
 
 
+def slow_data(step, generator):
+    import time
+
+    time.sleep(0.25)  # e.g. a tokenizer or a file read per batch
+    return models.vectors(step, generator)
+
+
+def test_drawing_many_slow_batches_before_training_is_progress_not_a_hang():
+    """The set-up draws every step's global batch first (to check its shards): 6 x 0.25 s
+    with a 1 s timeout was a hang of the reference before."""
+    report = check(Case(model=models.MLP, data=slow_data, steps=6), world_sizes=(2,), timeout=1)
+    assert report.ok, report.render()
+
+
+def test_more_steps_than_the_spool_can_hold_is_an_error_before_training():
+    report = check(Case(model=models.MLP, data=models.vectors, steps=10**9), world_sizes=(2,), timeout=5)
+    assert [r.status for r in report.runs] == ["error", "error"]
+    assert "1000000000 steps need about" in report.runs[0].reason and "--steps" in report.runs[0].reason
+
+
 def test_a_training_that_blows_up_is_never_a_pass():
     # lr 1e30: the loss is inf at step 1, then NaN; every mode agrees on it bit for bit
     report = check(bugs.exploding_training(), modes=("single", "dp", "ddp"), world_sizes=(1, 2))

@@ -100,6 +100,30 @@ def write_state(spool: str, state: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(spool, STATE))
 
 
+def fits_the_spool(steps: int, state: dict[str, Any], spool: str) -> None:
+    """A CaseError, before anything trains, when the reference's steps cannot fit on the
+    spool's file system: each step keeps the gradients and the state after it, about
+    twice the initial state."""
+    from ddparity.errors import CaseError
+
+    per_step = 2 * sum(t.numel() * t.element_size() for t in state.values() if hasattr(t, "element_size"))
+    need, free = steps * per_step, shutil.disk_usage(spool).free
+    if need > free:
+        raise CaseError(
+            f"{steps} steps need about {_size(need)} for the reference's steps ({_size(per_step)} a step: its "
+            f"gradients and state) in {os.path.dirname(spool)}, which has {_size(free)} free: check fewer steps "
+            "(a broken data-parallel setup shows in the first few; --steps), or point TMPDIR at a larger disk"
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
 def load_state(spool: str) -> dict[str, Any]:
     """The initial state, memory-mapped (the pages are shared by every replica that loads it)."""
     import torch

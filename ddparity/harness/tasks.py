@@ -25,7 +25,7 @@ from ddparity.harness.modes.timed import TimedMode
 from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.protocol import RankContext
 from ddparity.harness.rank import released
-from ddparity.harness.spool import Comparer, Writer, calibrated, write_state
+from ddparity.harness.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
 from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train, valid_counts
 from ddparity.measurements import RankProfile
 from ddparity.trace import Distances, Reference
@@ -42,11 +42,17 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
     -100, mask ones), for the likely cause of a per-rank normalisation."""
     import torch
 
-    write_state(spool, initial_state(case))
+    from ddparity.harness import recorder
+
+    state = initial_state(case)
+    write_state(spool, state)
+    fits_the_spool(case.steps, state, spool)
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes, valid = [], {}
+    rec = recorder.active()
     for step in range(case.steps):
+        rec.set_phase(step, "drawing the global batch")  # many steps take a while: progress, not a hang
         batch = global_batch(data, step, generator, pair=case.train_step is None)
         size = batch_size(batch, step)
         sizes.append(size if size is not None else -1)

@@ -52,6 +52,10 @@ USER_FILE = textwrap.dedent(
         import sys
         sys.exit(5)
 
+    def exits_hard():
+        import os
+        os._exit(9)
+
     def no_params():
         return Case(model=nn.ReLU, data=data)
 
@@ -184,6 +188,8 @@ def test_demo_faults_reports_every_fault_as_expected():
         (["{file}:clean", "--timeout", "0.001"], "timeout must be at least 1 s"),
         (["{file}:clean", "--world-sizes", "1,,2"], "an empty world size in '1,,2'"),
         (["{file}:exits"], "called sys.exit(5): code that builds a Case must not exit"),
+        (["{file}:exits_hard"], "called os._exit(9): code that builds a Case must not exit"),
+        (["{file}:clean", "--steps", "1000000000"], "1000000000 steps need about"),
         (["{file}:no_params"], "the model (ReLU) has no parameters"),
         (["{file}:per_sample_loss"], "the loss must be a tensor with one element, got a tensor of shape [8]"),
         (["{file}:summed", "--json", "/no-such-dir-ddparity/r.json"], "no directory '/no-such-dir-ddparity'"),
