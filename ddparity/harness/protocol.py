@@ -18,8 +18,7 @@ class RankSpec:
     world_size: int
     backend: str
     device: str
-    store_host: str
-    store_port: int
+    rendezvous: str  # the FileStore's path, in the world's private folder
     store_prefix: str
     pg_timeout_s: float
     threads: int

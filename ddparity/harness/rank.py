@@ -77,7 +77,7 @@ def _route_output(output: Connection) -> None:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
 
 
-def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
+def _join_process_group(spec: RankSpec):  # -> torch.distributed.FileStore
     import torch
     import torch.distributed as dist
 
@@ -90,7 +90,8 @@ def _join_process_group(spec: RankSpec):  # -> torch.distributed.TCPStore
         torch.cuda.set_device(spec.device)
         device_id = torch.device(spec.device)
     timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
-    client = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+    client = dist.FileStore(spec.rendezvous, spec.world_size)
+    client.set_timeout(timeout)
     dist.init_process_group(
         spec.backend,
         store=dist.PrefixStore(spec.store_prefix, client),

@@ -1,17 +1,16 @@
-"""Loopback-only rendezvous for local worlds, and the choice of backend and device.
+"""Where local worlds' ranks meet, and the choice of backend and device.
 
-The store is a ``TCPStore`` served by the controller on a socket that *we* bind to
-``127.0.0.1:0`` and hand over as ``master_listen_fd``: ``TCPStore("127.0.0.1", 0,
-is_master=True)`` would listen on every interface, and picking a port by bind-then-close
-races with other worlds and pytest-xdist workers. The socket stays owned by us, so the
-port is never free between choosing and listening.
+A local world's process group meets through a ``FileStore`` in the world's private folder
+(mode 0700, :func:`ddparity.harness.sidechannel.private_root`; one file per generation,
+see ``World._rendezvous``): no port to find, no key another local user could write, no
+reverse DNS lookup of the store's peer (torch's TCPStore client did one, and a dropped
+query stalled a world's start by 5 s). Gloo's own pair connections remain on loopback
+(``GLOO_SOCKET_IFNAME``, :func:`loopback_ifname`).
 """
 
 from __future__ import annotations
 
-import datetime
 import socket
-from dataclasses import dataclass, field
 
 from ddparity.errors import UsageError
 from ddparity.settings import WORLD_BACKENDS
@@ -93,37 +92,3 @@ def resolve_backend(backend: str, world_size: int) -> str:
             f"{gpus} device(s) visible; use --backend gloo on CPU, or a smaller world size"
         )
     return backend
-
-
-@dataclass
-class LoopbackStore:
-    """A TCPStore served from this process, reachable on 127.0.0.1 only."""
-
-    timeout_s: float
-    host: str = "127.0.0.1"
-    port: int = field(init=False)
-    _store: object = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        import torch.distributed as dist
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((self.host, 0))
-        sock.listen(1024)
-        self.port = sock.getsockname()[1]
-        # The store takes ownership of the descriptor and closes it when destroyed.
-        self._store = dist.TCPStore(
-            self.host,
-            self.port,
-            is_master=True,
-            master_listen_fd=sock.detach(),
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
-
-    @property
-    def store(self):  # torch.distributed.Store
-        return self._store
-
-    def close(self) -> None:
-        self._store = None

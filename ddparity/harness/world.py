@@ -10,6 +10,7 @@ Ranks die with their controller (``PR_SET_PDEATHSIG``); every wait here has a de
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -88,7 +89,6 @@ class World:
     def __init__(self, world_size: int, backend: str = "gloo", **options: Any) -> None:
         self.spec = WorldSpec(world_size=world_size, backend=backend, **options)
         self._backend: str | None = None
-        self._store: rendezvous.LoopbackStore | None = None
         self._side: str | None = None
         self._ranks = launch.Ranks()
         self._generation = 0
@@ -139,14 +139,14 @@ class World:
         return self
 
     def restart(self) -> None:
-        """Kill the ranks and start a fresh generation on the same store."""
+        """Kill the ranks and start a fresh generation (a new rendezvous file)."""
         self._pending = None
         self._ranks.kill()
         self._live = False
         self._launch()
 
     def close(self) -> None:
-        """Stop every rank (politely, then by SIGKILL) and release the store."""
+        """Stop every rank (politely, then by SIGKILL) and remove the world's private folder."""
         if self._closed:
             return
         self._closed = True
@@ -161,9 +161,6 @@ class World:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._ranks.kill()
         self._live = False
-        if self._store is not None:
-            self._store.close()
-            self._store = None
         if self._side is not None:
             shutil.rmtree(self._side, ignore_errors=True)
             self._side = None
@@ -173,6 +170,11 @@ class World:
             self._side = tempfile.mkdtemp(prefix="world-", dir=private_root())
         return self._side
 
+    def _rendezvous(self) -> str:
+        """This generation's rendezvous: a FileStore in the world's private folder (a store
+        on a loopback port would take any local user's keys)."""
+        return os.path.join(self._side_dir(), f"rendezvous-gen{self._generation}")
+
     @property
     def _store_prefix(self) -> str:
         return f"ddparity/gen{self._generation}"
@@ -181,15 +183,16 @@ class World:
         return f"cuda:{rank}" if self.backend == "nccl" else "cpu"
 
     def _start_ranks(self, method: str, join_timeout: float) -> None:
-        store = self._store
-        assert store is not None  # created by _launch
+        previous = self._rendezvous()
         self._generation += 1
+        with contextlib.suppress(OSError):
+            os.unlink(previous)  # that generation's ranks are gone
         n = self.spec.world_size
         ifname = rendezvous.loopback_ifname()
         specs = [
             RankSpec(
                 rank=rank, world_size=n, backend=self.backend, device=self._device(rank),
-                store_host=store.host, store_port=store.port, store_prefix=self._store_prefix,
+                rendezvous=self._rendezvous(), store_prefix=self._store_prefix,
                 pg_timeout_s=self.spec.timeout + PG_TIMEOUT_MARGIN_S, threads=self.spec.threads_per_rank,
                 loopback_ifname=ifname, controller_pid=os.getpid(), side_dir=self._side_dir(),
             )
@@ -202,8 +205,6 @@ class World:
     def _launch(self) -> None:
         started = time.perf_counter()
         launch.preload()
-        if self._store is None:
-            self._store = rendezvous.LoopbackStore(timeout_s=self.spec.start_timeout)
         method = launch.start_method(self.backend, self.spec.threads_per_rank)
         if method == "fork":
             try:

@@ -1,7 +1,7 @@
 """Nothing another local user can reach decides a verdict: the ranks' progress, ledger and
-fingerprints live in a 0700 folder of the controller, not in the loopback store (which
-takes any client's keys: another user appending fingerprints there once turned a clean
-check into "DESYNC at step 99")."""
+fingerprints, and the process group's rendezvous, live in a 0700 folder of the controller,
+not in a store on a loopback port (which takes any client's keys: another user appending
+fingerprints there once turned a clean check into "DESYNC at step 99")."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import os
 import stat
 import time
 
+import psutil
 import pytest
 
 from ddparity import check
 from ddparity.fixtures.models import mlp_sgd
 from ddparity.harness.pool import WorldPool
 from ddparity.harness.sidechannel import private_root
-from ddparity.records import encode_fingerprints
 
 
 def _as_another_user(work) -> int:  # noqa: ANN001
@@ -48,23 +48,6 @@ def _exit_code(pid: int, timeout: float = 60) -> int:
     raise AssertionError("the other user's process did not finish")
 
 
-def _forge(port: int, prefix: str, seconds: float) -> None:
-    """What the attacker did: while the check runs, append fingerprints of a step 99 (that
-    differ between the ranks) under the keys the side channel once used."""
-    import datetime
-
-    import torch.distributed as dist
-
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    lines = [encode_fingerprints(99, {"net.0.weight": 12345 + rank}) for rank in range(2)]  # ranks that differ
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for task in range(1, 200):  # task ids count from 1 in a process
-            for rank in range(2):
-                client.append(f"{prefix}/side/t{task}/F{rank}", lines[rank] + "\n")
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def pool():
     pool = WorldPool()
@@ -72,17 +55,18 @@ def pool():
     pool.close()
 
 
-def test_keys_written_to_the_store_by_anyone_change_no_verdict(pool):
+def test_the_rendezvous_is_a_private_file_and_the_controller_listens_on_no_port(pool):
+    """The process group met through a TCPStore on a loopback port, which took any local
+    user's keys (forged fingerprints there once turned a clean check into a desync); now
+    through a FileStore in the world's 0700 folder."""
     assert check(mlp_sgd(), modes=("single", "ddp"), world_sizes=(2,), pool=pool).ok
     world = pool.get(2, "gloo")
-    attacker = _as_another_user(lambda: _forge(world._store.port, world._store_prefix, 8.0))
-    try:
-        reports = [check(mlp_sgd(), modes=("single", "ddp"), world_sizes=(2,), pool=pool) for _ in range(3)]
-    finally:
-        assert _exit_code(attacker) == 0  # it could write to the store all along
-    for report in reports:
-        assert report.ok, report.render()
-        assert all(r.desync is None and not r.stragglers for r in report.runs)
+    rendezvous = world._rendezvous()
+    assert os.path.exists(rendezvous) and rendezvous.startswith(private_root())
+    listening = [c for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert listening == []
+    if os.geteuid() == 0:  # as user nobody: the file cannot be opened
+        assert _exit_code(_as_another_user(lambda: open(rendezvous, "rb").close())) == 3
 
 
 def test_the_side_channel_folder_is_this_users_alone(pool):
