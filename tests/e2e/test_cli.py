@@ -161,7 +161,7 @@ def test_a_mismatched_collective_exits_1_with_each_ranks_call_site(tmp_path):
 def test_demo_faults_reports_every_fault_as_expected():
     result = ddparity("check", "--demo-faults", "--world-sizes", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    assert "OK: 11 of 11 fault runs reported as expected" in result.stdout
+    assert "OK: 15 of 15 fault runs reported as expected" in result.stdout
     for status in ("HANG", "CRASH", "DESYNC"):
         assert f"ddp world_size=2 (gloo): {status}" in result.stdout
 
