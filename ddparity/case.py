@@ -225,7 +225,39 @@ def _import_file(path: str, target: str) -> Any:
         del sys.modules[name]
         raise UsageError(f"importing {path!r} raised {type(exc).__name__}: {exc}") from None
     cloudpickle.register_pickle_by_value(module)
+    _BY_VALUE_FILES.add(full)
+    _keep_file_names()
     return module
+
+
+_BY_VALUE_FILES: set[str] = set()
+
+
+def _keep_file_names() -> None:
+    """cloudpickle (3.x) names the code of the functions it pickles by value
+    ``<dynamic-code>``: a rank's traceback and a collective's call site in a target file
+    would not say which file. Its code reducer, wrapped once, keeps the names of those
+    files (anyone else's code is pickled as cloudpickle makes it)."""
+    import types
+
+    import cloudpickle
+
+    table = getattr(getattr(cloudpickle, "Pickler", None), "_dispatch_table", None)
+    if not isinstance(table, dict):
+        return
+    original = table.get(types.CodeType)
+    if original is None or getattr(original, "keeps_file_names", False):
+        return  # an older cloudpickle keeps them itself
+
+    def reduce(code: types.CodeType) -> Any:
+        reduced = original(code)
+        if code.co_filename in _BY_VALUE_FILES and isinstance(reduced, tuple) and len(reduced) == 2:
+            rebuild, args = reduced
+            return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+        return reduced
+
+    reduce.keeps_file_names = True  # type: ignore[attr-defined]
+    table[types.CodeType] = reduce
 
 
 class _HardExit(BaseException):

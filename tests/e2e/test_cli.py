@@ -158,6 +158,53 @@ def test_a_mismatched_collective_exits_1_with_each_ranks_call_site(tmp_path):
     assert "faults.py" in sites["1"]["site"] and "_inject" in sites["1"]["site"]
 
 
+USER_DESYNC = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from ddparity import Case
+
+
+    def data(step, generator):
+        return torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+
+
+    class Metric(nn.Linear):
+        def forward(self, x):
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(torch.ones(dist.get_rank() + 1))  # rank 1: shape [2]
+            return super().forward(x)
+
+
+    def mismatch():
+        return Case(model=lambda: Metric(6, 3), data=data, steps=2)
+
+
+    def data_raises():
+        def shards(step, generator):
+            raise FileNotFoundError("shard-0001")
+        return Case(model=lambda: nn.Linear(6, 3), data=shards)
+    """
+)
+
+
+def test_a_target_files_own_frames_and_call_sites_name_the_file(tmp_path):
+    """Functions of a target file travel to the ranks by value; cloudpickle 3 renames their
+    code ``<dynamic-code>``, which hid the file from tracebacks and call sites."""
+    path = tmp_path / "user_desync.py"
+    path.write_text(USER_DESYNC)
+    out = tmp_path / "r.json"
+    result = ddparity("check", f"{path}:mismatch", "--world-sizes", "2", "--json", str(out))
+    assert result.returncode == 1, result.stdout + result.stderr
+    sites = json.loads(out.read_text())["runs"][1]["desync"]["collective"]["ranks"]
+    assert "user_desync.py:15 in forward" in sites["1"]["site"], sites
+    result = ddparity("check", f"{path}:data_raises", "--world-sizes", "2")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f'File "{path}", line 25, in shards' in result.stdout
+    assert "dynamic-code" not in result.stdout and "ddparity/harness" not in result.stdout
+
+
 def test_demo_faults_reports_every_fault_as_expected():
     result = ddparity("check", "--demo-faults", "--world-sizes", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
