@@ -1,8 +1,8 @@
 """The ``ddparity`` command line (an adapter: parse, call the library, render).
 
-Exit codes (SPEC): 0 equivalent (``profile``: every world size profiled or skipped;
-``health``: healthy), 1 divergence or desync (``health``: a check failed), 2 usage error
-or bad input, 3 hang or crash.
+Arguments, help texts and exit codes: :mod:`ddparity.cli_parser`. Reports go to stdout
+(to stderr when ``--json -`` puts the JSON there); a closed pipe (``| head``) silences
+the rest of the output, and the exit code is still the verdict's.
 """
 
 from __future__ import annotations
@@ -12,85 +12,41 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ddparity import settings
+from ddparity.cli_parser import build_parser
 from ddparity.errors import UsageError
 
 EXIT_USAGE = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        raise UsageError(message)
+class _Out:
+    """Where reports are written: stdout, or stderr while the JSON has stdout (``--json -``)."""
+
+    json_stream: Any = None  # the real stdout, while ``--json -`` holds it
 
 
-def _text(parse: Callable[..., Any], where: str, *args: Any) -> Callable[[str], Any]:
-    """An argparse ``type``: the setting's own parser, its errors naming the flag."""
-
-    def convert(text: str) -> Any:
-        return parse(text, where, *args)
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-def _csv(values: tuple[object, ...]) -> str:
-    return ",".join(map(str, values))
+def _show(text: str = "") -> None:
+    """Print a report (or a line of one); a reader that went away (``| head``) is no error:
+    the rest of the output goes nowhere."""
+    stream = sys.stderr if _Out.json_stream is not None else sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        _silence(stream)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddparity", description="Prove that data-parallel training matches one device.")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    chk = sub.add_parser("check", help="run a Case as single-device and DDP and compare them step by step")
-    chk.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
-    chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
-    chk.add_argument("--demo-faults", action="store_true",
-                     help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
-    chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES, help="comma-separated: single,dp,ddp (dp is simulated without enough GPUs)")
-    chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
-                     help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
-                          f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")
-    chk.add_argument("--backend", type=_text(settings.validate_backend, "--backend"), default="auto",
-                     help="auto | gloo | nccl | threaded (simulated ranks: threads in one process)")
-    chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None, help="override the Case's number of steps")
-    chk.add_argument("--tolerance", type=_text(settings.parse_tolerance, "--tolerance"), default="auto",
-                     help="auto (calibrated noise floor) or a relative tolerance (0 = bit-exact)")
-    chk.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=None,
-                     help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g}; "
-                          f"{settings.DEMO_FAULTS_TIMEOUT_S:g} with --demo-faults)")
-    chk.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) here")
-    prof = sub.add_parser("profile", help="time a Case's DDP communication at each world size")
-    prof.add_argument("target", nargs="?", help="module:function or path/to/file.py:function returning a Case")
-    prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
-    prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
-                      default=None,
-                      help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")
-    prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes)")
-    prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
-                      help=f"measured iterations per world size (default {settings.PROFILE_STEPS})")
-    prof.add_argument("--warmup", type=_text(settings.parse_count, "--warmup", 0), default=settings.PROFILE_WARMUP,
-                      help=f"iterations run first and not measured (default {settings.PROFILE_WARMUP})")
-    prof.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
-                      help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g})")
-    prof.add_argument("--json", metavar="PATH", help="write the JSON profile (version 1) here")
-    hl = sub.add_parser("health", help="check that this machine or cluster can train: collectives, compute, bandwidth")
-    hl.add_argument("--world-size", type=_text(settings.parse_count, "--world-size"), default=None,
-                    help="local ranks (default: one per GPU, else 2 CPU ranks); under torchrun, torchrun decides")
-    hl.add_argument("--backend", default="auto", help="auto | gloo | nccl")
-    hl.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
-                    help=f"seconds a rank may wait before the check counts as a hang (default {settings.TIMEOUT_S:g})")
-    hl.add_argument("--min-busbw", type=_text(settings.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
-                    help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s)")
-    hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
-                    help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
-    hl.add_argument("--json", metavar="PATH", help="write the JSON health report (version 1) here (rank 0)")
-    prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
-                                                        "bus bandwidth and scaling per world size (needs matplotlib)")
-    return parser
+def _silence(stream: Any) -> None:
+    """Point ``stream``'s descriptor at /dev/null: its reader is gone, and Python's own flush
+    at exit would otherwise fail too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -106,7 +62,7 @@ def _health(args: argparse.Namespace) -> int:
             raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
 
         def emit(report: Any) -> None:
-            print(report.render(), flush=True)
+            _show(report.render())
             if args.json:
                 _write_data(args.json, report.to_json(), "JSON health report")
 
@@ -118,7 +74,7 @@ def _health(args: argparse.Namespace) -> int:
     from ddparity.verbs.health import health
 
     report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)
-    print(report.render(), flush=True)
+    _show(report.render())
     if args.json:
         _write_data(args.json, report.to_json(), "JSON health report")
     return report.exit_code
@@ -156,21 +112,21 @@ def _profile(args: argparse.Namespace) -> int:
                          steps=args.steps, warmup=args.warmup)
     finally:
         default_pool().close()
-    print(report.render(), flush=True)
+    _show(report.render())
     if args.json:
         _write_data(args.json, report.to_json(), "JSON profile")
     if args.plot:
         from ddparity.plot import plot_profile
 
         plot_profile(report, args.plot)
-        print(f"plot written to {args.plot}")
+        _show(f"plot written to {args.plot}")
     return report.exit_code
 
 
 def _check_writable(path: str | None, what: str) -> None:
     """An output path that cannot be written is bad input, found before any work (not a
     verdict thrown away, or a divergence's exit 1 turned into 2, at the end)."""
-    if path:
+    if path and path != "-":
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise UsageError(f"cannot write the {what} to {path!r}: no directory {folder!r}")
@@ -198,7 +154,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     case = load_case(args.target)
 
     def emit(report: Any) -> None:
-        print(report.render(), flush=True)
+        _show(report.render())
         if args.json:
             if verb == "check":
                 _write_json(args.json, [report])
@@ -208,7 +164,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
             from ddparity.plot import plot_profile
 
             plot_profile(report, args.plot)
-            print(f"plot written to {args.plot}")
+            _show(f"plot written to {args.plot}")
 
     try:
         if verb == "check":
@@ -256,9 +212,9 @@ def _check(args: argparse.Namespace) -> int:
             report = check(case, modes=args.modes, world_sizes=args.world_sizes, backend=args.backend,
                            timeout=args.timeout, tolerance=args.tolerance, steps=args.steps)
             reports.append(report)
-            print(report.render(), flush=True)
+            _show(report.render())
             if len(cases) > 1:
-                print(flush=True)
+                _show()
     finally:
         default_pool().close()
     if args.json:
@@ -283,9 +239,9 @@ def _demo_faults(args: argparse.Namespace) -> int:
             report = check(fault.case(), modes=args.modes, world_sizes=sizes, backend=args.backend,
                            timeout=timeout, tolerance=args.tolerance, steps=args.steps)
             reports.append(report)
-            print(f"=== fault {fault.name}: {fault.description}", flush=True)
-            print(report.render(), flush=True)
-            print(flush=True)
+            _show(f"=== fault {fault.name}: {fault.description}")
+            _show(report.render())
+            _show()
             for run in report.runs:
                 if run.mode == "ddp":
                     as_expected = run.status == fault.status and reported_ranks(run) == fault.suspects(run.world_size)
@@ -294,10 +250,10 @@ def _demo_faults(args: argparse.Namespace) -> int:
     finally:
         default_pool().close()
     header = ("fault", "world", "expected", "got", "ranks named", "seconds", "as expected")
-    print("fault injection summary")
-    print("\n".join(table([header, *rows], rule=False)))
+    _show("fault injection summary")
+    _show("\n".join(table([header, *rows], rule=False)))
     good = sum(r[-1] == "yes" for r in rows)
-    print(f"{'OK' if good == len(rows) else 'FAILED'}: {good} of {len(rows)} fault runs reported as expected")
+    _show(f"{'OK' if good == len(rows) else 'FAILED'}: {good} of {len(rows)} fault runs reported as expected")
     if args.json:
         _write_json(args.json, reports)
     return 0 if good == len(rows) else 1
@@ -313,6 +269,13 @@ def _write_json(path: str, reports: list) -> None:
 
 
 def _write_data(path: str, data: dict, what: str) -> None:
+    if path == "-":
+        try:
+            json.dump(data, _Out.json_stream or sys.stdout, indent=2)
+            print(file=_Out.json_stream or sys.stdout, flush=True)
+        except BrokenPipeError:
+            _silence(_Out.json_stream or sys.stdout)
+        return
     try:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2)
@@ -328,16 +291,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.version:
             from ddparity import __version__
 
-            print(f"ddparity {__version__}")
+            _show(f"ddparity {__version__}")
             return 0
-        if args.command == "check":
-            return _check(args)
-        if args.command == "profile":
-            return _profile(args)
-        if args.command == "health":
-            return _health(args)
-        parser.print_help()
-        return EXIT_USAGE
+        verbs = {"check": _check, "profile": _profile, "health": _health}
+        if args.command not in verbs:
+            parser.print_help()
+            return EXIT_USAGE
+        if getattr(args, "json", None) == "-":
+            _Out.json_stream = sys.stdout
+        try:
+            return verbs[args.command](args)
+        finally:
+            _Out.json_stream = None
     except UsageError as exc:
         print(f"ddparity: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -179,14 +179,18 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
     import torch
     import torch.distributed as dist
 
+    from ddparity.case import make_optimizer
     from ddparity.harness import recorder
     from ddparity.harness.tasks import ddp_task
     from ddparity.harness.training import build_model
 
     module = threaded_pg()
-    # The model factory once here first: the imports it does on first use (transformers'
-    # lazy modules) are not safe to race from many threads.
-    build_model(case)
+    # The model factory and the optimizer once here first: neither the imports a factory
+    # does on first use (transformers' lazy modules) nor torch's first optimizer of a class
+    # (it patches the class's step(): two threads doing it at once wrapped it twice, every
+    # step hook ran twice, and a clean case "called optimizer.step() 2 times") are safe to
+    # race from many threads.
+    make_optimizer(case, build_model(case).parameters())
     host = recorder.active()
     channel = getattr(host, "channel", None) or FileRankChannel("", "", 0)
     isolation = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")  # noqa: B009 - private

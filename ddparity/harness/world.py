@@ -171,8 +171,7 @@ class World:
         return self._side
 
     def _rendezvous(self) -> str:
-        """This generation's rendezvous: a FileStore in the world's private folder (a store
-        on a loopback port would take any local user's keys)."""
+        """This generation's rendezvous: a FileStore in the world's private folder."""
         return os.path.join(self._side_dir(), f"rendezvous-gen{self._generation}")
 
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -264,3 +266,37 @@ def test_modes_single_dp_ddp_label_the_simulated_runs(tmp_path):
     assert runs[("dp", 2)]["status"] == "diverged"
     assert any("per-replica BatchNorm" in note for note in runs[("dp", 2)]["notes"])
     assert "dp      2      cpu (simulated)  diverged" in result.stdout
+
+
+def test_version_flags():
+    for flag in ("-V", "--version"):
+        result = ddparity(flag)
+        assert result.returncode == 0 and re.fullmatch(r"ddparity \d+\.\d+\.\d+\S*\n", result.stdout), result
+
+
+def test_json_dash_writes_the_json_to_stdout_and_the_report_to_stderr():
+    result = ddparity("check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2", "--json", "-")
+    assert result.returncode == 1, result.stderr
+    data = json.loads(result.stdout)  # nothing else on stdout
+    assert [r["status"] for r in data["runs"]] == ["pass", "diverged"]
+    assert "DIVERGED" in result.stderr and not os.path.exists("-")
+
+
+def test_a_reader_that_goes_away_is_no_error_and_the_exit_code_is_the_verdicts():
+    """`ddparity check ... | head -1` ended in BrokenPipeError, "internal error", exit 4."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.bugs:summed_loss",
+                             "--world-sizes", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the report is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1, err
+    assert "Traceback" not in err and "internal error" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("verb", ["check", "profile", "health"])
+def test_each_verbs_help_has_a_description_its_defaults_examples_and_exit_codes(verb):
+    result = ddparity(verb, "--help")
+    assert result.returncode == 0
+    text = result.stdout
+    assert "examples:" in text and f"ddparity {verb}" in text.split("examples:")[1]
+    assert "exit codes:" in text and "130" in text and "4    an internal error" in text
+    assert "(default" in text

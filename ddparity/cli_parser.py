@@ -1,0 +1,139 @@
+"""The ``ddparity`` command's arguments, help texts and exit codes (parsing only: what
+each verb does is :mod:`ddparity.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ddparity import settings
+from ddparity.errors import UsageError
+
+EXIT_CODES = """exit codes:
+  0    every run equivalent (profile: every world size profiled or skipped; health: healthy)
+  1    a divergence or a desync (health: a check failed)
+  2    bad input: a usage error, a Case that cannot run (the message names the fix)
+  3    a hang, a crash, or a world that could not start
+  4    an internal error of ddparity (rerun with DDPARITY_DEBUG=1 and report it)
+  130  interrupted (Ctrl-C)
+A closed output pipe (| head) ends the output quietly; the exit code is still the verdict's."""
+
+CHECK_EXAMPLES = """examples:
+  ddparity check --demo                                 the built-in models, a minute or so
+  ddparity check my_cases.py:case                       your Case at world sizes 1, 2 and 4
+  ddparity check my_cases.py:case --world-sizes 2,8 --backend threaded
+  ddparity check my_cases.py:case --json - | python -m json.tool     the JSON on stdout
+  torchrun --nproc-per-node 4 -m ddparity check my_cases.py:case     the launch is the world
+"""
+
+PROFILE_EXAMPLES = """examples:
+  ddparity profile --demo
+  ddparity profile my_cases.py:case --world-sizes 1,2,4 --plot profile.png
+"""
+
+HEALTH_EXAMPLES = """examples:
+  ddparity health                                       this machine: 2 CPU ranks, or one per GPU
+  ddparity health --min-busbw 100                       fail below 100 GB/s of all-reduce bus bandwidth
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m ddparity health --json health.json
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        raise UsageError(message)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written (examples, exit codes)."""
+
+
+def _text(parse: Callable[..., Any], where: str, *args: Any) -> Callable[[str], Any]:
+    """An argparse ``type``: the setting's own parser, its errors naming the flag."""
+
+    def convert(text: str) -> Any:
+        return parse(text, where, *args)
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _csv(values: tuple[object, ...]) -> str:
+    return ",".join(map(str, values))
+
+
+def _verb(sub: Any, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=description, epilog=f"{examples}\n{EXIT_CODES}",
+                          formatter_class=_Help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddparity", formatter_class=_Help, epilog=EXIT_CODES,
+                     description="Prove that data-parallel training matches one device: run your model and "
+                                 "training step single-device, under DataParallel and under DDP, compare every "
+                                 "step, and report divergence, desync, hangs and crashes with each rank's place.")
+    parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{check,profile,health}")
+    target_help = "module:function or path/to/file.py:function returning a ddparity.Case"
+    json_help = "write the JSON report (version 1) to PATH; '-' writes it to stdout (the text report goes to stderr)"
+    chk = _verb(sub, "check", "run a Case single-device and under DDP and compare them step by step",
+                "Train the Case's model from one initial state on one device (the reference) and as DDP ranks "
+                "at each world size, and compare the loss, every gradient, parameter and buffer after every "
+                "step; collectives are checked across ranks as they are issued.", CHECK_EXAMPLES)
+    chk.add_argument("target", nargs="?", help=target_help)
+    chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
+    chk.add_argument("--demo-faults", action="store_true",
+                     help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
+    chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES,
+                     help=f"comma-separated, of single, dp, ddp (default {_csv(settings.CHECK_MODES)}; dp is "
+                          "simulated without enough GPUs)")
+    chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
+                     help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
+                          f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")
+    chk.add_argument("--backend", type=_text(settings.validate_backend, "--backend"), default="auto",
+                     help="auto | gloo | nccl | threaded (simulated ranks: threads in one process); default auto: "
+                          "nccl with a GPU per rank, else gloo, threaded above this machine's rank limit")
+    chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None,
+                     help="override the Case's number of steps (default: the Case's)")
+    chk.add_argument("--tolerance", type=_text(settings.parse_tolerance, "--tolerance"), default="auto",
+                     help="auto (calibrated noise floor, the default) or a relative tolerance (0 = bit-exact)")
+    chk.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=None,
+                     help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g}; "
+                          f"{settings.DEMO_FAULTS_TIMEOUT_S:g} with --demo-faults)")
+    chk.add_argument("--json", metavar="PATH", help=json_help)
+    prof = _verb(sub, "profile", "time a Case's DDP communication at each world size",
+                 "Time DDP steps of the Case at each world size: compute, communication, exposed communication, "
+                 "bytes and bus bandwidth per step, and scaling against one rank.", PROFILE_EXAMPLES)
+    prof.add_argument("target", nargs="?", help=target_help)
+    prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
+    prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
+                      default=None,
+                      help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")
+    prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes; default auto)")
+    prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
+                      help=f"measured iterations per world size (default {settings.PROFILE_STEPS})")
+    prof.add_argument("--warmup", type=_text(settings.parse_count, "--warmup", 0), default=settings.PROFILE_WARMUP,
+                      help=f"iterations run first and not measured (default {settings.PROFILE_WARMUP})")
+    prof.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+                      help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g})")
+    prof.add_argument("--json", metavar="PATH", help=json_help)
+    prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
+                                                        "bus bandwidth and scaling per world size (needs matplotlib)")
+    hl = _verb(sub, "health", "check that this machine or cluster can train: collectives, compute, bandwidth",
+               "A pre-deployment check: every rank joins, every collective returns the right values, each "
+               "device computes right and as fast as the others, versions match, and the all-reduce bus "
+               "bandwidth is measured (against a floor with --min-busbw).", HEALTH_EXAMPLES)
+    hl.add_argument("--world-size", type=_text(settings.parse_count, "--world-size"), default=None,
+                    help="local ranks (default: one per GPU, else 2 CPU ranks); under torchrun, torchrun decides")
+    hl.add_argument("--backend", default="auto", help="auto | gloo | nccl (default auto)")
+    hl.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+                    help=f"seconds a rank may wait before the check counts as a hang (default {settings.TIMEOUT_S:g})")
+    hl.add_argument("--min-busbw", type=_text(settings.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
+                    help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s; "
+                         "default: measured, not judged)")
+    hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
+                    help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
+    hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
+    return parser
