@@ -284,6 +284,19 @@ def _write_data(path: str, data: dict, what: str) -> None:
         raise UsageError(f"cannot write the {what} to {path!r}: {exc.strerror}") from None
 
 
+def _interrupted(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C: the runs a check finished so far, the one in progress and where its ranks were."""
+    report, during, places = (getattr(exc, k, None) for k in ("report", "during", "places"))
+    if report is not None and getattr(report, "runs", None):
+        text = report.render().rstrip().splitlines()
+        if text and text[-1].startswith(("OK:", "FAILED:")):  # a verdict on part of the check is none
+            text[-1] = f"INTERRUPTED: {len(report.runs)} run(s) finished before Ctrl-C, shown above"
+        _show("\n".join(text))
+    head = f"ddparity: interrupted during {during}" if during else "ddparity: interrupted"
+    lines = [head + (", where each rank was:" if places else "")] + [f"  {p}" for p in places or []]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -306,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"ddparity: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ddparity: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        _interrupted(exc)
         return 130
     except Exception:
         # A bug in ddparity itself: say so plainly; the traceback is for the report.

@@ -100,6 +100,18 @@ class SimulatedRankError(RuntimeError):
         return (SimulatedRankError, (self.rank, str(self).split(": ", 1)[1]))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a check (a KeyboardInterrupt still): ``places`` says where each rank of
+    the task in progress was; ``report`` (set by ``check``) holds the runs finished so far
+    and ``during`` the run in progress."""
+
+    def __init__(self, places: list[str] | None = None, report: object = None, during: str = "") -> None:
+        super().__init__("interrupted")
+        self.places = places or []
+        self.report = report
+        self.during = during
+
+
 class StillRunning(DdparityError):
     """Stands in for the outcome of a rank that was still running (most likely waiting
     for a failed peer in a collective) when the World stopped it."""

@@ -117,6 +117,13 @@ class Position:
         last = self.last
         return last.seq if last is not None else -1
 
+    def describe(self) -> str:
+        """Step, phase and the last collective, as a report says them."""
+        last = self.last
+        state = "inside" if last is not None and self.inflight == last.seq else "last issued"
+        collective = f"; collective {state}: {last.render()}" if last is not None else "; no collective yet"
+        return f"step {self.step}, {self.phase or 'starting'}{collective}"
+
     def order(self) -> tuple[int, int, int]:
         """Sortable progress: step, then phase, then collectives issued."""
         phase = PHASES.index(self.phase) if self.phase in PHASES else 0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
+from ddparity.errors import Interrupted, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
 from ddparity.harness import launch
 from ddparity.harness.stacks import py_spy_stacks
 from ddparity.records import RankRecords
@@ -124,6 +124,19 @@ def stuck(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], tas
             ),
             output=stacks.get(r, ""),
         )
+
+
+def interrupted(progress: list[str], kill: Callable[[], None]) -> Interrupted:
+    """Ctrl-C while a task ran: each rank's place (from its progress record), the ranks
+    stopped."""
+    from ddparity.records import parse_progress
+
+    kill()
+    places = []
+    for rank, text in enumerate(progress):
+        pos = parse_progress(text)
+        places.append(f"rank {rank}: {pos.describe() if pos is not None else 'had not started the task'}")
+    return Interrupted(places=places)
 
 
 def raise_if_failed(final: list[RankOutcome]) -> None:

@@ -27,13 +27,7 @@ from typing import Any
 from ddparity.errors import UsageError, WorldFailure
 from ddparity.harness import launch, outcomes, rendezvous
 from ddparity.harness.outcomes import RankOutcome
-from ddparity.harness.protocol import (
-    OUTPUT_END_MARK,
-    RankSpec,
-    RunTask,
-    Shutdown,
-    TaskDone,
-)
+from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunTask, Shutdown, TaskDone
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
 from ddparity.records import RankRecords
 from ddparity.settings import PG_TIMEOUT_MARGIN_S, WorldSpec
@@ -44,8 +38,7 @@ POLL_S = 0.1
 """How often the controller reads the ranks' progress while a task runs."""
 
 FAILURE_QUIET_S = 0.25
-"""After a rank failed, the others are stopped once they made no progress for this long
-(they are most likely waiting for the failed rank), or after ``error_grace`` at most."""
+"""After a rank failed, the others are stopped once quiet this long (``error_grace`` at most)."""
 
 HARD_LIMIT_FACTOR = 10
 """A task that keeps making progress is still stopped after this many timeouts."""
@@ -291,12 +284,14 @@ class World:
 
     def _collect(self, task: PendingTask) -> list[RankOutcome]:
         try:
-            outcomes = self._wait_for(task)
+            done = self._wait_for(task)
         except WorldFailure as exc:
             exc.records, exc.simulated = self._records(task)
             raise
+        except KeyboardInterrupt:  # Ctrl-C: where every rank was, then they are stopped
+            raise outcomes.interrupted(self._progress(task) or [], self._kill) from None
         records, _ = self._records(task)
-        return [dataclasses.replace(o, records=records.get(o.rank)) for o in outcomes]
+        return [dataclasses.replace(o, records=records.get(o.rank)) for o in done]
 
     def _records(self, task: PendingTask) -> tuple[dict[int, RankRecords], SimulatedRecords | None]:
         """Read (then drop) what the ranks (and their simulated ranks, if any) left for this task."""

@@ -8,6 +8,7 @@ stuck or dead controller.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
@@ -16,7 +17,7 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.checks.verdict import judge_completed
-from ddparity.errors import RankCrashed, UsageError, WorldFailure, WorldStartError
+from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.pool import WorldPool, default_pool
 from ddparity.harness.spool import Spool
 from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
@@ -48,17 +49,32 @@ def check(
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
     report = Report(case.label)
+    doing = _Doing()
     with Spool() as spool:
-        return _check(case, opts, chosen, pool, report, spool)
+        try:
+            return _check(case, opts, chosen, pool, report, spool, doing)
+        except KeyboardInterrupt as exc:  # Ctrl-C: the runs finished so far, and where the ranks were
+            raise Interrupted(getattr(exc, "places", []), Report(case.label, [*report.runs, *doing.finished]),
+                              doing.run) from None
 
 
-def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool) -> Report:
+@dataclass
+class _Doing:
+    """What a check is doing, for a Ctrl-C's report: the run in progress, the DDP runs done."""
+
+    run: str = "the set-up (the initial state, every step's global batch)"
+    finished: list[RunResult] = field(default_factory=list)
+
+
+def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool,
+           doing: _Doing) -> Report:
     started = time.perf_counter()
     ddp_sizes = opts.world_sizes if "ddp" in opts.modes else ()
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
         [(batch_sizes, valid)] = ref_world.run(prepare_task, case, spool.path, timeout=opts.timeout)
+        doing.run = "the single-device reference"
         ref_pending = ref_world.submit(reference_task, case, spool.path, tuple(ddp_sizes) + tuple(dp_sizes),
                                        timeout=opts.timeout)
     except WorldFailure as exc:
@@ -89,13 +105,15 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         )
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
-    ddp_runs = []
+    ddp_runs = doing.finished
     for ws, unrunnable in plan.items():
         if unrunnable is not None:
             ddp_runs.append(unrunnable)
             continue
+        doing.run = f"ddp world_size={ws} ({backends[ws]})"
         launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, spool)
         ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, blowup, valid))
+    doing.run = f"dp world sizes {list(dp_sizes)}"
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, blowup))
     report.runs.extend(ddp_runs)

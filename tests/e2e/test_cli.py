@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 from ddparity.harness.rendezvous import cuda_device_count
@@ -300,3 +303,29 @@ def test_each_verbs_help_has_a_description_its_defaults_examples_and_exit_codes(
     assert "examples:" in text and f"ddparity {verb}" in text.split("examples:")[1]
     assert "exit codes:" in text and "130" in text and "4    an internal error" in text
     assert "(default" in text
+
+
+def test_ctrl_c_prints_the_runs_finished_so_far_and_where_each_rank_was():
+    """Ctrl-C printed `ddparity: interrupted` and threw away the finished reference run and
+    every rank's position."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.faults:stuck_rank",
+                             "--world-sizes", "2", "--timeout", "120"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the reference's world and the DDP world's two ranks
+            ranks = [c for c in psutil.Process(proc.pid).children() if "check" in c.cmdline()]  # forked ranks
+            if len(ranks) >= 3:
+                break
+            time.sleep(0.2)
+        time.sleep(4)  # rank 1 is stuck at step 1, the reference long done
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert re.search(r"single\s+1\s+gloo\s+pass", out) and "INTERRUPTED: 1 run(s) finished" in out, out
+    assert "interrupted during ddp world_size=2 (gloo), where each rank was:" in err, err
+    assert "rank 1: step 1, forward" in err and "rank 0: step 1," in err, err

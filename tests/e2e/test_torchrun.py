@@ -22,6 +22,8 @@ import pytest
 
 from tests.conftest import wait_gone
 
+pytestmark = pytest.mark.slow  # every test starts torchrun and torch in 3+ processes
+
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
