@@ -23,15 +23,22 @@ EXIT_USAGE = 2
 
 
 class _Out:
-    """Where reports are written: stdout, or stderr while the JSON has stdout (``--json -``)."""
+    """Where reports are written: stdout, or stderr while the JSON has stdout (``--json -``);
+    with ``--quiet`` a report is its last line (the verdict)."""
 
     json_stream: Any = None  # the real stdout, while ``--json -`` holds it
+    quiet = False
 
 
 def _show(text: str = "") -> None:
     """Print a report (or a line of one); a reader that went away (``| head``) is no error:
     the rest of the output goes nowhere."""
     stream = sys.stderr if _Out.json_stream is not None else sys.stdout
+    if _Out.quiet:
+        lines = text.rstrip().splitlines()
+        if not lines or not lines[-1].startswith(("OK:", "FAILED:", "INTERRUPTED:", "HEALTHY:", "UNHEALTHY:")):
+            return
+        text = lines[-1]
     try:
         print(text, file=stream, flush=True)
     except BrokenPipeError:
@@ -312,10 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         if getattr(args, "json", None) == "-":
             _Out.json_stream = sys.stdout
+        _Out.quiet = getattr(args, "quiet", False)
+        if args.verbose:
+            os.environ["DDPARITY_VERBOSE"] = "1"  # read where stacks are tidied (rank processes inherit it)
         try:
             return verbs[args.command](args)
         finally:
-            _Out.json_stream = None
+            _Out.json_stream, _Out.quiet = None, False
     except UsageError as exc:
         print(f"ddparity: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -65,8 +65,14 @@ def _csv(values: tuple[object, ...]) -> str:
 
 
 def _verb(sub: Any, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=summary, description=description, epilog=f"{examples}\n{EXIT_CODES}",
+    verb = sub.add_parser(name, help=summary, description=description, epilog=f"{examples}\n{EXIT_CODES}",
                           formatter_class=_Help)
+    talk = verb.add_mutually_exclusive_group()
+    if name != "profile":  # a profile is figures: it has no verdict line
+        talk.add_argument("-q", "--quiet", action="store_true", help="print only the verdict line")
+    talk.add_argument("-v", "--verbose", action="store_true",
+                      help="keep ddparity's own threads in the ranks' stacks (hidden by default)")
+    return verb
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,24 @@ def _sci(x: float | None) -> str:
 
 
 def _where(d: Divergence) -> str:
-    return f"step {d.step}, {d.kind} {d.name!r}, rank {d.rank}"
+    what = "the loss" if d.kind == "loss" else f"{d.kind} {d.name!r}"
+    return f"step {d.step}, {what}, rank {d.rank}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _differs(desync: Desync) -> str:
+    """Who differs from whom: the minority against the rest, or every rank against each other."""
+    if desync.collective is not None:
+        others = sorted(set(desync.collective.ranks) - set(desync.ranks))
+    else:
+        others = sorted(desync.agreeing_ranks or [])
+    if not others:
+        return f"ranks {desync.ranks} all differ from one another"
+    verb = "differs" if len(desync.ranks) == 1 else "differ"
+    return f"{_ranks(desync.ranks)} {verb} from {_ranks(others)}"
 
 
 def _indent(text: str, pad: str = "    ") -> list[str]:
@@ -37,7 +54,7 @@ def _position(rank: int, place: RankPlace) -> str:
 
 
 def _render_desync(desync: Desync) -> list[str]:
-    lines = [f"  desync at step {desync.step}: ranks {desync.ranks} differ from the others"]
+    lines = [f"  desync at step {desync.step}: {_differs(desync)}"]
     slot = desync.collective
     if slot is not None:
         lines.append(f"    collective #{slot.seq} of group {slot.group!r} is not the same on every rank:")

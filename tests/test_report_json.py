@@ -71,13 +71,13 @@ def report() -> Report:
     # a hang: rank 1 sits in forward, rank 0 waits inside collective #3
     hung = {0: RankRecords(progress=progress(2, "backward", 3, [line(3, 5.0, step=2)])),
             1: RankRecords(progress=progress(2, "forward", None, [line(2, 4.0, step=1)]))}
-    timeout = TaskTimeout("ranks [0, 1] made no progress on task 3 for 5 s; the world was rebuilt", [0, 1],
+    timeout = TaskTimeout("rank(s) [0, 1] made no progress for 5 s; the world was rebuilt", [0, 1],
                           {0: "Thread 1 (idle)\n    allreduce (gloo)\n", 1: "Thread 1\n    forward (model.py:3)\n"})
     timeout.records = hung
     runs.append(run().failed(judge_failure(timeout)))
 
     # a watcher stopped the task over mismatched collectives: a desync with stacks
-    stopped = TaskStopped("task 4 was stopped: ranks issued different collectives", "differ", [0, 1],
+    stopped = TaskStopped("the run was stopped: ranks issued different collectives", "differ", [0, 1],
                           {0: "stack 0\n", 1: "stack 1\n"})
     stopped.records = mismatch
     runs.append(run().failed(judge_failure(stopped)))
@@ -86,7 +86,7 @@ def report() -> Report:
     output = ('Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n'
               '  File "/x/model.py", line 9 in forward\n  File "/x/ddparity/harness/rank.py", line 150 in _run_task\n'
               '  File "/x/multiprocessing/process.py", line 108 in run\n\n')
-    crashed = RankCrashed("rank 1 died (signal SIGSEGV) while running task 5; the world will be rebuilt\nmore",
+    crashed = RankCrashed("rank 1 died (signal SIGSEGV) during the run; the world will be rebuilt\nmore",
                           1, -11, output, {0: "Thread 1\n    allreduce\n"})
     crashed.records = {0: RankRecords(progress=progress(0, "backward", 1, [line(1, 1.0)])),
                        1: RankRecords(progress=progress(0, "forward", None, [line(0, 0.5)]))}

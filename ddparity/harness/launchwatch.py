@@ -203,7 +203,7 @@ class LaunchWatch:
         ranks = self._participants()
         reason = self._live(self._progress) if self.stage == 2 else None
         elsewhere = [r for r in ranks if self._where[r][0] != mine] or [r for r in ranks if r != self.rank] or [0]
-        failure: WorldFailure = (TaskStopped(f"the task was stopped: {reason}", reason, ranks) if reason else
+        failure: WorldFailure = (TaskStopped(f"the run was stopped: {reason}", reason, ranks) if reason else
                                  RankCrashed(f"rank {elsewhere[0]}'s node is gone or unreachable: {lost} "
                                              f"(rank {self.rank}'s own view)", elsewhere[0], None))
         failure.stacks = {self.rank: own_stacks()}
@@ -302,7 +302,7 @@ class LaunchWatch:
             if self.stage == 2:
                 reason = self._live(progress)
                 if reason:
-                    failure = TaskStopped(f"the task was stopped: {reason}", reason, ranks)
+                    failure = TaskStopped(f"the run was stopped: {reason}", reason, ranks)
         raised = self._raised() if int(self.store.add("failures", 0)) else {}
         if raised and self._failed_at is None:
             self._failed_at = now

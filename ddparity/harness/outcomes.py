@@ -81,7 +81,7 @@ def stopped(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], t
     """A watcher stopped the task (ranks issued different collectives)."""
     stacks = dump_stacks(ranks, pending, native=False)
     kill()
-    head = f"task {task_id} was stopped: {reason}; the world was rebuilt"
+    head = f"the run was stopped: {reason}; the world was rebuilt"
     raise TaskStopped(with_stacks(head, stacks), reason, pending, stacks)
 
 
@@ -95,7 +95,7 @@ def crashed(ranks: launch.Ranks, kill: Callable[[], None], rank: int, task_id: i
     output = ranks.readers[rank].take_all(settle=1.0)
     kill()
     how = launch.signal_name(proc.exitcode)
-    lines = [f"rank {rank} died ({how}) while running task {task_id}; the world will be rebuilt"]
+    lines = [f"rank {rank} died ({how}) during the run; the world will be rebuilt"]
     if output.strip():
         lines.append(f"--- rank {rank} output ---\n{output.rstrip()}")
     for r, text in stacks.items():
@@ -111,7 +111,7 @@ def stuck(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], tas
     stacks = dump_stacks(ranks, pending, native=timed_out)
     kill()
     if timed_out:
-        head = f"ranks {pending} made no progress on task {task_id} for {limit:g} s; the world was rebuilt"
+        head = f"rank(s) {pending} made no progress for {limit:g} s; the world was rebuilt"
         raise TaskTimeout(with_stacks(head, stacks), pending, stacks)
     failed = [o.rank for o in outcomes if o is not None and not o.ok]
     for r in pending:

@@ -27,13 +27,24 @@ _LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
 _PARENS = re.compile(r"\([^()]*\)")
 
 
+OWN_THREAD = re.compile(r'^Thread .*"ddparity-(?!simulated-rank)[^"]*"')
+"""The first line of a thread of ddparity's own in a py-spy dump (the ledger's publisher;
+a simulated rank is the user's)."""
+
+
 def tidy_stack(text: str) -> str:
-    """py-spy's dump without its header or the rank's bootstrap frames, C++ frames
+    """py-spy's dump without its header, the rank's bootstrap frames or ddparity's own
+    threads (kept with ``DDPARITY_VERBOSE=1``, which ``--verbose`` sets), C++ frames
     without template arguments."""
-    skipping = False
+    skipping = own = False
+    verbose = bool(os.environ.get("DDPARITY_VERBOSE"))
     lines = []
     for line in text.splitlines():
         if line.startswith(("Process ", "Python v")) or not line.strip():
+            continue
+        if line.startswith("Thread "):
+            own = not verbose and bool(OWN_THREAD.match(line))
+        if own:
             continue
         if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
             lines.append(line)

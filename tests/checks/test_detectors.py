@@ -137,6 +137,22 @@ Thread 12 (idle): "MainThread"
     assert "train (model.py:10)" in text and "_run_task" in text
 
 
+def test_tidy_stack_hides_ddparitys_own_threads_unless_verbose(monkeypatch):
+    raw = """Thread 12 (idle): "MainThread"
+    train (model.py:10)
+Thread 13 (idle): "ddparity-ledger"
+    Recorder._publish_loop (ddparity/harness/recorder.py:179)
+Thread 14 (idle): "ddparity-simulated-rank3"
+    forward (model.py:20)
+"""
+    monkeypatch.delenv("DDPARITY_VERBOSE", raising=False)
+    text = tidy_stack(raw)
+    assert "ddparity-ledger" not in text and "_publish_loop" not in text
+    assert "train (model.py:10)" in text and "ddparity-simulated-rank3" in text  # a simulated rank is the user's
+    monkeypatch.setenv("DDPARITY_VERBOSE", "1")  # what --verbose sets
+    assert "_publish_loop" in tidy_stack(raw)
+
+
 def test_a_per_rank_normalisation_is_named_only_when_valid_entries_are_uneven():
     from ddparity.checks.causes import likely_cause
     from ddparity.verdicts import Divergence

@@ -120,7 +120,7 @@ def test_summed_loss_in_a_user_module_exits_1_with_first_divergence_and_repro(us
     out = tmp_path / "report.json"
     result = ddparity("check", "my_cases:summed", "--world-sizes", "2", "--json", str(out), cwd=user_file.parent)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "first divergence: step 0, loss 'loss', rank 0" in result.stdout
+    assert "first divergence: step 0, the loss, rank 0" in result.stdout
     assert "worst offenders" in result.stdout
     assert "reproduce: ddparity check my_cases:summed --modes ddp --world-sizes 2" in result.stdout
     run = json.loads(out.read_text())["runs"][1]
@@ -131,7 +131,7 @@ def test_summed_loss_in_a_user_module_exits_1_with_first_divergence_and_repro(us
 def test_known_bug_fixtures_through_the_cli():
     result = ddparity("check", "ddparity.fixtures.bugs:corrupted_grad_on_one_rank", "--world-sizes", "2")
     assert result.returncode == 1
-    assert "desync at step 2: ranks [1] differ from the others" in result.stdout
+    assert "desync at step 2: rank 1 differs from rank 0" in result.stdout
     assert "first divergence: step 2, grad 'net.0.weight', rank 1" in result.stdout
 
 
@@ -329,3 +329,9 @@ def test_ctrl_c_prints_the_runs_finished_so_far_and_where_each_rank_was():
     assert re.search(r"single\s+1\s+gloo\s+pass", out) and "INTERRUPTED: 1 run(s) finished" in out, out
     assert "interrupted during ddp world_size=2 (gloo), where each rank was:" in err, err
     assert "rank 1: step 1, forward" in err and "rank 0: step 1," in err, err
+
+
+def test_quiet_prints_only_the_verdict_line():
+    result = ddparity("check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2", "--quiet")
+    assert result.returncode == 1
+    assert result.stdout == "FAILED: 1 of 2 runs equivalent to the reference\n", result.stdout

@@ -65,7 +65,7 @@ def test_passes_fails_and_parametrizes_like_pytest(pytester):
     # the failure: the report's table, the first divergence, and a last line that reproduces it
     assert "ddparity check: test_summed_loss[ws2]" in out
     assert "ddp world_size=2 (gloo): DIVERGED" in out
-    assert "first divergence: step 0, loss 'loss', rank 0" in out
+    assert "first divergence: step 0, the loss, rank 0" in out
     assert "reproduce: pytest 'test_user.py::test_summed_loss[ws2]' --ddparity-backend auto" in out
     assert "Traceback" not in out and "ddparity/verbs/check.py" not in out
 
@@ -289,5 +289,5 @@ def test_after(world):
     assert time.monotonic() - started < 120  # not the World's own 300 s, twice
     result.stdout.fnmatch_lines(["*test_session_timeout?ws2? FAILED*", "*test_own_timeout?ws2? FAILED*",
                                  "*test_after?ws2? PASSED*"])
-    result.stdout.fnmatch_lines(["*made no progress on task * for 4 s*"])
-    result.stdout.fnmatch_lines(["*made no progress on task * for 2 s*"])
+    result.stdout.fnmatch_lines(["*made no progress for 4 s*"])
+    result.stdout.fnmatch_lines(["*made no progress for 2 s*"])
