@@ -32,6 +32,25 @@ CHECK_BACKENDS = (*WORLD_BACKENDS, "threaded")
 
 # -- defaults ----------------------------------------------------------------------------
 
+NEWER_TORCH = (2, 13)
+"""The oldest torch that torchrun launches (``check``/``profile``) and the threaded backend
+are tested on. On torch 2.4.1 (the oldest the project installs on) a mismatched collective
+under torchrun was a crash of the wrong rank (gloo's abort took torchrun's agent and its
+store with it), and one clean model crashed at simulated world size 8 (SIGABRT): there they
+are refused with a message, not run."""
+
+
+def needs_newer_torch(what: str, instead: str) -> None:
+    """A UsageError naming ``what`` and the fix where this torch is older than
+    :data:`NEWER_TORCH`."""
+    import torch
+
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    if release and release < NEWER_TORCH:
+        raise UsageError(f"{what} needs torch >= {NEWER_TORCH[0]}.{NEWER_TORCH[1]} (this is {torch.__version__}: "
+                         f"on older torch it was found to give wrong verdicts); upgrade torch, or {instead}")
+
+
 TIMEOUT_S = 60.0
 """Seconds without progress (a step, a phase, a collective) before a run counts as a hang."""
 

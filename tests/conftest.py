@@ -52,3 +52,16 @@ def no_leftover_processes():
     default_pool().close()
     leftover = stray_processes(before)  # multiprocessing's shared helpers may stay
     assert not leftover, f"processes left behind: {leftover}"
+
+
+def older_torch() -> bool:
+    import torch
+
+    from ddparity.settings import NEWER_TORCH
+
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    return release < NEWER_TORCH
+
+
+needs_newer_torch = pytest.mark.skipif(older_torch(), reason="torchrun check/profile and the threaded backend "
+                                       "need torch >= 2.13; ddparity refuses them on older torch (tested)")

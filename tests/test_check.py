@@ -270,3 +270,18 @@ def test_no_false_alarm_where_random_search_once_found_one(sizes, batch, world_s
     case = Case(model=lambda: models.MLP(sizes), data=data, optimizer=optimizer, lr=0.05, steps=3, seed=seed)
     report = check(case, modes=("ddp",), world_sizes=(world_size,))
     assert report.ok, report.render()
+
+
+def test_on_older_torch_the_threaded_backend_and_torchrun_checks_are_refused_with_the_fix(monkeypatch):
+    """torch 2.4.1 gave wrong verdicts there (a crash of the wrong rank under torchrun, a
+    clean model crashing at simulated 8): refused, not run."""
+    import torch
+
+    from ddparity.verbs.launched import launch_options
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    with pytest.raises(UsageError, match=r"--backend threaded \(simulated ranks\) needs torch >= 2.13 "
+                                         r"\(this is 2.4.1\+cu121.*use --backend gloo"):
+        check(Case(model=models.MLP, data=models.vectors), world_sizes=(8,), backend="threaded")
+    with pytest.raises(UsageError, match="ddparity check under torchrun needs torch >= 2.13"):
+        launch_options(("single", "ddp"), None, "auto", 60.0, "auto", None)

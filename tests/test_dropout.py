@@ -12,6 +12,7 @@ from ddparity.harness.modes.single import SingleMode
 from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.spool import Comparer, Spool, Writer, write_state
 from ddparity.harness.training import initial_state, train
+from tests.conftest import needs_newer_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -25,6 +26,7 @@ def test_dropout_models_pass_sharply_at_every_world_size(factory):
         assert "float32" in run.tolerance
 
 
+@needs_newer_torch
 def test_dropout_models_pass_on_eight_simulated_ranks():
     report = check(dropout.every_dropout(), world_sizes=(8,), backend="threaded")
     assert report.ok, report.render()

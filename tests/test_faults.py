@@ -61,10 +61,14 @@ def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size
     if fault.status == "crash":
         crash = data["crash"]
         assert crash["rank"] == FAULT_RANK
-        expected_code = {"raising_rank": None, "exiting_rank": 7, "segfault": -11}[name]
+        expected_code = {"exiting_rank": 7, "segfault": -11}.get(name)  # the others raised
         assert crash["exitcode"] == expected_code
         if name == "raising_rank":
             assert "injected fault" in crash["error"] and "_inject" in crash["traceback"]
+        if name == "raising_in_backward":
+            assert "a gradient hook raised in backward" in crash["error"] and "backward" in crash["traceback"]
+        if name == "exiting_cleanly":
+            assert "SystemExit: 3" in crash["error"] and "_inject" in crash["traceback"]
         if name == "segfault":
             assert "SIGSEGV" in crash["error"] and "_inject" in crash["output"]  # faulthandler's dump
         # the surviving ranks' places and stacks at that moment
@@ -72,7 +76,8 @@ def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size
     if fault.status == "desync":
         desync = data["desync"]
         assert isinstance(desync["step"], int) and desync["what"]
-        if name in ("skipped_collective", "mismatched_shape", "mismatched_op", "wrong_root"):
+        if name in ("skipped_collective", "mismatched_shape", "mismatched_op", "wrong_root", "mismatched_dtype",
+                    "skipped_barrier"):
             assert desync["step"] == 1
             sites = {info["site"] for info in desync["collective"]["ranks"].values()}
             assert any("faults.py" in site for site in sites), desync

@@ -13,6 +13,9 @@ from ddparity.fixtures.faults import FAULTS, reported_ranks
 from ddparity.fixtures.models import MLP, summed_mse
 from ddparity.harness.pool import WorldPool
 from ddparity.settings import REAL_RANKS_LIMIT
+from tests.conftest import needs_newer_torch
+
+pytestmark = needs_newer_torch
 
 
 def classes(step, generator):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ddparity import Case, check, profile, whole
 from ddparity.fixtures import loops
 from ddparity.fixtures.models import MLP
+from tests.conftest import needs_newer_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -26,6 +27,7 @@ def test_clean_training_steps_pass_in_every_mode(factory):
         ("single", 1), ("dp", 1), ("dp", 2), ("dp", 4), ("ddp", 1), ("ddp", 2), ("ddp", 4)]
 
 
+@needs_newer_torch
 def test_a_clean_step_passes_on_simulated_ranks():
     report = check(loops.accumulation(), world_sizes=(8,), backend="threaded")
     assert report.ok, report.render()

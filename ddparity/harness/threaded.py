@@ -26,6 +26,7 @@ from ddparity.errors import RankCrashed, SimulatedRankError, TaskTimeout, UsageE
 from ddparity.harness.protocol import RankContext
 from ddparity.harness.sidechannel import FileRankChannel, SimulatedRecords
 from ddparity.records import RankRecords
+from ddparity.settings import needs_newer_torch
 
 PRIVATE_API = "torch.testing._internal.distributed.multi_threaded_pg"
 THREAD_PREFIX = "ddparity-simulated-rank"
@@ -34,6 +35,8 @@ THREAD_PREFIX = "ddparity-simulated-rank"
 def threaded_pg() -> Any:
     """The threaded process group module, or a UsageError that names the fix."""
     import torch
+
+    needs_newer_torch("--backend threaded (simulated ranks)", "use --backend gloo (real processes)")
 
     try:
         from torch.testing._internal.distributed import multi_threaded_pg as module

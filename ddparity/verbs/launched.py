@@ -35,7 +35,7 @@ from ddparity.errors import UsageError, WorldFailure
 from ddparity.harness import torchrun
 from ddparity.harness.launchwatch import LaunchWatch
 from ddparity.report import Report, RunResult
-from ddparity.settings import CheckOptions
+from ddparity.settings import CheckOptions, needs_newer_torch
 from ddparity.trace import Reference
 
 NONCE = "nonce"
@@ -52,6 +52,7 @@ def _world_size() -> int:
 def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend: str, timeout: float,
                    tolerance: str | float, steps: int | None) -> CheckOptions:
     """The check's options under a launch, where torchrun decides the world size."""
+    needs_newer_torch("ddparity check under torchrun", "run the check locally (ddparity check TARGET --world-sizes 2,4)")
     if world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
     if "dp" in modes:
@@ -346,6 +347,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
 
     if backend == "threaded":
         raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
+    needs_newer_torch("ddparity profile under torchrun", "profile locally (ddparity profile TARGET)")
     case = case.validate()
     started = time.perf_counter()
     runs: list[Any] = []

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs_newer_torch
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -38,6 +40,7 @@ def test_your_own_training_loop_example_runs_as_written(tmp_path):
     assert cli.returncode == 0, cli.stdout + cli.stderr
 
 
+@needs_newer_torch
 def test_the_cluster_sections_torchrun_line_runs_as_written(tmp_path):
     section = _section("On a cluster (`torchrun`, `srun`)")
     [line] = [ln for ln in section.splitlines() if ln.startswith("$ torchrun --standalone")]

@@ -20,9 +20,9 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import wait_gone
+from tests.conftest import needs_newer_torch, wait_gone
 
-pytestmark = pytest.mark.slow  # every test starts torchrun and torch in 3+ processes
+pytestmark = [pytest.mark.slow, needs_newer_torch]  # every test starts torchrun and torch in 3+ processes
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 

@@ -11,6 +11,7 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import real_models
+from tests.conftest import older_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -33,8 +34,9 @@ def test_clean_real_models_pass_with_dropout_on(name):
     case = _case(real_models.CLEAN, name)
     report = check(case, modes=_modes(name), world_sizes=(1, 2, 4))
     assert report.ok, report.render()
-    simulated = check(case, modes=("ddp",), world_sizes=(8,), backend="threaded")
-    assert simulated.ok, simulated.render()
+    if not older_torch():  # the threaded backend is refused there
+        simulated = check(case, modes=("ddp",), world_sizes=(8,), backend="threaded")
+        assert simulated.ok, simulated.render()
 
 
 @pytest.mark.parametrize("name", list(real_models.BUGS))
