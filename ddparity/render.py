@@ -246,7 +246,10 @@ def render_health(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[R
                     *[[str(r.rank), r.host, f"{r.device} ({r.device_name})", f"{r.gflops:.1f}",
                        f"{r.barrier_s * 1e3:.1f} ms"] for r in sorted(ranks, key=lambda r: r.rank)]])
     failed = [c for c in checks if c.status == "fail"]
+    skipped = [c.name for c in checks if c.status == "skip"]
+    passed = len(checks) - len(skipped)
     lines.append("")
     lines.append(f"UNHEALTHY: {', '.join(c.name for c in failed)} failed" if failed else
-                 f"HEALTHY: {len(checks)} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else ""))
+                 f"HEALTHY: {passed} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else "")
+                 + (f"; {', '.join(skipped)} skipped (nothing to measure)" if skipped else ""))
     return "\n".join(lines) + "\n"

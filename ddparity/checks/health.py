@@ -34,7 +34,7 @@ SLOW_FRACTION = 0.5
 @dataclass(slots=True)
 class Check:
     name: str
-    status: str  # pass | warn | fail
+    status: str  # pass | warn | fail | skip (nothing to measure: one rank)
     detail: str
     ranks: list[int] = field(default_factory=list)
 
@@ -107,6 +107,8 @@ def _compute(ranks: list[RankHealth]) -> Check:
 def _speed(ranks: list[RankHealth]) -> Check:
     """A rank is slow below :data:`SLOW_FRACTION` of the median of the *other* ranks (with
     two ranks, each is compared with the other: a rank half as fast is caught)."""
+    if len(ranks) == 1:
+        return Check("speed", "skip", f"one rank: no other to compare with (matmul {ranks[0].gflops:.1f} GFLOP/s)")
     slow = []
     for r in ranks:
         others = [o.gflops for o in ranks if o is not r]
@@ -123,10 +125,10 @@ def _speed(ranks: list[RankHealth]) -> Check:
 
 def _bandwidth(rows: list[Bandwidth], n: int, min_busbw: float | None) -> Check:
     if not rows:
-        return Check("bandwidth", "pass", "no sizes measured")
+        return Check("bandwidth", "skip", "no sizes measured")
     top = rows[-1]
     if n == 1 or top.busbw_gbps is None:
-        return Check("bandwidth", "pass", "one rank: no links to measure")
+        return Check("bandwidth", "skip", "one rank: no links to measure")
     text = f"all_reduce bus bandwidth {top.busbw_gbps:.3g} GB/s at {top.bytes / 2**20:.0f} MiB"
     if min_busbw is not None and top.busbw_gbps < min_busbw:
         return Check("bandwidth", "fail", f"{text}, below --min-busbw {min_busbw:g} GB/s")

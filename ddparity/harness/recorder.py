@@ -19,101 +19,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
+from ddparity.harness.calls import P2P, RECORDED, call_site, describe, group_name
 from ddparity.records import encode_entry, encode_fingerprints, encode_progress
 
 RECENT = 8
 """Entries repeated in the progress key, so the watchdog can compare ranks at a common
 sequence number even when some have moved on."""
-
-EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-         "reduce_scatter_tensor", "barrier", "monitored_barrier")
-"""Collectives whose every argument (shapes, dtypes, reduce op, root) must agree on all ranks."""
-ROOTED = ("gather", "scatter")  # only the root passes the list: compare the own tensor
-SPLIT = ("all_to_all", "all_to_all_single")  # per-rank split sizes may differ: compare dtypes
-OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-P2P = ("send", "recv", "isend", "irecv")  # pairwise, not part of the group's sequence
-RECORDED = EXACT + ROOTED + SPLIT + OBJECT + P2P
-
-
-def _short(obj: Any) -> str:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        dtype = str(obj.dtype).removeprefix("torch.")
-        return f"{dtype}{list(obj.shape)}"
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
-        parts = [_short(t) for t in obj]
-        return f"{len(parts)}x{parts[0]}" if len(set(parts)) == 1 else "[" + ", ".join(parts) + "]"
-    return ""
-
-
-def group_name(group: Any) -> str:
-    if group is None:
-        return "world"
-    import torch.distributed as dist
-
-    if group is dist.GroupMember.WORLD:
-        return "world"
-    return str(getattr(group, "group_name", None) or id(group))
-
-
-_TORCH_DIR = ""
-_OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_buckets.py")}
-"""Frames skipped when looking for the caller: the recorder's and the DDP bucket hook's."""
-
-
-def call_site(depth: int) -> str:
-    """The first frame outside torch and the recorder: where the user issued it."""
-    global _TORCH_DIR
-    if not _TORCH_DIR:
-        import torch
-
-        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    frame: FrameType | None = sys._getframe(depth)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) not in _OWN_FILES:
-            try:
-                shown = os.path.relpath(path)
-                if shown.startswith(".."):
-                    shown = os.sep.join(path.split(os.sep)[-2:])
-            except ValueError:
-                shown = path
-            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
-
-
-def describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:
-    """(comparison key, human description, root) of one collective call."""
-    reduce_op = args.get("op")
-    rop = getattr(reduce_op, "name", None) or (str(reduce_op) if reduce_op is not None else "")
-    root = next((args[k] for k in ("src", "dst", "group_src", "group_dst") if args.get(k) is not None), None)
-    tensors = [f"{k}={s}" for k, v in args.items() if (s := _short(v))]
-    splits = [f"{k}={list(args[k])}" for k in ("output_split_sizes", "input_split_sizes") if args.get(k) is not None]
-    parts = tensors + ([rop] if rop else []) + ([f"root={root}"] if root is not None else []) + splits
-    desc = f"{op}({', '.join(parts)})"
-    if op in EXACT:
-        key = "|".join([op, rop, str(root), *tensors])
-    elif op in ROOTED:
-        key = "|".join([op, str(root), _short(args.get("tensor"))])
-    elif op in SPLIT:
-        dtypes = sorted({t.split("[")[0].split("x")[-1] for t in (_short(v) for v in args.values()) if t})
-        key = "|".join([op, *dtypes])
-    else:
-        key = "|".join([op, str(root)])
-    return key, desc, root
-
 
 PUBLISH_S = 0.02
 """How long the rank's publisher thread lets changes gather before writing them to the

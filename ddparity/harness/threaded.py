@@ -131,7 +131,7 @@ class ThreadRecorder:
         self._channel.append_fingerprint(line)
 
     def ddp_buckets(self, layout: list[Any]) -> None:
-        from ddparity.harness.recorder import call_site
+        from ddparity.harness.calls import call_site
 
         site = call_site(2)
         for index, bucket in enumerate(layout):
@@ -140,7 +140,7 @@ class ThreadRecorder:
     # what the patched collectives call
 
     def call(self, op: str, signature: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ddparity.harness.recorder import call_site
+        from ddparity.harness.calls import call_site
 
         if self._depth:  # a collective's own inner one (all_gather_object -> all_gather)
             return fn(*args, **kwargs)
@@ -162,7 +162,7 @@ class ThreadRecorder:
     def _enter(self, op: str, args: dict[str, Any], blocking: bool, site: str, via: str) -> None:
         import time
 
-        from ddparity.harness.recorder import P2P, describe, group_name
+        from ddparity.harness.calls import P2P, describe, group_name
         from ddparity.records import encode_entry
 
         key, desc, _ = describe(op, args)

@@ -35,6 +35,17 @@ def test_a_healthy_world_passes_and_bandwidth_uses_the_slowest_rank():
     assert "HEALTHY: 6 checks passed" in render(checks, bandwidth, ranks, "hdr")
 
 
+def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
+    """One rank printed "matmul 156.5-156.5 GFLOP/s across ranks" and bandwidth PASS with
+    nothing measured."""
+    only = rank(0, world_size=1, allreduce=[(1 << 20, 1e-3)])
+    checks = by_name(judge([only])[0])
+    assert checks["speed"].status == "skip" and "no other to compare with" in checks["speed"].detail
+    assert checks["bandwidth"].status == "skip" and "no links" in checks["bandwidth"].detail
+    text = render(list(checks.values()), [], [only], "hdr")
+    assert "HEALTHY: 4 checks passed; speed, bandwidth skipped (nothing to measure)" in text
+
+
 def test_each_bad_node_fails_its_own_check_naming_the_rank():
     cases = {
         "versions": rank(2, torch_version="2.12.1"),

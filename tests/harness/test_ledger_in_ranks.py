@@ -63,3 +63,13 @@ def test_nothing_is_recorded_outside_tasks_and_the_next_task_starts_afresh(world
     second = world2.execute(one)
     for o in first + second:
         assert [e.seq for e in parse_ledger(o.records.ledger)] == [0]
+
+
+def test_a_call_site_is_named_by_its_import_path_from_any_working_directory(tmp_path, monkeypatch):
+    """Call sites were relative to the working directory (``../../x.py`` became ``a/x.py``,
+    a run from elsewhere named the same line differently)."""
+    from ddparity.harness.calls import call_site
+
+    here = call_site(1)
+    monkeypatch.chdir(tmp_path)
+    assert call_site(1).split(":")[0] == here.split(":")[0] == "tests/harness/test_ledger_in_ranks.py"
