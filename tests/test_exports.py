@@ -22,14 +22,15 @@ def test_cli_flags_are_pinned():
     check = parser._subparsers._group_actions[0].choices["check"]
     flags = sorted(opt for action in check._actions for opt in action.option_strings)
     assert flags == sorted(["--backend", "--demo", "--demo-faults", "--json", "--modes", "--steps", "--timeout", "--tolerance",
-                            "--world-sizes", "-h", "--help"])
+                            "--world-sizes", "-h", "--help", "-q", "--quiet", "-v", "--verbose"])
     profile = parser._subparsers._group_actions[0].choices["profile"]
     flags = sorted(opt for action in profile._actions for opt in action.option_strings)
     assert flags == sorted(["--backend", "--demo", "--json", "--plot", "--steps", "--timeout", "--warmup",
-                            "--world-sizes", "-h", "--help"])
+                            "--world-sizes", "-h", "--help", "-v", "--verbose"])
     health = parser._subparsers._group_actions[0].choices["health"]
     flags = sorted(opt for action in health._actions for opt in action.option_strings)
-    assert flags == sorted(["--backend", "--json", "--min-busbw", "--sizes", "--timeout", "--world-size", "-h", "--help"])
+    assert flags == sorted(["--backend", "--json", "--min-busbw", "--sizes", "--timeout", "--world-size", "-h", "--help",
+                            "-q", "--quiet", "-v", "--verbose"])
 
 
 def test_importing_ddparity_does_not_import_torch():

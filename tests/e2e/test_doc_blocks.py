@@ -1,0 +1,63 @@
+"""Every Python block of the README and of docs/ runs as written: pasted into a file, run as
+a script, or (a block that defines tests) under pytest with the plugin, whose summary must
+be the one the text shows next. A block that is deliberately not run says so and why in a
+``<!-- block: ... -->`` line just above it; the shell lines of the set-up are .ci/run's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"(?:<!-- block: (?P<note>[^>]*?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)```", re.S)
+SUMMARY = re.compile(r"^(?:=+ )?((?:\d+ (?:failed|passed|skipped)(?:, )?)+) in [\d.]+s", re.M)
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def _blocks() -> list:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start("code"))
+            name = f"{doc.relative_to(ROOT)}:{line}"
+            note = m.group("note")
+            marks = [pytest.mark.skip(reason=f"deliberately not run here: {note}")] if note else []
+            if m.group("lang") == "bash" and not note:
+                marks = [pytest.mark.skip(reason="a shell block without a note")]  # fails the next test
+            found.append(pytest.param(m.group("code"), text[m.end():], id=name, marks=marks))
+    return found
+
+
+@pytest.mark.parametrize("code, after", _blocks())
+def test_the_block_runs_as_written(code, after, tmp_path):
+    if "def test_" in code:  # a test module: pytest with the plugin, as a user runs it
+        (tmp_path / "test_block.py").write_text(code)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_block.py"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        shown = SUMMARY.search(after.split("```python")[0])  # the outcome the text shows next, if any
+        got = SUMMARY.search(run.stdout)
+        assert got is not None, run.stdout + run.stderr
+        if shown is not None:
+            assert got.group(1) == shown.group(1), run.stdout + run.stderr
+        else:
+            assert run.returncode == 0, run.stdout + run.stderr
+    else:
+        (tmp_path / "block.py").write_text(code)
+        run = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_every_shell_block_is_run_elsewhere_and_says_where():
+    for doc in DOCS:
+        for m in FENCE.finditer(doc.read_text()):
+            if m.group("lang") == "bash":
+                assert m.group("note"), f"{doc.name}: a bash block without a <!-- block: ... --> note"
