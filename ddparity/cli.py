@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ddparity import settings
+from ddparity import cli_progress, settings
 from ddparity.cli_parser import build_parser
 from ddparity.errors import UsageError
 
@@ -28,12 +28,15 @@ class _Out:
 
     json_stream: Any = None  # the real stdout, while ``--json -`` holds it
     quiet = False
+    live: Any = None  # the progress line (ddparity.cli_progress), cleared before a report
 
 
 def _show(text: str = "") -> None:
     """Print a report (or a line of one); a reader that went away (``| head``) is no error:
     the rest of the output goes nowhere."""
     stream = sys.stderr if _Out.json_stream is not None else sys.stdout
+    if _Out.live is not None:
+        _Out.live.clear()
     if _Out.quiet:
         lines = text.rstrip().splitlines()
         if not lines or not lines[-1].startswith(("OK:", "FAILED:", "INTERRUPTED:", "HEALTHY:", "UNHEALTHY:")):
@@ -322,10 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _Out.quiet = getattr(args, "quiet", False)
         if args.verbose:
             os.environ["DDPARITY_VERBOSE"] = "1"  # read where stacks are tidied (rank processes inherit it)
+        _Out.live = cli_progress.watching(_Out.quiet)
         try:
             return verbs[args.command](args)
         finally:
-            _Out.json_stream, _Out.quiet = None, False
+            cli_progress.stop(_Out.live)
+            _Out.json_stream, _Out.quiet, _Out.live = None, False, None
     except UsageError as exc:
         print(f"ddparity: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

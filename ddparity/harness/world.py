@@ -26,6 +26,7 @@ from typing import Any
 
 from ddparity.errors import UsageError, WorldFailure
 from ddparity.harness import launch, outcomes, rendezvous
+from ddparity.harness import progress as progress_observers
 from ddparity.harness.outcomes import RankOutcome
 from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunTask, Shutdown, TaskDone
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
@@ -56,6 +57,7 @@ class PendingTask:
         self._watch = watch
         self._submitted = time.monotonic()
         self._collected = False
+        self._name = "task"
 
     def result(self) -> list[RankOutcome]:
         """Every rank's outcome; raises as :meth:`World.execute` does."""
@@ -280,6 +282,7 @@ class World:
             except OSError:
                 pass  # the rank died; its sentinel reports it below
         self._pending = PendingTask(self, task_id, limit, channel, watch)
+        self._pending._name = getattr(fn, "__name__", "task")
         return self._pending
 
     def _collect(self, task: PendingTask) -> list[RankOutcome]:
@@ -294,8 +297,7 @@ class World:
         return [dataclasses.replace(o, records=records.get(o.rank)) for o in done]
 
     def _records(self, task: PendingTask) -> tuple[dict[int, RankRecords], SimulatedRecords | None]:
-        """Read (then drop) what the ranks (and their simulated ranks, if any) left for this task."""
-        if task._channel is None:
+        if task._channel is None:  # read (then drop) what the ranks (and simulated ranks) left
             return {}, None
         try:
             records, simulated = task._channel.read(), task._channel.read_simulated()
@@ -335,6 +337,9 @@ class World:
                 until = min(until, first_failure + self.spec.error_grace, quiet_since + FAILURE_QUIET_S)
             if now >= until:
                 break
+            if progress is not None and progress_observers.OBSERVERS:
+                progress_observers.notify(progress_observers.Snapshot(
+                    task._name, n, self.backend, progress, now - last_progress, limit))
             watched: dict[Any, int] = {ranks.controls[r]: r for r in pending}
             watched.update({ranks.procs[r].sentinel: r for r in pending})
             for obj in wait(list(watched), timeout=min(POLL_S, until - now)):

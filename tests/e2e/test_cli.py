@@ -335,3 +335,67 @@ def test_quiet_prints_only_the_verdict_line():
     result = ddparity("check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2", "--quiet")
     assert result.returncode == 1
     assert result.stdout == "FAILED: 1 of 2 runs equivalent to the reference\n", result.stdout
+
+
+def _through_a_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as stdout and stderr (what a user's shell gives)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 40 rows, 200 columns
+    proc = subprocess.Popen([sys.executable, "-m", "ddparity", *args], stdin=slave, stdout=slave, stderr=slave,
+                            close_fds=True)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=30), out.decode(errors="replace")
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_on_a_terminal_a_live_line_says_which_run_where_and_how_long_until_a_hang():
+    """A check printed nothing until it ended (a hang at the default timeout: a minute of
+    blank screen)."""
+    code, text = _through_a_terminal(["check", "ddparity.fixtures.faults:stuck_rank", "--world-sizes", "2",
+                                      "--timeout", "6"])
+    assert code == 3, text
+    lines = [part.strip("\x1b[K") for part in text.split("\r")]
+    assert any(ln.startswith("ddparity: ddp world_size=2 (gloo): step 1, forward") for ln in lines), text
+    assert any("no progress for" in ln and "(a hang at 6 s)" in ln for ln in lines), text
+    report = text[text.index("ddparity check: fault: stuck_rank"):]
+    assert "\x1b[K" not in report.split("FAILED")[0].split("HANG")[0]  # cleared before the report, not inside it
+
+
+def test_piped_a_run_without_progress_gets_one_plain_line():
+    import io
+
+    from ddparity.cli_progress import QuietNotes, describe
+    from ddparity.harness.progress import Snapshot
+    from ddparity.records import encode_progress
+
+    stuck = encode_progress(5, 1, "forward", None, [])
+    snap = Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 12.0, 60.0)
+    assert describe(snap) == "ddparity: ddp world_size=2 (gloo): step 1, forward · no progress for 12 s (a hang at 60 s)"
+    out = io.StringIO()
+    notes = QuietNotes(out)
+    notes(Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 3.0, 60.0))  # moving: nothing
+    notes(snap)
+    notes(Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 14.0, 60.0))  # said once
+    assert out.getvalue().splitlines() == [describe(snap)]
