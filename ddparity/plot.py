@@ -20,7 +20,7 @@ def check_plot_path(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib (or ddparity[plot])") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or, in a clone of ddparity, pip install -e \".[plot]\")") from None
 
 
 def plot_profile(report: Any, path: str) -> None:
