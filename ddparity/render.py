@@ -140,7 +140,7 @@ def _how_it_ended(crash: Crash | None, hang: Hang | None, reason: str | None, de
 
 
 def render_run_failure(run: RunResult) -> list[str]:
-    head = f"{run.mode} world_size={run.world_size} ({run.backend}): {run.status.upper()}"
+    head = f"{run.mode} world_size={run.world_size} ({run.backend}{', simulated' if run.simulated else ''}): {run.status.upper()}"
     lines = [head]
     if run.desync:
         lines.extend(_render_desync(run.desync))
