@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -43,9 +44,29 @@ def _show(text: str = "") -> None:
             return
         text = lines[-1]
     try:
-        print(text, file=stream, flush=True)
+        print(coloured(text) if _colour(stream) else text, file=stream, flush=True)
     except BrokenPipeError:
         _silence(stream)
+
+
+_GOOD, _BAD, _RESET = "\x1b[1;32m", "\x1b[1;31m", "\x1b[0m"
+_HEADING = re.compile(r"^(\S+ world_size=\d+ \([^)]*\): )(DIVERGED|DESYNC|HANG|CRASH|ERROR)$", re.M)
+_VERDICT = re.compile(r"^(OK|HEALTHY|FAILED|UNHEALTHY|INTERRUPTED):", re.M)
+
+
+def _colour(stream: Any) -> bool:
+    """Colour on a terminal only, never with NO_COLOR set (https://no-color.org) or TERM=dumb."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+    return tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+def coloured(text: str) -> str:
+    """A report with its verdicts in colour: the last line, and each failed run's status."""
+    text = _HEADING.sub(lambda m: f"{m.group(1)}{_BAD}{m.group(2)}{_RESET}", text)
+    return _VERDICT.sub(lambda m: f"{_GOOD if m.group(1) in ('OK', 'HEALTHY') else _BAD}{m.group(1)}{_RESET}:", text)
 
 
 def _silence(stream: Any) -> None:

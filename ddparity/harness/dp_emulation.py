@@ -193,5 +193,6 @@ class DataParallelNotes:
                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
         if norms:
             self.items["per-replica BatchNorm"] = (
-                f"{', '.join(norms[:3])} normalise each replica's chunk with its own statistics, and only "
+                f"BatchNorm ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) normalises each replica's "
+                f"chunk with its own statistics, and only "
                 "replica 0's running statistics are kept: use SyncBatchNorm under DDP, or eval-mode BatchNorm")

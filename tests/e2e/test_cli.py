@@ -337,7 +337,7 @@ def test_quiet_prints_only_the_verdict_line():
     assert result.stdout == "FAILED: 1 of 2 runs equivalent to the reference\n", result.stdout
 
 
-def _through_a_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
+def _through_a_terminal(args: list[str], timeout: float = 120, env: dict | None = None) -> tuple[int, str]:
     """Run the CLI with a pseudo-terminal as stdout and stderr (what a user's shell gives)."""
     import fcntl
     import pty
@@ -348,7 +348,7 @@ def _through_a_terminal(args: list[str], timeout: float = 120) -> tuple[int, str
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 40 rows, 200 columns
     proc = subprocess.Popen([sys.executable, "-m", "ddparity", *args], stdin=slave, stdout=slave, stderr=slave,
-                            close_fds=True)
+                            close_fds=True, env={**os.environ, "TERM": "xterm", **(env or {})})
     os.close(slave)
     out, deadline = b"", time.monotonic() + timeout
     try:
@@ -381,6 +381,16 @@ def test_on_a_terminal_a_live_line_says_which_run_where_and_how_long_until_a_han
     assert any("no progress for" in ln and "(a hang at 6 s)" in ln for ln in lines), text
     report = text[text.index("ddparity check: fault: stuck_rank"):]
     assert "\x1b[K" not in report.split("FAILED")[0].split("HANG")[0]  # cleared before the report, not inside it
+    # colour on a terminal: the failed run's status and the verdict
+    assert "ddp world_size=2 (gloo): \x1b[1;31mHANG\x1b[0m" in report and "\x1b[1;31mFAILED\x1b[0m:" in report
+
+
+def test_no_color_and_a_pipe_get_no_colour():
+    code, text = _through_a_terminal(["check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2"],
+                                     env={"NO_COLOR": "1"})
+    assert code == 1 and "FAILED: 1 of 2" in text and "\x1b[1;3" not in text, text
+    piped = ddparity("check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2")
+    assert "FAILED: 1 of 2" in piped.stdout and "\x1b[" not in piped.stdout + piped.stderr
 
 
 def test_piped_a_run_without_progress_gets_one_plain_line():
