@@ -23,41 +23,57 @@ def check_plot_path(path: str) -> None:
         raise UsageError("--plot needs matplotlib: pip install matplotlib (or, in a clone of ddparity, pip install -e \".[plot]\")") from None
 
 
-def plot_profile(report: Any, path: str) -> None:
+def figure(report: Any) -> Any:
     """Left: step time per world size split into compute (incl. optimizer) and exposed
-    communication. Right: all-reduce bus bandwidth and scaling efficiency."""
+    communication. Right: all-reduce bus bandwidth and scaling efficiency. Every world size
+    profiled or not keeps its place on both panels' x axes, evenly spaced."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in report.runs if r.status == "ok"]
-    labels = [str(r.world_size) for r in runs]
+    every = sorted(report.runs, key=lambda r: r.world_size)  # a skipped or failed size keeps its place
+    at = {id(r): i for i, r in enumerate(every)}
+    runs = [r for r in every if r.status == "ok"]
+    ticks = list(range(len(every)))
+    names = [str(r.world_size) if r.status == "ok" else f"{r.world_size}\n({r.status})" for r in every]
     compute = [(r.compute_s or 0.0) * 1e3 for r in runs]
     exposed = [(r.exposed_comm_s or 0.0) * 1e3 for r in runs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(labels, compute, label="compute (no_sync) + optimizer")
-    left.bar(labels, exposed, bottom=compute, label="exposed communication")
-    left.set_xlabel("world size")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6))
+    xs = [at[id(r)] for r in runs]
+    left.bar(xs, compute, label="compute (no_sync) + optimizer")
+    left.bar(xs, exposed, bottom=compute, label="exposed communication")
     left.set_ylabel("ms per step (slowest rank, median)")
-    left.legend(loc="upper left")
-    left.set_ylim(0, max((c + e for c, e in zip(compute, exposed)), default=1.0) * 1.3)
-    sizes = [r.world_size for r in runs if r.busbw_gbps is not None]
-    busbw = [r.busbw_gbps for r in runs if r.busbw_gbps is not None]
-    right.plot(sizes, busbw, marker="o", color="tab:green", label="bus bandwidth")
-    right.set_xlabel("world size")
-    right.set_xticks([r.world_size for r in runs])
-    right.set_ylim(bottom=0)
+    left.set_ylim(0, max((c + e for c, e in zip(compute, exposed)), default=1.0) * 1.15)
+    with_bw = [r for r in runs if r.busbw_gbps is not None]
+    right.plot([at[id(r)] for r in with_bw], [r.busbw_gbps for r in with_bw], marker="o", color="tab:green",
+               label="bus bandwidth")
+    right.set_ylim(0, max((r.busbw_gbps for r in with_bw), default=1.0) * 1.15)
     right.set_ylabel("all-reduce bus bandwidth, GB/s")
     twin = right.twinx()
-    twin.plot([r.world_size for r in runs], [(r.scaling_efficiency or 0.0) * 100 for r in runs], marker="s",
-              color="tab:red", label="scaling efficiency")
+    twin.plot(xs, [(r.scaling_efficiency or 0.0) * 100 for r in runs], marker="s", color="tab:red",
+              label="scaling efficiency")
     twin.set_ylabel("scaling efficiency, %")
     twin.set_ylim(0, 110)
-    right.legend(handles=right.get_lines() + twin.get_lines(), loc="upper right")
+    for ax in (left, right):  # the same world sizes, evenly spaced, on both panels
+        ax.set_xticks(ticks, names)
+        ax.set_xlim(-0.6, len(every) - 0.4)
+        ax.set_xlabel("world size")
+    # legends under the panels: nothing drawn is ever hidden behind them
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    right.legend(handles=right.get_lines() + twin.get_lines(), loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                 ncol=2, frameon=False)
     backends = sorted({r.backend for r in runs}) or ["-"]
     fig.suptitle(f"ddparity profile: {report.case} ({', '.join(backends)}, {report.cpus} CPUs)")
     fig.tight_layout()
+    return fig
+
+
+def plot_profile(report: Any, path: str) -> None:
+    """The profile's figure (:func:`figure`) written to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
     try:
         fig.savefig(path, dpi=100)
     except OSError as exc:

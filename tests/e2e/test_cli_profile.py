@@ -117,3 +117,29 @@ def test_bad_input_exits_2_with_a_message(args, message):
     result = ddparity("profile", *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_plot_keeps_every_world_size_in_place_and_no_legend_over_the_data():
+    """A skipped world size silently disappeared; the panels spaced their x axes differently
+    (categories left, numbers right); the legend sat on the world-size-2 bandwidth point."""
+    pytest.importorskip("matplotlib")
+    from ddparity.checks.comm import WorldProfile
+    from ddparity.plot import figure
+    from ddparity.report import ProfileReport
+
+    def ok(ws, step, busbw):
+        return WorldProfile(ws, "gloo", step_s=step, compute_s=step / 2, exposed_comm_s=step / 2, busbw_gbps=busbw,
+                            scaling_efficiency=1.0 / ws)
+
+    fig = figure(ProfileReport("c", [ok(1, 0.02, None), ok(2, 0.05, 0.33), ok(4, 0.08, 0.24),
+                                     WorldProfile(8, "gloo", status="skipped", reason="too many")]))
+    left, right = fig.axes[0], fig.axes[1]
+    for ax in (left, right):
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8\n(skipped)"]
+        assert list(ax.get_xticks()) == [0, 1, 2, 3]
+    fig.canvas.draw()
+    for ax in (left, right):  # below the axes, not over them
+        assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
