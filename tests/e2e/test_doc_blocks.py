@@ -1,7 +1,9 @@
-"""Every Python block of the README and of docs/ runs as written: pasted into a file, run as
-a script, or (a block that defines tests) under pytest with the plugin, whose summary must
-be the one the text shows next. A block that is deliberately not run says so and why in a
-``<!-- block: ... -->`` line just above it; the shell lines of the set-up are .ci/run's."""
+"""Every code block of the README and of docs/ runs as written: a Python block pasted into a
+file, run as a script, or (a block that defines tests) under pytest with the plugin, whose
+summary must be the one the text shows next; a ``$ ddparity ...`` transcript run beside the
+README's my_cases.py, with the exit code and the lines it shows. A block that is
+deliberately not run says so and why in a ``<!-- block: ... -->`` line just above it (the
+set-up's shell lines are .ci/run's; multi-node launches need the nodes)."""
 
 from __future__ import annotations
 
@@ -61,3 +63,43 @@ def test_every_shell_block_is_run_elsewhere_and_says_where():
         for m in FENCE.finditer(doc.read_text()):
             if m.group("lang") == "bash":
                 assert m.group("note"), f"{doc.name}: a bash block without a <!-- block: ... --> note"
+
+
+TRANSCRIPT = re.compile(r"```\n\$ (?P<command>ddparity [^\n\\]*?)(?:\s+#[^\n]*)?\n(?P<shown>.*?)```", re.S)
+
+
+def _transcripts() -> list:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in TRANSCRIPT.finditer(text):
+            line = text.count("\n", 0, m.start())
+            found.append(pytest.param(m.group("command"), m.group("shown"), id=f"{doc.relative_to(ROOT)}:{line}"))
+    return found
+
+
+def _my_cases() -> str:
+    [code] = [m.group("code") for m in FENCE.finditer(README.read_text()) if m.group("code").startswith("# my_cases.py")]
+    return code
+
+
+README = ROOT / "README.md"
+
+
+@pytest.mark.parametrize("command, shown", _transcripts())
+def test_each_shown_command_runs_and_prints_what_is_shown(command, shown, tmp_path):
+    """A ``$ ddparity ...`` transcript: the command runs as written (beside the README's
+    my_cases.py) with the exit code of the verdict it shows, and every line shown without
+    figures in it (timings, errors, line numbers vary) is in its output."""
+    import shlex
+
+    (tmp_path / "my_cases.py").write_text(_my_cases())
+    run = subprocess.run([sys.executable, "-m", "ddparity", *shlex.split(command)[1:]], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    failed = re.search(r"^(FAILED|UNHEALTHY):", shown, re.M)
+    expected = (3 if "HANG" in shown or "CRASH" in shown else 1) if failed else 0
+    assert run.returncode == expected, out
+    for line in shown.splitlines():
+        if line.strip() and not re.search(r"\d", line) and "..." not in line:
+            assert line.strip() in out, line
