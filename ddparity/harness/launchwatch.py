@@ -135,6 +135,12 @@ class LaunchWatch:
         from ddparity.harness.rank import encode_exception
 
         text = "".join(traceback.format_exception(exc))
+        if _comm_error(exc):  # a peer aborted or is gone: read where every rank was while the store still answers
+            try:  # (its node's agent may take the store down next: the report comes from what was seen)
+                seen = TaskChannel(self.store, "", self.stage, self.n).progress()
+                self._progress = [seen[r] if r in self._participants() else "" for r in range(self.n)]
+            except Exception:
+                pass
         self.store.set(f"X{self.rank}", cloudpickle.dumps((cloudpickle.loads(encode_exception(exc)), text)))
         self.store.add("failures", 1)
         self.idle()

@@ -133,7 +133,7 @@ def test_a_dead_rank_is_a_crash_naming_it_not_the_peer_that_lost_it(tmp_path):
 def test_a_skipped_collective_is_a_desync_naming_the_rank(tmp_path):
     _, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:skipped_collective", "--timeout", "20")
     run = ddp_run(data)
-    assert run["status"] == "desync" and run["desync"]["ranks"] == [1]
+    assert run["status"] == "desync" and run["desync"]["ranks"] == [1], run
 
 
 def test_profile_times_rank_0_alone_then_the_launch(tmp_path):
@@ -193,7 +193,7 @@ def test_a_mismatch_that_aborts_the_store_holders_node_is_still_a_desync(tmp_pat
     store, the store goes with it: rank 1 reports from the positions it last saw."""
     agents, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.faults:skipped_collective", "--timeout", "20")
     run = ddp_run(data)
-    assert run["status"] == "desync" and run["desync"]["ranks"] == [1]
+    assert run["status"] == "desync" and run["desync"]["ranks"] == [1], run
     assert sorted(a.returncode for a in agents) == [1, 1]
 
 
