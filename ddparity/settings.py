@@ -40,12 +40,19 @@ store with it), and one clean model crashed at simulated world size 8 (SIGABRT):
 are refused with a message, not run."""
 
 
+def torch_release() -> tuple[int, ...]:
+    """This torch's (major, minor)."""
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+
+
 def needs_newer_torch(what: str, instead: str) -> None:
     """A UsageError naming ``what`` and the fix where this torch is older than
     :data:`NEWER_TORCH`."""
     import torch
 
-    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    release = torch_release()
     if release and release < NEWER_TORCH:
         raise UsageError(f"{what} needs torch >= {NEWER_TORCH[0]}.{NEWER_TORCH[1]} (this is {torch.__version__}: "
                          f"on older torch it was found to give wrong verdicts); upgrade torch, or {instead}")

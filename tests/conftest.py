@@ -55,12 +55,9 @@ def no_leftover_processes():
 
 
 def older_torch() -> bool:
-    import torch
+    from ddparity.settings import NEWER_TORCH, torch_release
 
-    from ddparity.settings import NEWER_TORCH
-
-    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
-    return release < NEWER_TORCH
+    return torch_release() < NEWER_TORCH
 
 
 needs_newer_torch = pytest.mark.skipif(older_torch(), reason="torchrun check/profile and the threaded backend "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from types import FrameType
 from typing import Any
 
@@ -77,6 +78,19 @@ def _shown(path: str) -> str:
         if full.startswith(root.rstrip(os.sep) + os.sep):
             return os.path.relpath(full, root)
     return path
+
+
+def ledger_entry(counters: dict[str, int], op: str, args: dict[str, Any], blocking: bool, site: str, via: str,
+                 step: int, phase: str) -> tuple[str, int | None]:
+    """One call's ledger line, numbered in its group (``counters`` advanced), and the
+    sequence number of the world-group collective it blocks in (None if it does not)."""
+    from ddparity.records import encode_entry
+
+    key, desc, _ = describe(op, args)
+    group = "p2p" if op in P2P else group_name(args.get("group"))
+    seq = counters[group] = counters.get(group, -1) + 1
+    line = encode_entry(group, seq, op, key, desc, site, via, step, phase, time.time(), not blocking)
+    return line, (seq if blocking and group == "world" else None)
 
 
 def describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ddparity.harness.calls import P2P, RECORDED, call_site, describe, group_name
-from ddparity.records import encode_entry, encode_fingerprints, encode_progress
+from ddparity.harness.calls import RECORDED, call_site, ledger_entry
+from ddparity.records import encode_fingerprints, encode_progress
 
 RECENT = 8
 """Entries repeated in the progress key, so the watchdog can compare ranks at a common
@@ -178,16 +178,12 @@ class Recorder:
     # called by the patched collectives
 
     def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "") -> None:
-        key, desc, _ = describe(op, args)
-        group = "p2p" if op in P2P else group_name(args.get("group"))
+        site = site or call_site(3)
         with self._lock:
-            seq = self.seq[group] = self.seq.get(group, -1) + 1
-            entry = encode_entry(group, seq, op, key, desc, site or call_site(3),
-                                 via or getattr(self._local, "via", ""), self.step, self.phase, time.time(),
-                                 not blocking)
+            entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site,
+                                                via or getattr(self._local, "via", ""), self.step, self.phase)
             self.recent.append(entry)
             self._ledger.append(entry)
-            self.inflight = seq if blocking and group == "world" else None
             self._changed()
         # A collective is written at once (its progress record holds the recent entries):
         # a mismatch must be visible before gloo aborts a rank over it, or the pair wedges.

@@ -160,19 +160,12 @@ class ThreadRecorder:
                 self._changed()
 
     def _enter(self, op: str, args: dict[str, Any], blocking: bool, site: str, via: str) -> None:
-        import time
+        from ddparity.harness.calls import ledger_entry
 
-        from ddparity.harness.calls import P2P, describe, group_name
-        from ddparity.records import encode_entry
-
-        key, desc, _ = describe(op, args)
-        group = "p2p" if op in P2P else group_name(args.get("group"))
-        seq = self._seq[group] = self._seq.get(group, -1) + 1
-        line = encode_entry(group, seq, op, key, desc, site, via, self.step, self.phase, time.time(), not blocking)
+        line, self.inflight = ledger_entry(self._seq, op, args, blocking, site, via, self.step, self.phase)
         self.lines.append(line)
         self.recent.append(line)
         self._channel.append_ledger(line)
-        self.inflight = seq if blocking and group == "world" else None
         self._changed()
 
 
