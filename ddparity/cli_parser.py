@@ -71,7 +71,8 @@ def _verb(sub: Any, name: str, summary: str, description: str, examples: str) ->
     if name != "profile":  # a profile is figures: it has no verdict line
         talk.add_argument("-q", "--quiet", action="store_true", help="print only the verdict line")
     talk.add_argument("-v", "--verbose", action="store_true",
-                      help="keep ddparity's own threads in the ranks' stacks (hidden by default)")
+                      help="keep ddparity's own threads and frames in the ranks' stacks and tracebacks "
+                           "(folded by default)")
     return verb
 
 

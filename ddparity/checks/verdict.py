@@ -23,6 +23,7 @@ from ddparity.errors import (
     TaskTimeout,
     WorldFailure,
 )
+from ddparity.frames import hide_own_frames
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.report import RunResult
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot
@@ -98,7 +99,7 @@ def judge_failure(exc: WorldFailure) -> Failure:
         failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
         crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
-                      traceback=head.traceback,
+                      traceback=hide_own_frames(head.traceback),
                       ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
                       if records else {})
         reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
@@ -112,7 +113,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _tidy_traceback_dump(text: str) -> str:
     """A faulthandler dump without the frames below the rank loop (its bootstrap, which
-    in a forked rank repeats the controller's whole stack)."""
+    in a forked rank repeats the controller's whole stack), ddparity's own folded."""
     lines, skipping = [], False
     for line in text.splitlines():
         if skipping and (not line.strip() or not line.startswith("  ")):
@@ -122,4 +123,4 @@ def _tidy_traceback_dump(text: str) -> str:
         lines.append(line)
         if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
             skipping = True
-    return "\n".join(lines)
+    return hide_own_frames("\n".join(lines))

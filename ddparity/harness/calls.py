@@ -13,6 +13,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from ddparity.frames import PACKAGE
+
 EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
          "reduce_scatter_tensor", "barrier", "monitored_barrier")
 """Collectives whose every argument (shapes, dtypes, reduce op, root) must agree on all ranks."""
@@ -73,6 +75,8 @@ def _shown(path: str) -> str:
     ``my_cases.py``): the same from every working directory and on every rank; else the
     path as it is."""
     full = os.path.abspath(path)
+    if full.startswith(PACKAGE):  # however ddparity is installed (an editable install is on no sys.path entry)
+        return os.path.join("ddparity", full[len(PACKAGE):])
     roots = sorted({os.path.abspath(p or os.curdir) for p in sys.path}, key=len, reverse=True)
     for root in roots:
         if full.startswith(root.rstrip(os.sep) + os.sep):

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.frames import hide_own_frames
 from ddparity.harness.outcomes import RankOutcome, with_stacks
 from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, task_prefix
 from ddparity.records import RankRecords
@@ -68,7 +69,8 @@ def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
         name = names.get(ident, f"0x{ident:x}")
         if name.startswith(skip):
             continue
-        parts.append(f"Thread {name} (most recent call last):\n" + "".join(traceback.format_stack(frame)).rstrip())
+        stack = hide_own_frames("".join(traceback.format_stack(frame)).rstrip())
+        parts.append(f"Thread {name} (most recent call last):\n{stack}")
     return "\n".join(parts)
 
 

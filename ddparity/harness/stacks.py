@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from ddparity.frames import hide_own_frames, verbose
+
 PY_SPY_TIMEOUT_S = 3.5
 """The most a py-spy stack dump of all ranks (run side by side) may take."""
 PYTHON_PASS_S = 2.0
@@ -31,19 +33,18 @@ OWN_THREAD = re.compile(r'^Thread .*"ddparity-(?!simulated-rank)[^"]*"')
 """The first line of a thread of ddparity's own in a py-spy dump (the ledger's publisher;
 a simulated rank is the user's)."""
 
-
 def tidy_stack(text: str) -> str:
     """py-spy's dump without its header, the rank's bootstrap frames or ddparity's own
-    threads (kept with ``DDPARITY_VERBOSE=1``, which ``--verbose`` sets), C++ frames
+    threads and frames (kept with ``--verbose``: :func:`ddparity.frames.verbose`), C++ frames
     without template arguments."""
     skipping = own = False
-    verbose = bool(os.environ.get("DDPARITY_VERBOSE"))
+    keep_own = verbose()
     lines = []
     for line in text.splitlines():
         if line.startswith(("Process ", "Python v")) or not line.strip():
             continue
         if line.startswith("Thread "):
-            own = not verbose and bool(OWN_THREAD.match(line))
+            own = not keep_own and bool(OWN_THREAD.match(line))
         if own:
             continue
         if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
@@ -63,7 +64,7 @@ def tidy_stack(text: str) -> str:
             if len(line) > 160:
                 line = line[:157] + "..."
         lines.append(line)
-    return "\n".join(lines) + "\n"
+    return hide_own_frames("\n".join(lines) + "\n")
 
 
 def py_spy_stacks(pids: dict[int, int], timeout: float = PY_SPY_TIMEOUT_S, native: bool = True) -> dict[int, str]:

@@ -12,6 +12,7 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.checks.verdict import judge_failure
 from ddparity.errors import CaseError, TaskFailed, UsageError, WorldFailure, WorldStartError
+from ddparity.frames import PACKAGE
 from ddparity.harness import rendezvous
 from ddparity.report import RunResult
 from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
@@ -85,9 +86,6 @@ def _user_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
 def _without_own_frames(tb: str) -> str:
     """A traceback less ddparity's own frames (the call into the user's factory, data or
     loss): what is left is the user's code."""
@@ -96,7 +94,7 @@ def _without_own_frames(tb: str) -> str:
     for line in tb.splitlines(keepends=True):
         frame = line.startswith('  File "')
         if frame:
-            skipping = line[len('  File "'):].startswith(_PACKAGE)
+            skipping = line[len('  File "'):].startswith(PACKAGE)
         elif not line.startswith("    "):
             skipping = False  # the header, the exception's own lines
         if not skipping:

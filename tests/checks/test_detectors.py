@@ -153,6 +153,39 @@ Thread 14 (idle): "ddparity-simulated-rank3"
     assert "_publish_loop" in tidy_stack(raw)
 
 
+def test_stacks_and_tracebacks_fold_ddparitys_own_frames_unless_verbose(monkeypatch):
+    from ddparity.frames import PACKAGE, hide_own_frames
+
+    spy = """Thread 12 (idle): "MainThread"
+    Tensor.backward (torch/_tensor.py:623)
+    train_step (my_training.py:30)
+    record_step (ddparity/harness/stepping.py:144)
+    DDPMode.step (ddparity/harness/modes/ddp.py:75)
+    train (ddparity/harness/training.py:155)
+    _run_task (ddparity/harness/rank.py:135)
+    FaultyMLP.forward (ddparity/fixtures/faults.py:55)
+"""
+    own = f"{PACKAGE}harness/stepping.py"
+    python = ("Traceback (most recent call last):\n"
+              f'  File "{PACKAGE}harness/rank.py", line 135, in _run_task\n    value = fn(ctx)\n'
+              f'  File "{own}", line 144, in record_step\n    loss = replica.step_fn(model)\n           ^^^^^\n'
+              f'  File "{own}", line 199, in step\n    loss = forward(model)\n'
+              '  File "/home/me/my_training.py", line 30, in train_step\n    raise ValueError("bad")\n'
+              "ValueError: bad\n")
+    monkeypatch.delenv("DDPARITY_VERBOSE", raising=False)
+    text = hide_own_frames(spy)
+    assert "stepping.py" not in text and "harness/training.py" not in text
+    assert "    train_step (my_training.py:30)\n    [3 frames of ddparity's own: --verbose shows them]\n" \
+           "    _run_task (ddparity/harness/rank.py:135)\n" in text
+    assert "FaultyMLP.forward" in text  # the fixtures are a user's model
+    tb = hide_own_frames(python)
+    assert "stepping.py" not in tb and "replica.step_fn" not in tb and "^^^^^" not in tb
+    assert "  [2 frames of ddparity's own: --verbose shows them]\n  File \"/home/me/my_training.py\"" in tb
+    assert "value = fn(ctx)" in tb and tb.endswith('raise ValueError("bad")\nValueError: bad\n')
+    monkeypatch.setenv("DDPARITY_VERBOSE", "1")
+    assert hide_own_frames(spy) == spy and hide_own_frames(python) == python
+
+
 def test_a_per_rank_normalisation_is_named_only_when_valid_entries_are_uneven():
     from ddparity.checks.causes import likely_cause
     from ddparity.verdicts import Divergence

@@ -151,6 +151,17 @@ def test_a_hanging_rank_exits_3_with_suspect_positions_and_stacks_in_time(tmp_pa
     assert run["seconds"] < 2 + 5  # the timeout, plus stacks and teardown
 
 
+def test_a_crash_shows_the_users_frames_and_ddparitys_own_only_with_verbose():
+    target = ("check", "ddparity.fixtures.faults:raising_rank", "--world-sizes", "2")
+    plain, verbose = ddparity(*target), ddparity(*target, "-v")
+    assert plain.returncode == verbose.returncode == 3, plain.stdout + plain.stderr
+    for result in (plain, verbose):
+        assert "injected fault: rank 1 raised at step 1" in result.stdout and "in _inject" in result.stdout
+    assert "frames of ddparity's own: --verbose shows them]" in plain.stdout
+    assert "harness/stepping.py" not in plain.stdout
+    assert "harness/stepping.py" in verbose.stdout and "frames of ddparity's own" not in verbose.stdout
+
+
 def test_a_mismatched_collective_exits_1_with_each_ranks_call_site(tmp_path):
     out = tmp_path / "desync.json"
     result = ddparity("check", "ddparity.fixtures.faults:mismatched_shape", "--world-sizes", "2", "--json", str(out))

@@ -1,0 +1,55 @@
+"""Stacks and tracebacks as reports show them: each run of ddparity's own frames (the
+step driver, the modes, the collective recorder, between the rank loop and the user's code)
+folded into one line, unless ``--verbose``. A leaf module: text in, text out."""
+
+from __future__ import annotations
+
+import os
+import re
+
+PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+"""The package's folder, as tracebacks name its files."""
+_FRAME_FILE = re.compile(r'^\s*File "(?P<tb>[^"]+)", line \d+|\((?P<spy>[^()\s]+\.py):\d+\)\s*$')
+_KEPT = ("fixtures" + os.sep, os.path.join("harness", "rank.py"))
+"""ddparity's files whose frames a report keeps: the fixtures stand for a user's model,
+the rank loop is where the task (the user's step) is called from."""
+
+
+def verbose() -> bool:
+    """Whether reports keep ddparity's own threads and frames (``--verbose`` sets
+    ``DDPARITY_VERBOSE=1``; rank processes inherit it)."""
+    return bool(os.environ.get("DDPARITY_VERBOSE"))
+
+
+def own_file(path: str) -> bool:
+    """Whether a frame's file is ddparity's own harness code (py-spy names files relative
+    to ``sys.path``, tracebacks in full)."""
+    inside = path[len(PACKAGE):] if path.startswith(PACKAGE) else path[len("ddparity/"):] if (
+        path.startswith("ddparity/")) else None
+    return inside is not None and not inside.startswith(_KEPT)
+
+
+def hide_own_frames(text: str) -> str:
+    """A stack or traceback (py-spy's, faulthandler's or Python's) with each run of
+    ddparity's own frames between the rank loop and the user's code (the step driver, the
+    modes, the collective recorder) folded into one line saying how many; unchanged with
+    ``--verbose``."""
+    if verbose():
+        return text
+    lines: list[str] = []
+    hidden, hidden_at, depth = 0, "", -1
+    for line in text.splitlines():
+        frame = _FRAME_FILE.search(line)
+        indent = len(line) - len(line.lstrip())
+        if frame is None and hidden and indent > depth:
+            continue  # the hidden frame's source line and carets
+        if frame is not None and own_file(frame.group("tb") or frame.group("spy")):
+            hidden, hidden_at, depth = hidden + 1, line[:indent], indent
+            continue
+        if hidden:
+            lines.append(f"{hidden_at}[{hidden} frame{'s' * (hidden > 1)} of ddparity's own: --verbose shows them]")
+            hidden = 0
+        lines.append(line)
+    if hidden:
+        lines.append(f"{hidden_at}[{hidden} frame{'s' * (hidden > 1)} of ddparity's own: --verbose shows them]")
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
