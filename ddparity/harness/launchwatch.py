@@ -69,7 +69,8 @@ def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
         name = names.get(ident, f"0x{ident:x}")
         if name.startswith(skip):
             continue
-        stack = hide_own_frames("".join(traceback.format_stack(frame)).rstrip())
+        frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith("<frozen runpy>")]
+        stack = hide_own_frames("".join(traceback.format_list(frames)).rstrip())  # less python -m's bootstrap
         parts.append(f"Thread {name} (most recent call last):\n{stack}")
     return "\n".join(parts)
 

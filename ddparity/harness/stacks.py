@@ -27,6 +27,7 @@ def _py_spy() -> str | None:
 _TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
 _LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
 _PARENS = re.compile(r"\([^()]*\)")
+_THREAD_START = re.compile(r"^\s+Thread\.run \(threading\.py:\d+\)$")
 
 
 OWN_THREAD = re.compile(r'^Thread .*"ddparity-(?!simulated-rank)[^"]*"')
@@ -49,6 +50,9 @@ def tidy_stack(text: str) -> str:
             continue
         if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
             lines.append(line)
+            skipping = True
+            continue
+        if _THREAD_START.search(line):  # a thread's bootstrap (a simulated rank's, say): nobody's code
             skipping = True
             continue
         if line.startswith("Thread "):

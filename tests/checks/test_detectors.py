@@ -135,6 +135,10 @@ Thread 12 (idle): "MainThread"
     assert "Process 12" not in text and "_bootstrap" not in text
     assert "pybind11::cpp_function::initialize::{lambda}::_FUN (libtorch_python.so)" in text
     assert "train (model.py:10)" in text and "_run_task" in text
+    thread = tidy_stack('Thread 9 (idle): "ddparity-simulated-rank3"\n    forward (model.py:20)\n'
+                        "    Thread.run (threading.py:982)\n    Thread._bootstrap_inner (threading.py:1045)\n"
+                        "    thread_run (libpython3.11.so.1.0)\n")
+    assert thread == 'Thread 9 (idle): "ddparity-simulated-rank3"\n    forward (model.py:20)\n'  # no bootstrap
 
 
 def test_tidy_stack_hides_ddparitys_own_threads_unless_verbose(monkeypatch):
