@@ -148,7 +148,7 @@ def test_a_hanging_rank_exits_3_with_suspect_positions_and_stacks_in_time(tmp_pa
     assert ranks["0"]["collective_seq"] > ranks["1"]["collective_seq"] >= 0
     assert "DDP gradient bucket 0" in ranks["0"]["collective"]
     assert "_inject" in ranks["1"]["stack"]  # py-spy or, without it, faulthandler
-    assert run["seconds"] < 2 + 5  # the timeout, plus stacks and teardown
+    assert run["seconds"] < 2 + 15  # the timeout, plus stacks and teardown (however loaded): not the default 60 s
 
 
 def test_a_crash_shows_the_users_frames_and_ddparitys_own_only_with_verbose():
