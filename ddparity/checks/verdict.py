@@ -98,11 +98,12 @@ def judge_failure(exc: WorldFailure) -> Failure:
         head = raised[0]
         failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
+        shown = hide_own_frames(head.traceback)
         crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
-                      traceback=hide_own_frames(head.traceback),
+                      traceback=shown,
                       ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
                       if records else {})
-        reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{head.traceback}".rstrip()
+        reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{shown}".rstrip()
         return Failure("crash", reason, crash=crash)
     return Failure("error")
 

@@ -34,6 +34,7 @@ OWN_THREAD = re.compile(r'^Thread .*"ddparity-(?!simulated-rank)[^"]*"')
 """The first line of a thread of ddparity's own in a py-spy dump (the ledger's publisher;
 a simulated rank is the user's)."""
 
+
 def tidy_stack(text: str) -> str:
     """py-spy's dump without its header, the rank's bootstrap frames or ddparity's own
     threads and frames (kept with ``--verbose``: :func:`ddparity.frames.verbose`), C++ frames
