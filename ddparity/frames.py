@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 """The package's folder, as tracebacks name its files."""
@@ -34,22 +35,35 @@ def hide_own_frames(text: str) -> str:
     ddparity's own frames between the rank loop and the user's code (the step driver, the
     modes, the collective recorder) folded into one line saying how many; unchanged with
     ``--verbose``."""
-    if verbose():
-        return text
+    return text if verbose() else _drop_frames(text, own_file, fold=True)
+
+
+def without_package_frames(text: str) -> str:
+    """A traceback less every frame in ddparity's folder, silently (the call into a user's
+    factory, data or loss: what is left is the user's code)."""
+    return _drop_frames(text, lambda path: path.startswith(PACKAGE), fold=False)
+
+
+def _drop_frames(text: str, dropped: Callable[[str], bool], fold: bool) -> str:
+    """``text`` less the frames whose file ``dropped`` names (with their source lines and
+    carets), each run of them one line saying how many when ``fold``."""
     lines: list[str] = []
     hidden, hidden_at, depth = 0, "", -1
+
+    def flush() -> None:
+        if hidden and fold:
+            lines.append(f"{hidden_at}[{hidden} frame{'s' * (hidden > 1)} of ddparity's own: --verbose shows them]")
+
     for line in text.splitlines():
         frame = _FRAME_FILE.search(line)
         indent = len(line) - len(line.lstrip())
         if frame is None and hidden and indent > depth:
-            continue  # the hidden frame's source line and carets
-        if frame is not None and own_file(frame.group("tb") or frame.group("spy")):
+            continue  # the dropped frame's source line and carets
+        if frame is not None and dropped(frame.group("tb") or frame.group("spy")):
             hidden, hidden_at, depth = hidden + 1, line[:indent], indent
             continue
-        if hidden:
-            lines.append(f"{hidden_at}[{hidden} frame{'s' * (hidden > 1)} of ddparity's own: --verbose shows them]")
-            hidden = 0
+        flush()
+        hidden = 0
         lines.append(line)
-    if hidden:
-        lines.append(f"{hidden_at}[{hidden} frame{'s' * (hidden > 1)} of ddparity's own: --verbose shows them]")
+    flush()
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")

@@ -12,7 +12,7 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.checks.verdict import judge_failure
 from ddparity.errors import CaseError, TaskFailed, UsageError, WorldFailure, WorldStartError
-from ddparity.frames import PACKAGE
+from ddparity.frames import without_package_frames
 from ddparity.harness import rendezvous
 from ddparity.report import RunResult
 from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
@@ -81,25 +81,9 @@ def _user_error(exc: BaseException) -> str:
         head = bad[0]
         tb = head.traceback
         if isinstance(head.error, (CaseError, UsageError)):
-            tb = _without_own_frames(tb.split(_CAUSE)[0]) if _CAUSE in tb else ""
+            tb = without_package_frames(tb.split(_CAUSE)[0]) if _CAUSE in tb else ""
         return f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{tb}".rstrip()
     return f"{type(exc).__name__}: {exc}"
-
-
-def _without_own_frames(tb: str) -> str:
-    """A traceback less ddparity's own frames (the call into the user's factory, data or
-    loss): what is left is the user's code."""
-    out: list[str] = []
-    skipping = False
-    for line in tb.splitlines(keepends=True):
-        frame = line.startswith('  File "')
-        if frame:
-            skipping = line[len('  File "'):].startswith(PACKAGE)
-        elif not line.startswith("    "):
-            skipping = False  # the header, the exception's own lines
-        if not skipping:
-            out.append(line)
-    return "".join(out)
 
 
 def failure(exc: BaseException) -> Failure:
