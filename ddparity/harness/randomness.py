@@ -28,6 +28,7 @@ generators in a step (``torch.randn_like``, ``RReLU``, a dropout called through
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -94,8 +95,8 @@ class AlignedDropout:
             if isinstance(flag, bool) and not isinstance(module, torch.jit.ScriptModule):
                 attention = isinstance(module, torch.nn.MultiheadAttention)
                 self._handles.append(module.register_forward_pre_hook(
-                    lambda m, args, flag=None if attention else flag: self.scope.batch_first.append(flag)))
-                self._handles.append(module.register_forward_hook(lambda m, args, out: self.scope.batch_first.pop()))
+                    functools.partial(self._enter_batch_flag, None if attention else flag)))
+                self._handles.append(module.register_forward_hook(self._leave_batch_flag))
         _install()
         _local.scope = self.scope
 
@@ -125,6 +126,14 @@ class AlignedDropout:
             if _users == 0:
                 _uninstall()
         return max(self.most_calls, self.scope.drawn)
+
+    # A hook's return value would replace the module's input or output: these return nothing.
+    def _enter_batch_flag(self, flag: bool | None, module: Any, args: tuple) -> None:
+        self.scope.batch_first.append(flag)
+
+    def _leave_batch_flag(self, module: Any, args: tuple, output: Any) -> None:
+        if self.scope.batch_first:
+            self.scope.batch_first.pop()
 
     def _forward_starts(self, module: Any, args: tuple, kwargs: dict) -> None:
         scope = self.scope

@@ -276,12 +276,20 @@ def global_batch(data: Any, step: int, generator: Any, pair: bool = True) -> Any
     return tuple(batch) if pair else batch
 
 
-def forward(model: Any, inputs: Any) -> Any:
+def call_args(inputs: Any) -> tuple[tuple, dict]:
+    """How the built-in step calls the model with a batch's ``inputs``: a dict as keyword
+    arguments, a plain tuple or list as positional arguments, anything else (a tensor, a
+    NamedTuple, a dataclass, ...) as the one argument, whole, as ``ddp(inputs)`` passes it."""
     if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+        return (), dict(inputs)
+    if type(inputs) in (tuple, list):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def forward(model: Any, inputs: Any) -> Any:
+    args, kwargs = call_args(inputs)
+    return model(*args, **kwargs)
 
 
 # -- batches -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ddparity.harness.stepping import lowest_precision, record_step
 from ddparity.harness.training import (
     Replica,
     batch_size,
+    call_args,
     cast,
     finish_step,
     forward,
@@ -89,9 +90,9 @@ class TwinMode(SingleMode):
         model, (inputs, targets) = replica.model, self._batch
         params = {n: p.detach() for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args, kwargs = call_args(inputs)
         with torch.no_grad():
-            outputs = functional_call(model, (params, buffers), args)
+            outputs = functional_call(model, (params, buffers), args, kwargs)
             return replica.loss_fn(outputs, targets).detach().abs().double().cpu()
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
@@ -173,8 +174,8 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
 
     def one(params: dict, x: Any, y: Any) -> Any:
         batch = map_tensors(x, lambda t: t.unsqueeze(0))
-        args = batch if isinstance(batch, tuple) else (batch,)
-        loss = loss_fn(functional_call(model, (params, buffers), args), map_tensors(y, lambda t: t.unsqueeze(0)))
+        args, kwargs = call_args(batch)
+        loss = loss_fn(functional_call(model, (params, buffers), args, kwargs), map_tensors(y, lambda t: t.unsqueeze(0)))
         return loss, loss
 
     samples = batch_size((inputs, targets)) if not isinstance(inputs, dict) else None
