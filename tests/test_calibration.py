@@ -27,6 +27,24 @@ def test_low_precision_tolerances_stay_a_fraction_of_the_values_and_catch_a_summ
         assert d.max_abs > 2 * d.tolerance, d
 
 
+def test_in_bf16_a_summed_loss_is_caught_at_every_world_size_and_the_clean_model_passes():
+    """The tolerance grew with W (W bf16 ulps x headroom passed the value itself at 16):
+    it is capped at a share of the value, and autocast's partials, summed in float32, no
+    longer count W bf16 ulps."""
+    sizes = (2, 4, 16, 32)
+    for factory in (calibration.bf16_model_summed, calibration.autocast_bf16_summed_at_scale):
+        report = check(factory(), world_sizes=sizes, modes=("ddp",), backend="auto")
+        runs = [r for r in report.runs if r.mode == "ddp"]
+        assert [r.world_size for r in runs] == list(sizes)
+        for run in runs:
+            assert run.status == "diverged", report.render()
+            d = run.first_divergence
+            assert d.step == 0 and d.max_abs > 2 * d.tolerance, d
+    for factory in (calibration.bf16_model_at_scale, calibration.autocast_bf16_at_scale):
+        report = check(factory(), world_sizes=sizes, modes=("ddp",), backend="auto")
+        assert report.ok, report.render()
+
+
 def test_an_order_dependent_model_is_never_passed_and_the_report_says_why():
     report = check(calibration.order_dependent(), world_sizes=(2,))
     assert report.exit_code == 2, report.render()

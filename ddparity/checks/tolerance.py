@@ -17,9 +17,10 @@ rounding. The reference is therefore run a second time, as a *calibration twin*:
 
 The twin's distance to the reference, step by step and tensor by tensor, is then the
 noise a correct run may show, including what the optimizer and later steps make of it.
-The per-tensor tolerance is ``HEADROOM * max(twin distance, floor)``, the floor being W
-ulps of the summands' size (losses, gradients) or of the tensor (params, buffers), and
-never less than W ulps of the tensor itself (a batch-coupled loss has per-sample terms of
+The per-tensor tolerance is ``HEADROOM * max(twin distance, floor)``, the floor being an
+ulp of the precision the ranks computed in plus W ulps of the gradients' own dtype (where
+DDP sums them), of the summands' size (losses, gradients) or of the tensor (params,
+buffers), and never less than that of the tensor itself (a batch-coupled loss has per-sample terms of
 size 0) nor than the dtype's smallest normal number: a tolerance is never 0. Ulps are of
 the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model).
 
@@ -54,6 +55,18 @@ four ranks, far above the rounding such runs show (gradients 0.4-1% apart, AdamW
 parameters up to ~10% element-wise, at 2 and 4 ranks) and wide enough to pass a summed
 loss. 8x keeps the tolerance a fraction of the value and still above that noise."""
 
+SHARE_CAP = 0.25
+"""The most a tolerance may be of the value compared, for a loss or gradient that is not a
+cancelled sum (no smaller than its summands). The floor grows with the world size (W ulps,
+a worst case of summing W partials), and in bf16 W ulps times the headroom pass the value
+itself from W = 16 on; a summed loss, a per-rank normalisation or a missed division by W
+is off by at least half the value at any W >= 2, so a tolerance of a quarter still tells
+it by 2x. Where the twin's own noise leaves no room under the cap (:data:`CAP_ROOM`), the
+run is too imprecise to judge at that world size and says so (:class:`Uncalibrated`)."""
+
+CAP_ROOM = 2.0
+"""A capped tolerance must stay this many times above the twin's measured noise."""
+
 UNCALIBRATED_SHARE = 0.5
 """A twin this far from the reference, relative to the value, is not rounding."""
 ABOVE_ROUNDING = 1e4
@@ -71,8 +84,16 @@ class Uncalibrated:
     name: str
     noise: float
     value: float
+    world_size: int = 0
+    """Set when the run is too imprecise at this world size (the cap), not order-dependent."""
 
     def reason(self) -> str:
+        if self.world_size:
+            return (f"too imprecise to judge at world size {self.world_size} from step {self.step} on: rounding "
+                    f"noise in {self.kind} {self.name!r} (the calibration twin differs by {self.noise:.3g}, "
+                    f"{self.noise / self.value:.0%} of its size {self.value:.3g}) leaves no tolerance that would "
+                    f"still catch a summed loss or a missed division by the world size; check in a higher "
+                    f"precision (float32) or at a smaller world size")
         return (f"no tolerance can be calibrated from step {self.step} on: the calibration twin (the same "
                 f"training on the batch in reversed order) differs from the reference in {self.kind} "
                 f"{self.name!r} by {self.noise:.3g}, {self.noise / self.value:.0%} of its size {self.value:.3g}, "
@@ -98,6 +119,7 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
     autocast's, when the reference ran in a lower one)."""
     import torch
 
+    eps_sum = torch.finfo(dtype).eps  # DDP sums the gradients in their own dtype, the parameters'
     if reference.autocast_dtype:
         low = getattr(torch, reference.autocast_dtype)
         dtype = low if torch.finfo(low).eps > torch.finfo(dtype).eps else dtype
@@ -114,11 +136,17 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
                     table[(step, kind, name)] = 0.0  # integers (counters) and None compare exactly
                     continue
                 noise, value = e.noise, e.value
-                # Summing W partial results rounds by up to ~W ulps of the partials' size
-                # (not of the result's: partial gradients can cancel).
+                # Each rank computes its partial in the lowest precision (an ulp of it), and
+                # summing W partials rounds by up to ~W ulps of the partials' size in the
+                # gradients' dtype (not of the result's: partial gradients can cancel).
                 scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
-                floor = max(world_size * eps * max(scale, value), tiny)
-                table[(step, kind, name)] = headroom * max(noise, floor)
+                floor = max((eps + world_size * eps_sum) * max(scale, value), tiny)
+                tolerance = headroom * max(noise, floor)
+                if kind in ("loss", "grad") and value >= (1 - 1e-3) * scale and tolerance > SHARE_CAP * value:
+                    tolerance = SHARE_CAP * value
+                    if uncalibrated is None and CAP_ROOM * noise > tolerance:
+                        uncalibrated = Uncalibrated(step, kind, name, noise, value, world_size)
+                table[(step, kind, name)] = tolerance
                 # At step 0 both start from the same parameters: their gradients differ by
                 # reordering and the nudge only (later, Adam may turn rounding into whole steps).
                 if (uncalibrated is None and step == 0 and kind == "grad" and noise >= UNCALIBRATED_SHARE * value

@@ -191,8 +191,11 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
 
 
 def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
-    """Move every gradient towards zero by the rounding a correct W-rank run may add:
-    ``world_size`` ulps of the size of its summands (of itself where that is unknown)."""
+    """Move every gradient towards zero by the rounding a correct W-rank run may add: an
+    ulp of the precision each rank computed its partial in (``dtype``) plus ``world_size``
+    ulps of the gradient's own dtype, in which DDP sums the partials, of the size of its
+    summands (of itself where that is unknown). Under autocast the partials round in bf16
+    but are summed in float32: W bf16 ulps would grow past the value at large W."""
     import torch
 
     eps = torch.finfo(dtype).eps
@@ -200,6 +203,7 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
         for n, p in model.named_parameters():
             if p.grad is None:
                 continue
+            ulps = eps + world_size * torch.finfo(p.grad.dtype).eps if p.grad.is_floating_point() else 0.0
             scale = grad_scales.get(n)
             direction = torch.sign(p.grad)
             if scale is not None:
@@ -214,4 +218,4 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
                 size = p.grad.abs().max()
                 if eps > 1e-6:
                     direction = torch.where(p.grad == 0, -1.0, direction)
-            p.grad.sub_(world_size * eps * size * direction)
+            p.grad.sub_(ulps * size * direction)
