@@ -35,6 +35,9 @@ def _differs(desync: Desync) -> str:
         others = sorted(set(desync.collective.ranks) - set(desync.ranks))
     else:
         others = sorted(desync.agreeing_ranks or [])
+    if not others and len(desync.ranks) == 2:
+        return (f"ranks {desync.ranks[0]} and {desync.ranks[1]} disagree (nothing recorded shows which of the two "
+                f"is wrong)")
     if not others:
         return f"ranks {desync.ranks} all differ from one another"
     verb = "differs" if len(desync.ranks) == 1 else "differ"

@@ -1,5 +1,6 @@
-"""The fault matrix: every injected fault, at world sizes 2 and 4, gets the right verdict
-and names the right ranks; nothing is left behind; the next check passes."""
+"""The fault matrix: every injected fault, at world sizes 2 and 4, on rank 0, rank 1 and
+the last rank, gets the right verdict and names the right ranks; nothing is left behind;
+the next check passes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import models
-from ddparity.fixtures.faults import FAULT_RANK, FAULTS, reported_ranks
+from ddparity.fixtures.faults import FAULTS, reported_ranks
 from ddparity.harness import spool
 from ddparity.harness.pool import WorldPool
 from tests.conftest import stray_processes
@@ -36,16 +37,21 @@ def pool():
     pool.close()
 
 
-@pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
+PLACES = [(2, 0), (2, 1), (4, 0), (4, 1), (4, 3)]
+"""(world size, the fault's rank): rank 0, rank 1 and the last rank (W-1)."""
+
+
+@pytest.mark.parametrize("world_size, fault_rank", PLACES, ids=[f"ws{w}-rank{r}" for w, r in PLACES])
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size, pool):
+def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size, fault_rank, pool):
     fault = FAULTS[name]
+    FAULT_RANK = fault_rank  # noqa: N806 - the rank the checks below hold the report to
     before = _temp_entries()
-    report = check(fault.case(), world_sizes=(world_size,), timeout=TIMEOUT, pool=pool)
+    report = check(fault.case(fault_rank), world_sizes=(world_size,), timeout=TIMEOUT, pool=pool)
     single, run = report.runs
     assert single.status == "pass"
     assert run.status == fault.status, report.render()
-    assert reported_ranks(run) == fault.suspects(world_size), report.render()
+    assert reported_ranks(run) == fault.suspects(world_size, fault_rank), report.render()
     assert report.exit_code == {"pass": 0, "desync": 1, "hang": 3, "crash": 3}[fault.status]
     data = report.to_json()["runs"][1]
     if fault.status == "hang":

@@ -22,7 +22,8 @@ def minority(groups: dict[str, list[int]], prefer_wrong: tuple[int, ...] = ()) -
     known to be wrong (``prefer_wrong``: they diverge from the single-device reference)
     decide: the one top group without such a rank is the majority; if every group has
     one, every rank is reported. Without that evidence, two ranks that disagree are
-    judged against the lowest rank, and three or more that all disagree are all reported.
+    judged against each other (both reported), and three or more that all disagree are
+    all reported.
     """
     everyone = sorted(r for g in groups.values() for r in g)
     ranked = sorted(groups.values(), key=len, reverse=True)
@@ -34,10 +35,8 @@ def minority(groups: dict[str, list[int]], prefer_wrong: tuple[int, ...] = ()) -
         if len(clean) != 1:
             return everyone
         majority = clean[0]
-    elif len(top[0]) == 1 and len(everyone) > 2:
-        return everyone
     else:
-        majority = min(top, key=min)
+        return everyone
     return [r for r in everyone if r not in majority]
 
 
@@ -55,9 +54,10 @@ class Mismatch:
         return max(e.step for e in self.entries.values())
 
     def what(self) -> str:
-        return f"collective #{self.seq} differs across ranks: " + "; ".join(
-            f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r in self.ranks
-        ) + " vs " + "; ".join(f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks)
+        odd = [f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r in self.ranks]
+        rest = [f"rank {r}: {e.desc}" for r, e in sorted(self.entries.items()) if r not in self.ranks]
+        sides = ["; ".join(odd), "; ".join(rest)] if rest else odd
+        return f"collective #{self.seq} differs across ranks: " + " vs ".join(sides)
 
 
 def slots(sequences: Mapping[int, Sequence[Entry]]) -> dict[tuple[str, int], dict[int, Entry]]:
@@ -77,8 +77,40 @@ def collective_mismatch(sequences: Mapping[int, Sequence[Entry]]) -> Mismatch | 
         for rank, e in sorted(by_rank.items()):
             keys.setdefault(e.key, []).append(rank)
         if len(keys) > 1:
-            return Mismatch(group, seq, by_rank, minority(keys))
+            ranks = minority(keys)
+            if len(ranks) == len(by_rank):  # no majority: what else was recorded may tell
+                ranks = _odd_one_out(sequences, by_rank) or ranks
+            return Mismatch(group, seq, by_rank, ranks)
     return None
+
+
+def _odd_one_out(sequences: Mapping[int, Sequence[Entry]], by_rank: dict[int, Entry]) -> list[int] | None:
+    """The one rank that the ranks' ledgers show to be wrong at a slot without a majority
+    (two ranks, or every rank different), or None where they do not tell.
+
+    Two kinds of evidence, each decisive only when it singles out exactly one rank:
+    a call the user's code issued there from a source line (and with a signature) that no
+    other rank ever issued — ``if rank == 0: dist.all_reduce(metric)``; and a rank whose
+    call at that place in the step differs from its own call at the same place one step
+    earlier, while every other rank repeats its previous step — a collective skipped, or
+    issued with another shape, op or root, from some step on.
+    """
+    elsewhere: dict[int, set[tuple[str, str]]] = {
+        r: {(e.site, e.key) for e in seq if e.comparable} for r, seq in sequences.items()}
+    unique = [r for r, e in by_rank.items()
+              if not e.via and e.site and all((e.site, e.key) not in elsewhere[o] for o in by_rank if o != r)]
+    if len(unique) == 1:
+        return unique
+    changed: list[int] = []
+    for r, e in by_rank.items():
+        same_step = [x for x in sequences[r] if x.comparable and x.group == e.group and x.step == e.step]
+        before = [x for x in sequences[r] if x.comparable and x.group == e.group and x.step == e.step - 1]
+        place = next((i for i, x in enumerate(same_step) if x.seq == e.seq), None)
+        if e.step < 1 or place is None or place >= len(before):
+            return None  # no earlier step to hold this rank to
+        if (before[place].key, before[place].site) != (e.key, e.site):
+            changed.append(r)
+    return changed if len(changed) == 1 else None
 
 
 class LiveWatch:

@@ -18,8 +18,8 @@ rounding. The reference is therefore run a second time, as a *calibration twin*:
 The twin's distance to the reference, step by step and tensor by tensor, is then the
 noise a correct run may show, including what the optimizer and later steps make of it.
 The per-tensor tolerance is ``HEADROOM * max(twin distance, floor)``, the floor being an
-ulp of the precision the ranks computed in plus W ulps of the gradients' own dtype (where
-DDP sums them), of the summands' size (losses, gradients) or of the tensor (params,
+ulp of the precision the ranks computed in or W ulps of the gradients' own dtype (where
+DDP sums them), whichever is larger, of the summands' size (losses, gradients) or of the tensor (params,
 buffers), and never less than that of the tensor itself (a batch-coupled loss has per-sample terms of
 size 0) nor than the dtype's smallest normal number: a tolerance is never 0. Ulps are of
 the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model).
@@ -126,11 +126,13 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
     eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     headroom = HEADROOM if eps < 1e-6 else LOW_PRECISION_HEADROOM
     table: dict[tuple[int, str, str], float] = {}
-    uncalibrated = None
+    uncalibrated = imprecise = None
     for step in range(len(reference.steps)):
         for kind in RECORD_KINDS:
             ref_e = reference.entries(step, kind)
-            rounding = ABOVE_ROUNDING * world_size * eps * max((e.value for _, e in ref_e), default=0.0)
+            largest = max((e.value for _, e in ref_e), default=0.0)
+            rounding = ABOVE_ROUNDING * world_size * eps * largest
+            negligible = world_size * eps * largest  # a tensor this small is rounding (a softmax-invariant bias)
             for name, e in ref_e:
                 if not e.floating:
                     table[(step, kind, name)] = 0.0  # integers (counters) and None compare exactly
@@ -138,20 +140,24 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
                 noise, value = e.noise, e.value
                 # Each rank computes its partial in the lowest precision (an ulp of it), and
                 # summing W partials rounds by up to ~W ulps of the partials' size in the
-                # gradients' dtype (not of the result's: partial gradients can cancel).
+                # gradients' dtype (not of the result's: partial gradients can cancel); the
+                # larger of the two, the headroom covering their sum.
                 scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
-                floor = max((eps + world_size * eps_sum) * max(scale, value), tiny)
+                floor = max(max(eps, world_size * eps_sum) * max(scale, value), tiny)
                 tolerance = headroom * max(noise, floor)
-                if kind in ("loss", "grad") and value >= (1 - 1e-3) * scale and tolerance > SHARE_CAP * value:
+                if (kind in ("loss", "grad") and value > negligible and value >= (1 - 1e-3) * scale
+                        and tolerance > SHARE_CAP * value):
                     tolerance = SHARE_CAP * value
-                    if uncalibrated is None and CAP_ROOM * noise > tolerance:
-                        uncalibrated = Uncalibrated(step, kind, name, noise, value, world_size)
+                    if imprecise is None and CAP_ROOM * noise > tolerance:
+                        imprecise = Uncalibrated(step, kind, name, noise, value, world_size)
                 table[(step, kind, name)] = tolerance
                 # At step 0 both start from the same parameters: their gradients differ by
                 # reordering and the nudge only (later, Adam may turn rounding into whole steps).
                 if (uncalibrated is None and step == 0 and kind == "grad" and noise >= UNCALIBRATED_SHARE * value
                         and value > rounding):
                     uncalibrated = Uncalibrated(step, kind, name, noise, value)
+    if imprecise is not None and (uncalibrated is None or imprecise.step < uncalibrated.step):
+        uncalibrated = imprecise  # an order-dependent step says more than an imprecise one
     return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype})", table, uncalibrated)
 
 

@@ -25,7 +25,7 @@ def entry(seq: int, key: str = "all_reduce|SUM|None|tensor=float32[4]", t: float
     "groups, wrong, expected",
     [
         ({"a": [0, 2, 3], "b": [1]}, (), [1]),  # a clear majority
-        ({"a": [0], "b": [1]}, (), [1]),  # two ranks, no evidence: judged against rank 0
+        ({"a": [0], "b": [1]}, (), [0, 1]),  # two ranks, no evidence: both (neither picked)
         ({"a": [0], "b": [1]}, (1,), [1]),  # rank 1 diverges from the reference
         ({"a": [0], "b": [1]}, (0,), [0]),  # rank 0 does
         ({"a": [0], "b": [1]}, (0, 1), [0, 1]),  # both do: every rank is reported
@@ -47,6 +47,47 @@ def test_collective_mismatch_finds_the_first_differing_slot_and_the_odd_rank():
     # p2p entries are pairwise: never compared across the group
     p2p = {0: [entry(0, "send|None", group="p2p")], 1: [entry(0, "recv|None", group="p2p")]}
     assert collective_mismatch(p2p) is None
+
+
+def _call(seq: int, step: int, site: str, key: str = "all_reduce|SUM|None|tensor=float32[1]", via: str = "") -> Entry:
+    return Entry("world", seq, key.split("|")[0], key, key, site, via, step, "forward", 0.0, False)
+
+
+def _bucket(seq: int, step: int) -> Entry:
+    return _call(seq, step, "", "all_reduce|SUM|None|tensor=float32[100]", via="DDP gradient bucket 0")
+
+
+@pytest.mark.parametrize("odd", [0, 1])
+def test_a_call_issued_by_one_rank_alone_blames_that_rank_at_two_ranks(odd):
+    """``if rank == 0: dist.all_reduce(metric)``: the metric's call site appears in no other
+    rank's ledger; the other rank is at its DDP bucket at that slot. (It blamed rank 1.)"""
+    alone = [_call(0, 0, "train.py:9 in step"), _bucket(1, 0)]
+    others = [_bucket(0, 0)]
+    found = collective_mismatch({odd: alone, 1 - odd: others})
+    assert found.ranks == [odd]
+
+
+@pytest.mark.parametrize("odd", [0, 1])
+def test_a_rank_that_changes_what_it_calls_from_one_step_is_blamed_at_two_ranks(odd):
+    """A metric all_reduce skipped (or reshaped) by one rank from step 1: that rank breaks
+    its own step-0 pattern, the other repeats it."""
+    step0 = [_call(0, 0, "train.py:9 in step"), _bucket(1, 0)]
+    keeps = step0 + [_call(2, 1, "train.py:9 in step"), _bucket(3, 1)]
+    skips = step0 + [_bucket(2, 1)]
+    reshaped = step0 + [_call(2, 1, "train.py:9 in step", "all_reduce|SUM|None|tensor=float32[2]"), _bucket(3, 1)]
+    for bad in (skips, reshaped):
+        found = collective_mismatch({odd: bad, 1 - odd: keeps})
+        assert (found.seq, found.ranks) == (2, [odd])
+
+
+def test_two_ranks_without_evidence_are_both_reported_as_disagreeing():
+    from ddparity.checks.verdict import mismatch_desync
+    from ddparity.render import _differs
+
+    found = collective_mismatch({0: [_call(0, 0, "a.py:1 in f")], 1: [_call(0, 0, "a.py:1 in f", "broadcast|None|1|x")]})
+    assert found.ranks == [0, 1]
+    assert "vs" in found.what() and found.what().count("rank ") == 2
+    assert _differs(mismatch_desync(found)).startswith("ranks 0 and 1 disagree")
 
 
 def _progress(entries: list[Entry], inflight: int | None = None) -> str:

@@ -134,9 +134,21 @@ def test_low_precision_computes_with_its_own_ulps_and_a_smaller_headroom():
     ref.autocast_dtype = "bfloat16"
     tol = auto_tolerance(ref, world_size=4, dtype=torch.float32)
     bf16 = torch.finfo(torch.bfloat16).eps
-    assert math.isclose(tol(0, "grad", "a.weight"), LOW_PRECISION_HEADROOM * 4 * bf16)
-    assert tol(0, "grad", "a.weight") < 0.5  # never as large as the value (1.0) it compares
+    # autocast: each rank's partial rounds in bf16 once; DDP sums them in float32
+    assert math.isclose(tol(0, "grad", "a.weight"), LOW_PRECISION_HEADROOM * bf16)
     assert "bfloat16" in tol.description
+    # a bf16 model: the partials are summed in bf16 too, W ulps of it
+    model = auto_tolerance(make_reference(), world_size=4, dtype=torch.bfloat16)
+    assert math.isclose(model(0, "grad", "a.weight"), LOW_PRECISION_HEADROOM * 4 * bf16)
+    # and never above a quarter of the value (1.0) where that would pass a summed loss
+    for ws in (8, 16, 64):
+        wide = auto_tolerance(make_reference(), world_size=ws, dtype=torch.bfloat16)
+        assert wide(0, "grad", "a.weight") <= 0.25 and wide(0, "loss", "loss") <= 0.25 * 1.0
+        assert wide.uncalibrated is None
+    # a twin whose own noise leaves no room under the cap: too imprecise, said so, never a pass
+    noisy = auto_tolerance(make_reference(noise={(1, "loss", "loss"): 0.2}), world_size=16, dtype=torch.bfloat16)
+    assert (noisy.uncalibrated.step, noisy.uncalibrated.kind) == (1, "loss")
+    assert noisy.uncalibrated.reason().startswith("too imprecise to judge at world size 16 from step 1 on")
 
 
 def test_a_twin_far_from_the_reference_is_uncalibrated_not_a_wider_tolerance():

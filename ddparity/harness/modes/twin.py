@@ -192,9 +192,9 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
 
 def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
     """Move every gradient towards zero by the rounding a correct W-rank run may add: an
-    ulp of the precision each rank computed its partial in (``dtype``) plus ``world_size``
-    ulps of the gradient's own dtype, in which DDP sums the partials, of the size of its
-    summands (of itself where that is unknown). Under autocast the partials round in bf16
+    ulp of the precision each rank computed its partial in (``dtype``) or ``world_size``
+    ulps of the gradient's own dtype, in which DDP sums the partials, whichever is larger,
+    of the size of its summands (of itself where that is unknown). Under autocast the partials round in bf16
     but are summed in float32: W bf16 ulps would grow past the value at large W."""
     import torch
 
@@ -203,7 +203,7 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
         for n, p in model.named_parameters():
             if p.grad is None:
                 continue
-            ulps = eps + world_size * torch.finfo(p.grad.dtype).eps if p.grad.is_floating_point() else 0.0
+            ulps = max(eps, world_size * torch.finfo(p.grad.dtype).eps) if p.grad.is_floating_point() else 0.0
             scale = grad_scales.get(n)
             direction = torch.sign(p.grad)
             if scale is not None:
