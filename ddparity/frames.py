@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 from collections.abc import Callable
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -67,3 +68,25 @@ def _drop_frames(text: str, dropped: Callable[[str], bool], fold: bool) -> str:
         lines.append(line)
     flush()
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+_TB_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+_STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+_TORCH = re.compile(r"[/\\](site|dist)-packages[/\\]torch[/\\]")
+
+
+def own_error_site(traceback: str) -> str | None:
+    """Where a Python traceback's error arose in ddparity's own harness code (``file:line``),
+    or None where it arose in the user's code.
+
+    The innermost frame outside torch and the standard library decides: an error that
+    torch raised inside a hook of ddparity's (``aten::max`` on a sparse gradient) is
+    ddparity's; one raised in the user's forward, or by torch under it, is the user's."""
+    frames = [(m.group("path"), m.group("line")) for line in traceback.splitlines()
+              if (m := _TB_FRAME.match(line))]
+    for path, line in reversed(frames):
+        if own_file(path):
+            return f"{path[len(PACKAGE):] if path.startswith(PACKAGE) else path}:{line}"
+        if not (_TORCH.search(path) or os.path.realpath(path).startswith(_STDLIB)):
+            return None
+    return None

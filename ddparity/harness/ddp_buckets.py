@@ -36,10 +36,18 @@ class BucketLayout:
     def available(ddp: Any) -> bool:
         return hasattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets")
 
+    def _sparse(self) -> bool:
+        return any(getattr(m, "sparse", False) is True for m in self._ddp.module.modules())
+
     def current(self) -> list[Any]:
         if self._reads < 2:
             self._reads += 1
-            self._layout = [b.buffer().to("meta") for b in self._ddp.reducer._get_zeros_like_grad_buckets()]
+            if self._sparse():
+                # sparse gradients have no flat bucket buffer (and the reducer cannot copy one):
+                # DDP reduces them apart, which the ledger leaves out on every rank alike
+                self._layout = []
+            else:
+                self._layout = [b.buffer().to("meta") for b in self._ddp.reducer._get_zeros_like_grad_buckets()]
         return self._layout
 
 

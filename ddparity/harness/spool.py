@@ -146,6 +146,17 @@ def _as_bytes(t: Any) -> Any:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+def gradient(p: Any) -> Any:
+    """A parameter's gradient as it is compared: a sparse one (``nn.Embedding(sparse=True)``,
+    ``EmbeddingBag``) made dense, so that rows one run touched and another did not differ,
+    and every measure of a strided tensor applies. It costs one dense copy of the
+    parameter's size while it is written or compared."""
+    import torch
+
+    g = p.grad
+    return g.to_dense() if g is not None and g.layout != torch.strided else g
+
+
 def _dtype_name(t: Any) -> str:
     import torch
 
@@ -165,7 +176,7 @@ class Writer:
         self._bad: dict[int, dict[str, tuple[str, float]]] = {}
 
     def grads(self, step: int, model: Any) -> None:
-        self._write(f"g{step}", step, [(("grad", n), p.grad, False) for n, p in model.named_parameters()], True)
+        self._write(f"g{step}", step, [(("grad", n), gradient(p), False) for n, p in model.named_parameters()], True)
         self._grads_done = step
 
     def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
@@ -332,7 +343,7 @@ class Comparer:
             self.scales[(step, "grad", name)] = max_abs(scale)
 
     def grads(self, step: int, model: Any) -> None:
-        self._compare(step, f"g{step}", {("grad", n): p.grad for n, p in model.named_parameters()})
+        self._compare(step, f"g{step}", {("grad", n): gradient(p) for n, p in model.named_parameters()})
         self._grads_done = step
 
     def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:

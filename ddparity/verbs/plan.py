@@ -11,8 +11,8 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.verdict import judge_failure
-from ddparity.errors import CaseError, TaskFailed, UsageError, WorldFailure, WorldStartError
-from ddparity.frames import without_package_frames
+from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
+from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness import rendezvous
 from ddparity.report import RunResult
 from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
@@ -86,6 +86,20 @@ def _user_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _own_error(exc: BaseException) -> str | None:
+    """The reason for a run that ddparity's own code failed (not the user's rank): said
+    as ddparity's, with the full traceback, never as the user's rank raising."""
+    if not isinstance(exc, TaskFailed):
+        return None
+    for o in exc.outcomes:
+        site = None if o.ok or isinstance(o.error, StillRunning) else own_error_site(o.traceback or "")
+        if site is not None:
+            return (f"ddparity's own code failed at {site} (a bug in ddparity, not in your model or step): "
+                    f"{type(o.error).__name__}: {str(o.error).splitlines()[0] if str(o.error) else ''}\n"
+                    f"please report it with the reproduce line below\n{o.traceback.rstrip()}")
+    return None
+
+
 def failure(exc: BaseException) -> Failure:
     """Why a run the World could not finish ended: ``error`` when the case itself cannot
     run (its factory, data or loss raised; the world could not start), else the desync,
@@ -93,6 +107,9 @@ def failure(exc: BaseException) -> Failure:
     if isinstance(exc, TaskFailed) and any(isinstance(o.error, (CaseError, UsageError))
                                            for o in exc.outcomes if not o.ok):
         return Failure("error", _user_error(exc))
+    own = _own_error(exc)
+    if own is not None:
+        return Failure("error", own)
     if isinstance(exc, WorldFailure) and not isinstance(exc, WorldStartError):
         return judge_failure(exc)
     return Failure("error", _user_error(exc))

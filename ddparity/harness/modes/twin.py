@@ -138,7 +138,8 @@ def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any,
         loss_scale += loss.detach().abs().double().cpu() / shards
         for n, p in model.named_parameters():
             if p.grad is not None:
-                term = p.grad.detach().abs().to(torch.promote_types(p.grad.dtype, torch.float32)).cpu() / shards
+                g = p.grad.detach().to_dense() if p.grad.layout != torch.strided else p.grad.detach()
+                term = g.abs().to(torch.promote_types(g.dtype, torch.float32)).cpu() / shards
                 grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
     for n, p in model.named_parameters():
         p.grad = grads[n]
@@ -204,6 +205,9 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
             if p.grad is None:
                 continue
             ulps = max(eps, world_size * torch.finfo(p.grad.dtype).eps) if p.grad.is_floating_point() else 0.0
+            if p.grad.layout != torch.strided:
+                p.grad = _nudged_sparse(p.grad, grad_scales.get(n), ulps)
+                continue
             scale = grad_scales.get(n)
             direction = torch.sign(p.grad)
             if scale is not None:
@@ -219,3 +223,17 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
                 if eps > 1e-6:
                     direction = torch.where(p.grad == 0, -1.0, direction)
             p.grad.sub_(ulps * size * direction)
+
+
+def _nudged_sparse(grad: Any, scale: Any, ulps: float) -> Any:
+    """A sparse gradient nudged towards zero in the rows it holds, still sparse (an
+    optimizer such as ``SparseAdam`` takes nothing else)."""
+    import torch
+
+    g = grad.coalesce()
+    values = g.values()
+    if scale is not None:
+        size = scale.to(values.device, values.dtype).to_dense()[g.indices()[0]]
+    else:
+        size = values.abs().max() if values.numel() else values.new_zeros(())
+    return torch.sparse_coo_tensor(g.indices(), values - ulps * size * torch.sign(values), g.shape)

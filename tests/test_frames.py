@@ -1,0 +1,34 @@
+"""Whose error a rank's traceback shows: ddparity's own harness code, or the user's."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ddparity.frames import PACKAGE, own_error_site
+
+TORCH = os.path.dirname(torch.__file__)
+RANK = os.path.join(PACKAGE, "harness", "rank.py")
+
+
+def _tb(*files: str) -> str:
+    lines = ["Traceback (most recent call last):"]
+    for i, f in enumerate(files):
+        lines += [f'  File "{f}", line {10 + i}, in fn{i}', "    code()"]
+    return "\n".join(lines + ["RuntimeError: boom"])
+
+
+def test_an_error_torch_raises_inside_a_harness_hook_is_ddparitys():
+    tb = _tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"), os.path.join(TORCH, "optim", "optimizer.py"),
+             os.path.join(PACKAGE, "harness", "spool.py"), os.path.join(TORCH, "_tensor.py"))
+    assert own_error_site(tb) == "harness/spool.py:13"
+
+
+def test_an_error_in_the_users_code_or_torch_under_it_is_the_users():
+    user = "/home/me/project/model.py"
+    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"), user)) is None
+    assert own_error_site(_tb(RANK, user, os.path.join(TORCH, "nn", "functional.py"))) is None
+    # the fixtures stand for a user's model
+    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "fixtures", "faults.py"))) is None
+    assert own_error_site("no traceback at all") is None
