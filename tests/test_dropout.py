@@ -41,6 +41,35 @@ def test_bugs_stand_out_by_orders_of_magnitude_with_dropout_on(factory):
         assert d.step == 0 and d.max_abs > 100 * d.tolerance, d
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_region_recomputed_in_backward_draws_its_forwards_mask(reentrant):
+    """Backward runs a checkpointed block's forward again; its aligned dropout must repeat
+    the forward's mask (it drew the next place's, and the DataParallel emulation's last
+    replica's rows: a false alarm in dp), as torch's own dropout does by restoring the RNG."""
+    import torch
+
+    from ddparity.harness.randomness import AlignedDropout
+
+    x = torch.randn(8, 16)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = dropout.CheckpointedBlocks(reentrant)
+        if not checkpointed:
+            model.forward = lambda x, m=model: m.head(  # type: ignore[method-assign]
+                (y := x + m.blocks[0](x)) + m.blocks[1](y))
+        aligned = AlignedDropout(model, seed=0)
+        try:
+            aligned.begin(0, torch.arange(8), (x,))
+            model(x.requires_grad_(reentrant)).square().sum().backward()
+        finally:
+            calls = aligned.close()
+        assert calls == 2  # the recomputes are not new calls
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
 def test_the_twin_draws_the_same_masks_in_reversed_order():
     """The calibration twin trains on the reversed batch: with aligned masks its distance to
     the reference is rounding only (without them it would be the masks' difference)."""

@@ -72,6 +72,9 @@ class _Scope:
     drawn: int = 0
     batch_first: list[bool | None] = field(default_factory=list)
     """``batch_first`` of the modules the forward is in, innermost last (None: attention)."""
+    replays: dict[tuple, list[tuple[Any, int]]] = field(default_factory=dict)
+    """The rows and place of each dropout call that activation checkpointing may run again
+    in backward, by a digest of its input (see :func:`_replayed`)."""
 
 
 class AlignedDropout:
@@ -112,6 +115,7 @@ class AlignedDropout:
         size = len(rows) if rows is not None else -1
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
+        scope.replays = {}
 
     def close(self) -> int:
         """Stop aligning; the most dropout calls one step made."""
@@ -190,13 +194,19 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
     scope = getattr(_local, "scope", None)
     if scope is None:
         return None
-    if scope.forward_rows is None and scope.forward_inputs is not None:
-        scope.forward_rows = _rows_of(scope, scope.forward_inputs)
-        scope.forward_inputs = None
-    rows = scope.forward_rows
-    place = scope.calls
-    scope.calls += 1
-    scope.drawn += 1
+    replay = _replayed(scope, x)
+    if replay is not None:
+        rows, place = replay  # activation checkpointing runs a forward's dropout again: its mask
+    else:
+        if scope.forward_rows is None and scope.forward_inputs is not None:
+            scope.forward_rows = _rows_of(scope, scope.forward_inputs)
+            scope.forward_inputs = None
+        rows = scope.forward_rows
+        place = scope.calls
+        scope.calls += 1
+        scope.drawn += 1
+        if _may_be_recomputed():
+            scope.replays.setdefault(_digest(x), []).append((rows, place))
     b = len(rows) if rows is not None else 0
     inner = scope.batch_first[-1] if scope.batch_first else True
     dim, group = None, 1
@@ -232,6 +242,52 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
         noise = noise.reshape(b * group, *moved.shape[1:])
     noise = noise.to(device=x.device, dtype=x.dtype if x.is_floating_point() else torch.float32)
     return noise.movedim(0, dim) if dim else noise
+
+
+# Activation checkpointing (torch.utils.checkpoint, reentrant or not) runs a region's
+# forward again inside backward, torch's RNG state restored so that torch's own dropout
+# draws the same mask. Aligned dropout draws from the step, the sample and the call's place
+# instead: the recomputed call must get the place (and, under the DataParallel emulation,
+# the replica's rows) of the call it repeats, not the next place (or the last replica's
+# rows). A recomputed input is bit-identical to the original, so a digest of it finds
+# the call it repeats; calls that cannot be recomputed (outside any checkpoint) keep none.
+
+
+def _may_be_recomputed() -> bool:
+    """Whether this forward runs where checkpointing may run it again: under saved-tensor
+    hooks (non-reentrant checkpointing), or without grad (the reentrant kind's forward)."""
+    import torch
+
+    if not torch.is_grad_enabled():
+        return True
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError):  # an older torch: keep every call's place
+        return True
+
+
+def _replayed(scope: _Scope, x: Any) -> tuple[Any, int] | None:
+    """The rows and place of the forward call this one repeats, when it runs inside
+    backward (a checkpointed region recomputed), else None."""
+    import torch
+
+    if not scope.replays:
+        return None
+    try:
+        in_backward = torch._C._current_graph_task_id() != -1
+    except AttributeError:
+        return None
+    if not in_backward:
+        return None
+    calls = scope.replays.get(_digest(x))
+    return calls.pop(0) if calls else None
+
+
+def _digest(x: Any) -> tuple:
+    import torch
+
+    sums = torch.stack([x.detach().sum(dtype=torch.float64), x.detach().abs().sum(dtype=torch.float64)]).tolist()
+    return (tuple(x.shape), str(x.dtype), str(x.device), *sums)
 
 
 def _apply(x: Any, noise: Any, p: float, alpha: bool, inplace: bool) -> Any:
