@@ -62,3 +62,18 @@ def older_torch() -> bool:
 
 needs_newer_torch = pytest.mark.skipif(older_torch(), reason="torchrun check/profile and the threaded backend "
                                        "need torch >= 2.13; ddparity refuses them on older torch (tested)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--catalogue", action="store_true", default=False,
+                     help="run the whole catalogue sweep (tests marked catalogue: every torch.nn layer in every "
+                          "mode at world sizes 1, 2, 4 and simulated 16, fp32 and bf16); .ci/run does")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--catalogue"):
+        return
+    skip = pytest.mark.skip(reason="the whole catalogue sweep runs with --catalogue (.ci/run runs it)")
+    for item in items:
+        if item.get_closest_marker("catalogue") is not None:
+            item.add_marker(skip)

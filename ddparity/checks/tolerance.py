@@ -56,8 +56,9 @@ parameters up to ~10% element-wise, at 2 and 4 ranks) and wide enough to pass a 
 loss. 8x keeps the tolerance a fraction of the value and still above that noise."""
 
 SHARE_CAP = 0.25
-"""The most a tolerance may be of the value compared, for a loss or gradient that is not a
-cancelled sum (no smaller than its summands). The floor grows with the world size (W ulps,
+"""The most a tolerance may be of the value compared, for a loss or gradient of step 0 (where
+every mode starts from the same parameters; later, Adam may turn rounding into whole
+steps) that is not a cancelled sum (no smaller than its summands). The floor grows with the world size (W ulps,
 a worst case of summing W partials), and in bf16 W ulps times the headroom pass the value
 itself from W = 16 on; a summed loss, a per-rank normalisation or a missed division by W
 is off by at least half the value at any W >= 2, so a tolerance of a quarter still tells
@@ -145,7 +146,7 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
                 scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
                 floor = max(max(eps, world_size * eps_sum) * max(scale, value), tiny)
                 tolerance = headroom * max(noise, floor)
-                if (kind in ("loss", "grad") and value > negligible and value >= (1 - 1e-3) * scale
+                if (step == 0 and kind in ("loss", "grad") and value > negligible and value >= (1 - 1e-3) * scale
                         and tolerance > SHARE_CAP * value):
                     tolerance = SHARE_CAP * value
                     if imprecise is None and CAP_ROOM * noise > tolerance:

@@ -400,16 +400,43 @@ class RandomDraws:
         self._mode.__exit__(*exc)
         self.moved = any(not a.equal(b) for a, b in zip(self._before, _generator_states()))
 
-    def raise_if_any(self, step: int) -> None:
+    def raise_if_any(self, step: int, model: Any = None) -> None:
         if not self.moved:
             return
         ops = ", ".join(f"aten.{name}" + (f" x{n}" if n > 1 else "") for name, n in sorted(self.found.items()))
+        layers = unaligned_layers(model) if model is not None else []
+        where = f" in {', '.join(layers)}" if layers else ""
         raise CaseError(
-            f"the training step draws random numbers from torch's generator at step {step} ({ops or 'an op'}), "
+            f"the training step draws random numbers from torch's generator at step {step} ({ops or 'an op'}){where}, "
             f"outside the dropouts ddparity aligns: every mode and rank would draw other numbers for the same "
             f"sample, so no comparison could be trusted; use torch.nn.functional's dropouts (aligned per sample), "
             f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
+            + (" (for these layers: dropout=0 for an RNN's inter-layer dropout, nn.LeakyReLU for RReLU, "
+               "_random_samples or a plain pool for a FractionalMaxPool)" if layers else "")
         )
+
+
+def unaligned_layers(model: Any) -> list[str]:
+    """The layers of ``model`` that draw random numbers inside torch's own kernels, where
+    ddparity cannot give every mode the same draw per sample: an RNN's inter-layer dropout
+    (in the fused RNN kernel), RReLU's slopes, FractionalMaxPool's regions. Named in the
+    error a draw raises, so that it says which class and why."""
+    from torch import nn
+
+    found = []
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, nn.RNNBase) and m.dropout and m.num_layers > 1:
+            why = f"its inter-layer dropout={m.dropout} runs inside torch's fused RNN kernel"
+        elif isinstance(m, nn.RReLU):
+            why = "its negative slopes are drawn at random per element in training"
+        elif isinstance(m, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)) and m._random_samples is None:
+            why = "its pooling regions are drawn at random per sample"
+        else:
+            continue
+        found.append(f"{name or 'the model'} (nn.{type(m).__name__}: {why})")
+    return found
 
 
 def _naming_mode_class() -> Any:

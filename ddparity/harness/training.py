@@ -150,7 +150,7 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
                     mode.step(step, replica, batch)
                 if draws.moved and not naming:  # name them: the same training again, up to here, op by op
                     train(case, state, device, type(mode)(step + 1, name_draws=True))  # type: ignore[call-arg]
-                draws.raise_if_any(step)
+                draws.raise_if_any(step, replica.model)
             else:
                 mode.step(step, replica, batch)
     finally:

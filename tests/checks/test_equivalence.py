@@ -146,9 +146,12 @@ def test_low_precision_computes_with_its_own_ulps_and_a_smaller_headroom():
         assert wide(0, "grad", "a.weight") <= 0.25 and wide(0, "loss", "loss") <= 0.25 * 1.0
         assert wide.uncalibrated is None
     # a twin whose own noise leaves no room under the cap: too imprecise, said so, never a pass
-    noisy = auto_tolerance(make_reference(noise={(1, "loss", "loss"): 0.2}), world_size=16, dtype=torch.bfloat16)
-    assert (noisy.uncalibrated.step, noisy.uncalibrated.kind) == (1, "loss")
-    assert noisy.uncalibrated.reason().startswith("too imprecise to judge at world size 16 from step 1 on")
+    noisy = auto_tolerance(make_reference(noise={(0, "loss", "loss"): 0.2}), world_size=16, dtype=torch.bfloat16)
+    assert (noisy.uncalibrated.step, noisy.uncalibrated.kind) == (0, "loss")
+    assert noisy.uncalibrated.reason().startswith("too imprecise to judge at world size 16 from step 0 on")
+    # later steps are not capped: Adam may turn rounding into whole steps there
+    later = auto_tolerance(make_reference(noise={(1, "grad", "a.weight"): 0.2}), world_size=16, dtype=torch.bfloat16)
+    assert later.uncalibrated is None and later(1, "grad", "a.weight") > 0.25
 
 
 def test_a_twin_far_from_the_reference_is_uncalibrated_not_a_wider_tolerance():
