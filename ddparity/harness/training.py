@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 from ddparity.case import Case, Whole, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
-from ddparity.harness.randomness import AlignedDropout, RandomDraws
+from ddparity.harness.draws import RandomDraws
+from ddparity.harness.randomness import AlignedDropout
 from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, Ticks, default_step, never_stepped
 
 
