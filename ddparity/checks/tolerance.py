@@ -132,8 +132,8 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
         for kind in RECORD_KINDS:
             ref_e = reference.entries(step, kind)
             largest = max((e.value for _, e in ref_e), default=0.0)
-            rounding = ABOVE_ROUNDING * world_size * eps * largest
             negligible = world_size * eps * largest  # a tensor this small is rounding (a softmax-invariant bias)
+            rounding = ABOVE_ROUNDING * negligible
             for name, e in ref_e:
                 if not e.floating:
                     table[(step, kind, name)] = 0.0  # integers (counters) and None compare exactly
