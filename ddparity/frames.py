@@ -80,13 +80,22 @@ def own_error_site(traceback: str) -> str | None:
     or None where it arose in the user's code.
 
     The innermost frame outside torch and the standard library decides: an error that
-    torch raised inside a hook of ddparity's (``aten::max`` on a sparse gradient) is
-    ddparity's; one raised in the user's forward, or by torch under it, is the user's."""
+    torch raised inside one of ddparity's observers (``aten::max`` on a sparse gradient
+    in the spool) is ddparity's; one raised in the user's forward, or by torch under it or
+    under ddparity's step driver, is the user's."""
     frames = [(m.group("path"), m.group("line")) for line in traceback.splitlines()
               if (m := _TB_FRAME.match(line))]
     for path, line in reversed(frames):
         if own_file(path):
-            return f"{path[len(PACKAGE):] if path.startswith(PACKAGE) else path}:{line}"
+            inside = path[len(PACKAGE):] if path.startswith(PACKAGE) else path
+            return f"{inside}:{line}" if inside.startswith(_OBSERVERS) else None
         if not (_TORCH.search(path) or os.path.realpath(path).startswith(_STDLIB)):
             return None
     return None
+
+
+_OBSERVERS = tuple(os.path.join("harness", f) for f in (
+    "spool.py", "ddp_buckets.py", "recorder.py", "calls.py", "fingerprint.py"))
+"""ddparity's files that only watch the training (record, compare, fingerprint): an error
+raised there is ddparity's. The step driver and the modes call the user's model through
+torch, where torch raises over the user's set-up (an unused parameter under DDP)."""

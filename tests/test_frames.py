@@ -29,6 +29,9 @@ def test_an_error_in_the_users_code_or_torch_under_it_is_the_users():
     user = "/home/me/project/model.py"
     assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"), user)) is None
     assert own_error_site(_tb(RANK, user, os.path.join(TORCH, "nn", "functional.py"))) is None
+    # torch raising under the step driver over the user's set-up (an unused parameter)
+    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"),
+                              os.path.join(TORCH, "nn", "parallel", "distributed.py"))) is None
     # the fixtures stand for a user's model
     assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "fixtures", "faults.py"))) is None
     assert own_error_site("no traceback at all") is None
