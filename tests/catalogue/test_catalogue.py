@@ -80,9 +80,9 @@ def test_every_layer_at_two_ranks(name, summed, pool):
 def test_every_layer_in_every_mode_and_world_size(name, summed, dtype, pool):
     report = check(catalogue.case(name, dtype, summed), modes=("single", "dp", "ddp"), world_sizes=(1, 2, 4, 16),
                    backend="auto", pool=pool)
-    assert [(r.mode, r.world_size, r.simulated) for r in report.runs if r.world_size == 16] == [
-        ("dp", 16, True), ("ddp", 16, True)]
     _expect(report, name, summed)
+    ran = [(r.mode, r.world_size, r.simulated) for r in report.runs if r.world_size == 16 and r.status != "error"]
+    assert ran in ([("dp", 16, True), ("ddp", 16, True)], []), ran  # an error run (expected above) never started
 
 
 def test_an_rnn_with_inter_layer_dropout_is_an_error_naming_the_layer(pool):
