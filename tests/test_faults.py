@@ -23,10 +23,12 @@ TIMEOUT = 3.0  # seconds without progress before a run counts as a hang
 def _temp_entries() -> set[str]:
     """Temp files and folders, less pytest's, the check spools of other processes (xdist
     workers run checks alongside), the session's own private side-channel folder (it lives
-    as long as the process, like the pool) and other processes' multiprocessing folders."""
+    as long as the process, like the pool), other processes' multiprocessing folders and
+    other tests' own folders (``ddparity-test-``: a torchrun launch's $TMPDIR in another
+    worker outlived a hang test here)."""
     places = [tempfile.gettempdir(), "/dev/shm"]
     mine = f"{spool.PREFIX}{os.getpid()}-"
-    others = ("pytest-of-", "ddparity-side-", "pymp-", "torchelastic_")
+    others = ("pytest-of-", "ddparity-side-", "pymp-", "torchelastic_", "ddparity-test-")
     return {os.path.join(p, e) for p in places if os.path.isdir(p) for e in os.listdir(p)
             if not e.startswith(others) and (not e.startswith(spool.PREFIX) or e.startswith(mine))}
 

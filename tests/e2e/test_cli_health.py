@@ -25,7 +25,7 @@ def run_health(*args: str, fault: str | None = None, torchrun: bool = False, tim
         env["DDPARITY_HEALTH_FAULT"] = fault
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun \
         else [sys.executable]
-    with tempfile.TemporaryDirectory() as tmp:  # torchrun leaves its log folders in $TMPDIR
+    with tempfile.TemporaryDirectory(prefix="ddparity-test-") as tmp:  # torchrun leaves its log folders in $TMPDIR
         env["TMPDIR"] = tmp
         return subprocess.run([*launcher, "-m", "ddparity.cli", "health", "--sizes", "1,2", *args],
                               capture_output=True, text=True, timeout=timeout, env=env)

@@ -317,7 +317,7 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
         """
     ))
     # short: the forkserver's socket lives in it (AF_UNIX paths end at 108 bytes)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ddp-", dir="/tmp"))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="ddparity-test-", dir="/tmp"))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp)})
     try:
