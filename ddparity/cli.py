@@ -39,10 +39,10 @@ def _show(text: str = "") -> None:
     if _Out.live is not None:
         _Out.live.clear()
     if _Out.quiet:
-        lines = text.rstrip().splitlines()
-        if not lines or not lines[-1].startswith(("OK:", "FAILED:", "INTERRUPTED:", "HEALTHY:", "UNHEALTHY:")):
+        verdicts = [line for line in text.rstrip().splitlines() if _VERDICT.match(line)]
+        if not verdicts:
             return
-        text = lines[-1]
+        text = verdicts[-1]
     try:
         print(coloured(text) if _colour(stream) else text, file=stream, flush=True)
     except BrokenPipeError:

@@ -76,6 +76,12 @@ def test_a_bandwidth_floor_fails_the_check():
     assert "below --min-busbw 1e+06 GB/s" in result.stdout
 
 
+def test_quiet_prints_the_verdict_line_even_when_a_repro_line_follows_it():
+    result = run_health("-q", "--min-busbw", "1000000")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["UNHEALTHY: bandwidth failed"]
+
+
 def _our_processes(marker: str) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline", "status"])
             if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
