@@ -77,7 +77,7 @@ def test_a_missed_sync_and_a_scaled_gradient_are_named():
     assert len(late) == 2 and all("no gradient was all-reduced at step 0" in c for c in late), late
     assert "before the last micro-batch's forward" in late[0]
     scaled = causes(check(dropout.overscaling_hook(), world_sizes=(2,)))
-    assert len(scaled) == 1 and "every gradient is scaled by the same factor (relative error 0.05" in scaled[0], scaled
+    assert len(scaled) == 1 and "gradients are scaled by the same factor (relative error 0.05" in scaled[0], scaled
 
 
 def test_summed_loss_is_equivalent_at_world_size_one():

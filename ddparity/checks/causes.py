@@ -7,7 +7,8 @@ that names the likely cause and its fix.
 * BatchNorm on shards: each rank normalises its shard with its own statistics — the
   running statistics differ from the first step on;
 * a gradient scaled on its way (a comm hook that forgets to divide by W, or scales by a
-  wrong factor): the loss matches, and every gradient is off by the same relative error;
+  wrong factor): the loss matches, and (nearly) every gradient is off by the same relative
+  error — counted by tensor, not by the ranks that report it;
 * a missed sync: (nearly) every parameter differs across the ranks after the first step — no
   gradient was all-reduced (``no_sync()`` or ``require_backward_grad_sync`` left off for
   the micro-batch that should synchronise);
@@ -59,11 +60,13 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
                 f"or BatchNorm in eval mode")
     grads = [d for d in found if d.step == first.step and d.kind == "grad"]
-    if first.kind == "grad" and len(grads) >= 2:
+    names = {d.name for d in grads}  # each rank reports its own copy of a tensor
+    if first.kind == "grad" and len(names) >= 2 and (not params or len(names) >= MISSED_SYNC_SHARE * params):
         rels = [d.max_rel for d in grads]
         if max(rels) - min(rels) <= UNIFORM_SCALE_TOL * max(rels):
             hint = f" (an unaveraged sum is off by {world_size - 1:g}, a double division by {1 - 1 / world_size:g})"
-            return (f"likely cause: every gradient is scaled by the same factor (relative error {rels[0]:.3g} in "
+            share = f"all {len(names)} gradients" if len(names) >= params else f"{len(names)} of {params} gradients"
+            return (f"likely cause: {share} are scaled by the same factor (relative error {rels[0]:.3g} in "
                     f"each, the loss matches){hint}: a comm hook or step that scales the averaged gradient, such "
                     f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
                     f"mean over ranks: divide the sum by the world size once, and scale nothing else")

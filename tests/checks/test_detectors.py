@@ -241,3 +241,18 @@ def test_a_per_rank_normalisation_is_named_only_when_valid_entries_are_uneven():
                              "has 10, 3 valid entries"), uneven
     assert likely_cause(loss, 2, valid={"batch['labels']": [5, 1, 2, 4]}) is None  # 6 and 6: even
     assert likely_cause(loss, 2) is None
+
+
+def test_a_scaled_gradient_is_named_by_tensors_not_by_the_ranks_reporting_them():
+    from ddparity.checks.causes import likely_cause
+    from ddparity.verdicts import Divergence
+
+    def grad(name, rank):
+        return Divergence(step=0, kind="grad", name=name, rank=rank, max_abs=0.01, max_rel=0.05, tolerance=1e-6)
+
+    one_tensor = [grad("fc.weight", 0), grad("fc.weight", 1)]
+    assert likely_cause(one_tensor, 2, params=4) is None
+    every = [grad(name, rank) for name in ("a.weight", "a.bias", "b.weight", "b.bias") for rank in (0, 1)]
+    cause = likely_cause(every, 2, params=4)
+    assert cause.startswith("likely cause: all 4 gradients are scaled by the same factor (relative error 0.05"), cause
+    assert likely_cause(every[:4], 2, params=4) is None  # two tensors of four
