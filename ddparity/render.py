@@ -151,6 +151,7 @@ def render_run_failure(run: RunResult) -> list[str]:
         d = run.first_divergence
         lines.append(f"  first divergence: {_where(d)}")
         lines.append(
+            f"    {d.mismatch}" if d.mismatch else
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"
         )
@@ -160,7 +161,7 @@ def render_run_failure(run: RunResult) -> list[str]:
             for w in run.worst:
                 lines.append(
                     f"    {w.kind:<6} {w.name:<{width}}  step {w.step}  rank {w.rank}  "
-                    f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}"
+                    + (w.mismatch if w.mismatch else f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}")
                 )
     lines.extend(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
     lines.extend(render_notes(run))

@@ -85,6 +85,21 @@ def distance(a: Any, b: Any) -> float:
     return worst
 
 
+def mismatch(expected: Any, got: Any) -> str:
+    """Why :func:`distance` found ``got`` infinitely far from ``expected``, in words."""
+    import torch
+
+    if got is None:
+        return "missing (the reference has one)"
+    if expected is None:
+        return "present (the reference has none)"
+    if expected.shape != got.shape:
+        return f"shape {list(got.shape)} (the reference's is {list(expected.shape)})"
+    if bool(torch.isnan(got).any()):
+        return "NaN (the reference's is a number)" if not bool(torch.isnan(expected).any()) else "NaN"
+    return "infinite (the reference's is finite)"
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One tensor of the reference at one step."""
@@ -130,3 +145,13 @@ class Distances:
     rank: int
     world_size: int
     steps: list[dict[tuple[str, str], float]] = field(default_factory=list)
+    mismatches: dict[tuple[int, str, str], str] = field(default_factory=dict)
+    """Why a distance is infinite (a tensor missing, another shape, a NaN), by (step, kind, name)."""
+
+    def compare(self, step: int, key: tuple[str, str], expected: Any, got: Any) -> None:
+        """Record ``got``'s distance to the reference's ``expected`` (and why, if infinite)."""
+        while len(self.steps) <= step:
+            self.steps.append({})
+        far = self.steps[step][key] = distance(expected, got)
+        if far == math.inf:
+            self.mismatches[(step, key[0], key[1])] = mismatch(expected, got)

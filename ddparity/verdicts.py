@@ -56,6 +56,8 @@ class Divergence(_ReadsAsJson):
     max_abs: float
     max_rel: float
     tolerance: float
+    mismatch: str | None = None
+    """Why the error is infinite, in words (a tensor missing, another shape, a NaN)."""
 
     @property
     def excess(self) -> float:
@@ -64,7 +66,8 @@ class Divergence(_ReadsAsJson):
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "kind": self.kind, "name": self.name, "rank": self.rank,
-                "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel), "tolerance": self.tolerance}
+                "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel), "tolerance": self.tolerance,
+                **({"mismatch": self.mismatch} if self.mismatch else {})}
 
 
 @dataclass(frozen=True)

@@ -285,3 +285,14 @@ def test_on_older_torch_the_threaded_backend_and_torchrun_checks_are_refused_wit
         check(Case(model=models.MLP, data=models.vectors), world_sizes=(8,), backend="threaded")
     with pytest.raises(UsageError, match="ddparity check under torchrun needs torch >= 2.13"):
         launch_options(("single", "ddp"), None, "auto", 60.0, "auto", None)
+
+
+def test_a_gradient_only_the_reference_has_reads_missing_not_an_infinite_error():
+    report = check(bugs.gradient_missing_under_ddp(), modes=("ddp",), world_sizes=(2,))
+    [run] = report.runs
+    assert run.status == "diverged", report.render()
+    d = run.first_divergence
+    assert (d.step, d.kind, d.name, d.mismatch) == (0, "grad", "extra", "missing (the reference has one)")
+    text = report.render()
+    assert "    missing (the reference has one)\n" in text and "inf" not in text, text
+    assert report.to_json()["runs"][0]["first_divergence"]["mismatch"] == "missing (the reference has one)"

@@ -52,6 +52,8 @@ def divergences(reference: Reference, runs: list[Distances], tolerance: Toleranc
                     tol = tolerance(step, kind, name)
                     if error > tol:
                         scale = expected.value
+                        why = run.mismatches.get((step, kind, name)) if (kind, name) in run.steps[step] \
+                            else "never compared (this run did not record it)"
                         found.append(
                             Divergence(
                                 step=step,
@@ -61,6 +63,7 @@ def divergences(reference: Reference, runs: list[Distances], tolerance: Toleranc
                                 max_abs=error,
                                 max_rel=error / scale if scale else float("inf"),
                                 tolerance=tol,
+                                mismatch=why if error == float("inf") else None,
                             )
                         )
     return found

@@ -357,12 +357,11 @@ class Comparer:
     def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
         while len(self.result.steps) <= step:
             self.result.steps.append({})
-        out = self.result.steps[step]
         ref = self._open(stem)
         try:
             for key, expected in ref.items():
                 got = mine.get(key)
-                out[key] = distance(expected, got)
+                self.result.compare(step, key, expected, got)
                 if self.own_values:
                     self.values[(step, key[0], key[1])] = max_abs(got)
         finally:

@@ -173,3 +173,18 @@ def test_a_tolerance_is_never_nan_even_when_the_twins_magnitudes_blew_up():
                          | {(s, "loss", "loss"): math.nan for s in range(3)})
     tol = auto_tolerance(ref, world_size=2, dtype=torch.float32)
     assert all(math.isfinite(v) and v > 0 for v in tol.table.values())
+
+
+def test_an_infinite_distance_says_why():
+    from ddparity.trace import mismatch
+
+    one = torch.ones(3)
+    assert mismatch(one, None) == "missing (the reference has one)"
+    assert mismatch(None, one) == "present (the reference has none)"
+    assert mismatch(one, torch.ones(2)) == "shape [2] (the reference's is [3])"
+    assert mismatch(one, torch.tensor([1.0, math.nan, 1.0])) == "NaN (the reference's is a number)"
+    run = Distances("ddp", 1, 2)
+    run.compare(0, ("grad", "a.weight"), one, None)
+    run.compare(0, ("grad", "b.bias"), one, one)
+    assert run.steps == [{("grad", "a.weight"): math.inf, ("grad", "b.bias"): 0.0}]
+    assert run.mismatches == {(0, "grad", "a.weight"): "missing (the reference has one)"}
