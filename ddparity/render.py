@@ -142,7 +142,9 @@ def _how_it_ended(crash: Crash | None, hang: Hang | None, reason: str | None, de
     return []
 
 
-def render_run_failure(run: RunResult) -> list[str]:
+def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None = None) -> list[str]:
+    """A failed run's section of the report. ``told``: the endings (a traceback, a hang's
+    stacks) already printed for earlier runs of the report, each printed once."""
     head = f"{run.mode} world_size={run.world_size} ({run.backend}{', simulated' if run.simulated else ''}): {run.status.upper()}"
     lines = [head]
     if run.desync:
@@ -163,7 +165,13 @@ def render_run_failure(run: RunResult) -> list[str]:
                     f"    {w.kind:<6} {w.name:<{width}}  step {w.step}  rank {w.rank}  "
                     + (w.mismatch if w.mismatch else f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}")
                 )
-    lines.extend(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
+    ended = tuple(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
+    if told is not None and len(ended) > 1 and ended in told:
+        lines.append(f"  {ended[0].strip()} (the same as {told[ended]}: printed above)")
+    else:
+        lines.extend(ended)
+        if told is not None:
+            told[ended] = f"{run.mode} world_size={run.world_size}"
     lines.extend(render_notes(run))
     if run.repro:
         lines.append(f"  reproduce: {run.repro}")
@@ -177,9 +185,10 @@ def render_report(report: Report) -> str:
         rows.append((r.mode, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
     out = [f"ddparity check: {report.case}", *table(rows)]
     failures = [r for r in report.runs if not r.ok]
+    told: dict[tuple[str, ...], str] = {}
     for run in failures:
         out.append("")
-        out.extend(render_run_failure(run))
+        out.extend(render_run_failure(run, told))
     notes = [line for r in report.runs if r.ok for line in render_notes(r)]
     if notes:
         out.append("")

@@ -296,3 +296,21 @@ def test_a_gradient_only_the_reference_has_reads_missing_not_an_infinite_error()
     text = report.render()
     assert "    missing (the reference has one)\n" in text and "inf" not in text, text
     assert report.to_json()["runs"][0]["first_divergence"]["mismatch"] == "missing (the reference has one)"
+
+
+class RaisesInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        raise ValueError("a shape the user got wrong")
+
+
+def test_an_error_every_run_raises_alike_prints_its_traceback_once():
+    report = check(Case(model=RaisesInForward, data=models.vectors, steps=2), world_sizes=(1, 2, 4))
+    assert [r.status for r in report.runs] == ["error"] * 4, report.render()
+    text = report.render()
+    assert text.count("Traceback") == 1 and text.count('raise ValueError("a shape the user got wrong")') == 1, text
+    assert text.count("the same as single world_size=1: printed above") == 3, text
+    assert text.count("reproduce: ") == 4
