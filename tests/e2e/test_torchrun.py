@@ -138,6 +138,39 @@ def test_a_skipped_collective_is_a_desync_naming_the_rank(tmp_path):
     assert run["status"] == "desync" and run["desync"]["ranks"] == [1], run
 
 
+RANK_0_FAULTS = """
+from ddparity.fixtures import faults
+
+def stuck(): return faults.stuck_rank(0)
+def raising(): return faults.raising_rank(0)
+def exiting(): return faults.exiting_rank(0)
+def skipped(): return faults.skipped_collective(0)
+def shape(): return faults.mismatched_shape(0)
+def straggler(): return faults.straggler(0)
+"""
+
+
+@pytest.mark.parametrize("fault", ["stuck", "raising", "exiting", "skipped", "shape", "straggler"])
+def test_a_fault_on_rank_0_the_reporting_rank_is_reported_and_blamed_on_it(tmp_path, fault):
+    """Rank 0 holds the reference and prints the report: its own fault must still be
+    reported, by rank 0 or for it, naming rank 0 (the other tests put it on rank 1 = W-1)."""
+    (tmp_path / "rank0.py").write_text(RANK_0_FAULTS)
+    result, _, data = torchrun(tmp_path, "check", f"rank0.py:{fault}", "--timeout", "5")
+    assert data is not None and result.stdout.count("ddparity check:") == 1, result.stdout + result.stderr
+    run = ddp_run(data)
+    if fault == "stuck":
+        assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [0], run
+    elif fault in ("raising", "exiting"):
+        assert run["status"] == "crash" and run["crash"]["rank"] == 0, run
+        assert "injected fault: rank 0 raised" in run["crash"]["traceback"] if fault == "raising" \
+            else "rank 0 (pid" in run["crash"]["error"]
+    elif fault == "straggler":
+        assert run["status"] == "pass" and "straggler: rank 0 arrived last" in result.stdout, result.stdout
+    else:
+        assert run["status"] == "desync" and run["desync"]["ranks"] == [0], run
+    assert (result.returncode == 0) == (fault == "straggler")
+
+
 def test_profile_times_rank_0_alone_then_the_launch(tmp_path):
     result, _, data = torchrun(tmp_path, "profile", "ddparity.fixtures.models:profile_demo", "--steps", "3",
                                "--warmup", "1")
