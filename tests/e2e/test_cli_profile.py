@@ -24,6 +24,28 @@ USER_FILE = textwrap.dedent(
         return Case(model=WideMLP, data=wide_vectors, optimizer="adam", lr=1e-3, steps=2,
                     ddp_options={"bucket_cap_mb": 1}, comm_hook=default_hooks.fp16_compress_hook)
 
+    SLEEP_S = 0.05
+
+    def _late_allreduce(state, bucket):
+        import time
+
+        def late(fut):
+            time.sleep(SLEEP_S)  # the bucket's all-reduce completes 50 ms later than it would
+            return fut.value()
+
+        return default_hooks.allreduce_hook(None, bucket).then(late)
+
+    def one_bucket():
+        return Case(model=lambda: nn.Linear(64, 8), data=_batch, optimizer="sgd", steps=2)
+
+    def one_late_bucket():
+        case = one_bucket()
+        case.comm_hook = _late_allreduce
+        return case
+
+    def _batch(step, generator):
+        return torch.randn(16, 64, generator=generator), torch.randint(0, 8, (16,), generator=generator)
+
     def odd_batch():
         return Case(model=lambda: nn.Linear(6, 3),
                     data=lambda s, g: (torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)))
@@ -67,6 +89,27 @@ def test_a_compression_hook_sends_half_the_bytes(user_file):
     assert result.returncode == 0, result.stdout + result.stderr
     [run] = json.loads((user_file.parent / "fp16.json").read_text())["runs"]
     assert run["bytes_per_step"] == 2 * WIDE_MLP_PARAMS  # float16 on the wire
+
+
+def test_a_comm_hook_that_completes_50_ms_late_adds_them_to_comm_and_exposed_time(user_file, tmp_path):
+    """A known answer: one bucket whose all-reduce completes 50 ms late adds at least 50 ms
+    to the time it is in flight, and (the last bucket: nothing left to hide it behind) to
+    the exposed communication; the compute (no_sync) is left as it is."""
+    figures = {}
+    for name in ("one_bucket", "one_late_bucket"):
+        out = tmp_path / f"{name}.json"
+        result = ddparity("profile", f"{user_file}:{name}", "--world-sizes", "2", "--steps", "3", "--warmup", "1",
+                          "--json", str(out))
+        assert result.returncode == 0, result.stdout + result.stderr
+        [run] = json.loads(out.read_text())["runs"]
+        assert run["status"] == "ok" and run["buckets"] == 1, run
+        figures[name] = run
+    plain, late = figures["one_bucket"], figures["one_late_bucket"]
+    # lower bounds only (a sleep never takes less; a loaded machine may add): 45 ms leaves
+    # room for one iteration's compute measured slower than the step's
+    assert late["comm_s"] >= 0.05 and plain["comm_s"] < late["comm_s"], (plain, late)
+    assert late["exposed_comm_s"] >= 0.045 and plain["exposed_comm_s"] < late["exposed_comm_s"], (plain, late)
+    assert late["step_s"] - late["compute_s"] >= 0.045, late  # the sleep is not counted as compute
 
 
 def test_a_hanging_rank_exits_3_with_its_position_and_stack():
