@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import sys
 import tempfile
 import time
 
@@ -42,7 +43,7 @@ class FaultAtStep1(nn.Module):
         return self.mlp(x)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4,8")
     parser.add_argument("--timeout", type=float, default=5.0)
@@ -51,6 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         stamp = os.path.join(tmp, "fault-time")
         print(f"{'ws':>3}  {'fault':<9} {'verdict':<7} reported after the fault")
+        wrong = 0
         for ws in (int(x) for x in args.world_sizes.split(",")):
             for how in ("raise", "segfault", "hang"):
                 check(Case(model=MLP, data=vectors, steps=1), world_sizes=(ws,), pool=pool)  # warm world
@@ -61,9 +63,14 @@ def main() -> None:
                     fault = float(fh.read())
                 os.unlink(stamp)
                 extra = f" (timeout {args.timeout:g} s + {ended - fault - args.timeout:.2f} s)" if how == "hang" else ""
-                print(f"{ws:>3}  {how:<9} {report.runs[-1].status:<7} {ended - fault:.2f} s{extra}", flush=True)
+                status = report.runs[-1].status
+                wrong += status != ("hang" if how == "hang" else "crash")
+                print(f"{ws:>3}  {how:<9} {status:<7} {ended - fault:.2f} s{extra}", flush=True)
     pool.close()
+    if wrong:
+        print(f"FAILED: {wrong} verdict(s) not as expected (a latency of a wrong verdict means nothing)")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -81,6 +81,8 @@ def main() -> None:
             for detect, into in ((False, off), (True, on)):
                 per_rank = world.run(steps_task, detect, args.steps)
                 into.extend(max(ts) for ts in zip(*per_rank))  # a step ends when its slowest rank does
+    if not len(on) == len(off) == args.rounds * args.steps:  # world.run raises on a rank's error: belt and braces
+        raise SystemExit(f"timed {len(on)} steps with detection and {len(off)} without, not {args.rounds * args.steps}")
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(f"step without detection: median {m_off * 1e3:.1f} ms over {len(off)} steps")
     print(f"step with detection:    median {m_on * 1e3:.1f} ms over {len(on)} steps")

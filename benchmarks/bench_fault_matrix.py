@@ -11,6 +11,7 @@ multiprocessing's helpers).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def strays(pool: WorldPool) -> int:
     return n
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--configs", default="2,4,8,8t", help="world sizes; a trailing t: simulated (threads)")
@@ -85,7 +86,8 @@ def main() -> None:
     finally:
         pool.close()
     print(f"\n{rows - wrong} of {rows} as expected (fault rank {FAULT_RANK}, timeout {args.timeout:g} s)")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

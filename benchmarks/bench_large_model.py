@@ -155,6 +155,9 @@ def bench(name: str, steps: int) -> dict[str, Any]:
     row["single"] = measured([*me, "--plain", "single", "--models", name, "--steps", str(steps)])
     row["ddparity"] = measured([sys.executable, "-m", "ddparity", "check", f"ddparity.fixtures.large:{name}",
                                 "--world-sizes", "1,2", "--steps", str(steps)])
+    failed = [k for k in ("plain_ddp", "single", "ddparity") if row[k]["rc"] != 0]
+    if failed:  # a ratio against a run that did not finish means nothing
+        raise SystemExit(f"{name}: {', '.join(failed)} exited non-zero:\n" + "\n".join(row[k]["tail"] for k in failed))
     pair_pss = row["plain_ddp"]["pss"] + row["single"]["pss"]
     pair_s = row["plain_ddp"]["seconds"] + row["single"]["seconds"]
     row["memory_ratio"] = row["ddparity"]["pss"] / pair_pss
@@ -184,12 +187,9 @@ def main() -> None:
         row = bench(name, steps)
         rows.append(row)
         d, s, c = row["plain_ddp"], row["single"], row["ddparity"]
-        verdict = f" (exit {c['rc']})" if c["rc"] else ""
         print(f"| {name} | {row['params'] / 1e6:.1f} M | {steps} | {_gb(d['pss'])}, {d['seconds']:.1f} s | "
-              f"{_gb(s['pss'])}, {s['seconds']:.1f} s | {_gb(c['pss'])}, {c['seconds']:.1f} s{verdict} | "
+              f"{_gb(s['pss'])}, {s['seconds']:.1f} s | {_gb(c['pss'])}, {c['seconds']:.1f} s | "
               f"{row['memory_ratio']:.2f}x | {row['time_ratio']:.2f}x |", flush=True)
-        if c["rc"]:
-            print(c["tail"], file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

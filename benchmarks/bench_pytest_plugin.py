@@ -91,9 +91,10 @@ SPAWN_TESTS = textwrap.dedent(
 ).format(cases=CASES)
 
 
-def pytest_seconds(directory: str, *args: str) -> tuple[float, str, int]:
+def pytest_seconds(directory: str, *args: str, expect: int = 0) -> tuple[float, str, int]:
     """Wall seconds, pytest's summary line, and the most rank processes alive at once
-    (descendants of pytest other than its xdist workers, sampled every 20 ms)."""
+    (descendants of pytest other than its xdist workers, sampled every 20 ms); exits the
+    benchmark if pytest's exit code is not ``expect`` (a failed test's time means nothing)."""
     import psutil
 
     started = time.perf_counter()
@@ -119,6 +120,8 @@ def pytest_seconds(directory: str, *args: str) -> tuple[float, str, int]:
     done.set()
     sampler.join()
     summary = stdout.strip().splitlines()[-1] if stdout.strip() else stderr[-300:]
+    if proc.returncode != expect:
+        raise SystemExit(f"pytest {' '.join(args)} exited {proc.returncode}, not {expect}:\n{stdout[-3000:]}{stderr[-2000:]}")
     return seconds, summary, peak
 
 
@@ -137,7 +140,7 @@ def main() -> None:
         per_ws = max(1, args.spawn_tests // 2)
         selected = " or ".join(f"test_parity[{seed}-{ws}]" for ws in (2, 4) for seed in range(per_ws))
         spawn, s_spawn, _ = pytest_seconds(directory, "test_spawn.py", "-k", selected)
-        startup, _, _ = pytest_seconds(directory, "test_spawn.py", "-k", "no_such_test")
+        startup, _, _ = pytest_seconds(directory, "test_spawn.py", "-k", "no_such_test", expect=5)
         ran = 2 * per_ws
     # The session's start-up (pytest, torch import) is paid once, not per test.
     scaled = startup + (spawn - startup) / ran * 2 * CASES

@@ -34,11 +34,14 @@ def main() -> None:
             report = check(case, modes=("ddp",), world_sizes=(ws,), backend=backend, pool=pool)
             times.append(time.perf_counter() - t)
         best = sorted(times)[1]
+        if report.runs[0].status != "pass":  # a clean case: a timed check that failed times nothing
+            raise SystemExit(report.render())
         print(f"{ws:>3}  {backend:<9} {best:7.2f}s  {best / ws * 1e3:7.1f}ms  {report.runs[0].status}")
     pool.close()
     cold = time.perf_counter()
     fresh = WorldPool()
-    check(case, modes=("ddp",), world_sizes=(64,), backend="threaded", pool=fresh)
+    if not check(case, modes=("ddp",), world_sizes=(64,), backend="threaded", pool=fresh).ok:
+        raise SystemExit("the cold check at simulated 64 did not pass")
     print(f"a cold 3-step check at simulated world size 64 (new worlds, one process): "
           f"{time.perf_counter() - cold:.2f} s")
     fresh.close()

@@ -90,8 +90,10 @@ def _agents(args: list[str], nodes: int) -> list[list[str]]:
              f"127.0.0.1:{port}", "--rdzv-id", "bench", *args] for _ in range(nodes)]
 
 
-def launch(args: list[str], nodes: int = 1) -> tuple[float, dict | None, int]:
-    """Wall seconds, the JSON report (if any) and processes left behind."""
+def launch(args: list[str], nodes: int = 1, expect: int | None = None) -> tuple[float, dict | None, int]:
+    """Wall seconds, the JSON report (if any) and processes left behind; with ``expect``,
+    exits the benchmark unless every agent exited with it (a timed launch that failed
+    times nothing)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "r.json")
         started = time.perf_counter()
@@ -101,6 +103,8 @@ def launch(args: list[str], nodes: int = 1) -> tuple[float, dict | None, int]:
         for p in procs:
             p.wait(timeout=600)
         seconds = time.perf_counter() - started
+        if expect is not None and any(p.returncode != expect for p in procs):
+            raise SystemExit(f"{' '.join(args)}: agents exited {[p.returncode for p in procs]}, not {expect}")
         data = json.load(open(out)) if os.path.exists(out) else None
         return seconds, data, _left(folder)
 
@@ -112,7 +116,7 @@ def named(run: dict) -> object:
     return None
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=5.0)
@@ -120,8 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(PLAIN)
-    plain = [launch([f.name])[0] for _ in range(args.repeat)]
-    ours = [launch(["-m", "ddparity", "check", "ddparity.fixtures.models:mlp_sgd"])[0] for _ in range(args.repeat)]
+    plain = [launch([f.name], expect=0)[0] for _ in range(args.repeat)]
+    ours = [launch(["-m", "ddparity", "check", "ddparity.fixtures.models:mlp_sgd"], expect=0)[0]
+            for _ in range(args.repeat)]
     os.unlink(f.name)
     base = statistics.median(ours)
     print(f"plain DDP under torchrun: median {statistics.median(plain):.2f} s; ddparity check under torchrun: "
@@ -140,7 +145,8 @@ def main() -> None:
             print(f"{nodes:>5}  {target:28} {run['status']:9} {'yes' if ok else 'NO':11} {named(run)!s:10} "
                   f"{seconds:7.2f} {extra:7.2f}  {left}")
     print(f"\n{'OK' if not wrong else 'FAILED'}: {wrong} verdict(s) not as expected")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
