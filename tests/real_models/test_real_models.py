@@ -39,13 +39,21 @@ def test_clean_real_models_pass_with_dropout_on(name):
         assert simulated.ok, simulated.render()
 
 
+NARROW = {"gpt2_default_init_per_rank_mean": 2.0}
+"""Bugs whose first divergence is measured narrower than 100x: at GPT-2's own 0.02
+initialisation every token's loss is near log(V), and a per-rank token mean moves the
+step-0 loss by 3.3x (2 ranks) and 6.6x (4 ranks) its tolerance; its gradients, and every
+later step, are 1e5x off. The bound asserted is below the measured margin."""
+
+
 @pytest.mark.parametrize("name", list(real_models.BUGS))
 def test_planted_bugs_in_real_models_are_reported_at_100x_or_as_a_desync(name):
     report = check(_case(real_models.BUGS, name), world_sizes=(2, 4))
     for run in report.runs[1:]:
         assert run.status in ("diverged", "desync"), report.render()
         d = run.first_divergence
-        assert d.step == 0 and d.max_abs >= 100 * d.tolerance, (run.world_size, d)
+        assert d.step == 0 and d.max_abs >= NARROW.get(name, 100) * d.tolerance, (run.world_size, d)
+        assert run.worst[0].excess >= 100, run.worst
 
 
 def test_the_likely_cause_is_named_on_real_models():
