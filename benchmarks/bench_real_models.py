@@ -6,9 +6,8 @@ on wherever the model has it) and every world size: the verdict, the margin of t
 divergence (its error / its tolerance) and the seconds of the check. Side by side, the
 obvious alternatives: the same checks with ddparity's per-sample dropout alignment and its
 random-draw detector switched off — dropout drawn from torch's one generator, as a plain
-comparison of runs does it — once with the calibration check that catches a twin too far
-from the reference (such runs are an ``error``: no verdict, never a pass), and once without
-it, as ddparity was before (the tolerance widens to cover the masks' difference).
+comparison of runs does it (the calibration then finds a twin too far from the reference:
+such runs are an ``error``, no verdict, never a pass).
 
     python benchmarks/bench_real_models.py [--world-sizes 2,4] [--only gpt2,gpt2_summed]
 
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import time
 from typing import Any
@@ -105,18 +103,13 @@ def main() -> int:
     switch_alignment_off()
     plain_pool = WorldPool()
     plain = run(cases, world_sizes, plain_pool)
-    from ddparity.checks import tolerance
-
-    tolerance.UNCALIBRATED_SHARE = float("inf")  # the controller judges: no calibration check
-    before = run(cases, world_sizes, plain_pool)
     plain_pool.close()
 
-    header = (f"{'case':28} {'world':>5}  {'expect':7}  {'ddparity':9} {'margin':>9} {'s':>5}   "
-              f"{'dropout unaligned':17} {'margin':>9}   {'before (vacuous)':17} {'margin':>9}")
+    header = (f"{'case':32} {'world':>5}  {'expect':7}  {'ddparity':9} {'margin':>9} {'s':>5}   "
+              f"{'dropout unaligned':17} {'margin':>9}")
     print(header)
     print("-" * len(header))
-    wrong = {"ddparity": 0, "unaligned": 0, "before": 0}
-    ratios = []
+    wrong = {"ddparity": 0, "unaligned": 0}
 
     def verdict(status: str, expect: str, key: str) -> str:
         right = (status == "pass") == (expect == "pass")
@@ -125,25 +118,19 @@ def main() -> int:
 
     for name in cases:
         expect = "pass" if name in real_models.CLEAN else "flag"
-        for (ws, status, margin, seconds), (_, plain_status, plain_margin, _), (_, old_status, old_margin, _) in zip(
-                aligned[name], plain[name], before[name]):
-            if expect == "flag" and margin and old_margin and abs(margin / old_margin - 1) > 1e-3:
-                ratios.append(margin / old_margin)  # dropout models: the tolerance was widened
-            print(f"{name:28} {ws:>5}  {expect:7}  {verdict(status, expect, 'ddparity'):9} {fmt(margin):>9} "
-                  f"{seconds:5.1f}   {verdict(plain_status, expect, 'unaligned'):17} {fmt(plain_margin):>9}   "
-                  f"{verdict(old_status, expect, 'before'):17} {fmt(old_margin):>9}")
+        for (ws, status, margin, seconds), (_, plain_status, plain_margin, _) in zip(aligned[name], plain[name]):
+            print(f"{name:32} {ws:>5}  {expect:7}  {verdict(status, expect, 'ddparity'):9} {fmt(margin):>9} "
+                  f"{seconds:5.1f}   {verdict(plain_status, expect, 'unaligned'):17} {fmt(plain_margin):>9}")
     runs = sum(len(rows) for rows in aligned.values())
+    margins = [m for rows in aligned.values() for _, _, m, _ in rows if m is not None]
     print(f"\nwrong verdicts: ddparity {wrong['ddparity']} of {runs}; dropout unaligned {wrong['unaligned']} of "
-          f"{runs} (errors: no verdict); before {wrong['before']} of {runs}")
-    if ratios:
-        print(f"margin of a bug flagged by both with dropout on, ddparity / before: median "
-              f"{statistics.median(ratios):.3g}x, min {min(ratios):.3g}x (over {len(ratios)} runs)")
+          f"{runs} (errors: no verdict); smallest margin of a bug caught: {min(margins):.3g}")
     if not have_transformers:
         print("(transformers not installed: GPT-2 and BERT left out)")
-    # the other columns are the alternatives, wrong by design on models with dropout; on those
-    # without, all three must agree (else the benchmark's own switches broke, as they once did)
+    # the alternative is wrong by design on models with dropout; on those without, it must
+    # agree (else the benchmark's own switches broke, as they once did)
     broken = [name for name in cases if name in NO_DROPOUT
-              for row in (*plain[name], *before[name]) if (row[1] == "pass") != (name in real_models.CLEAN)]
+              for row in plain[name] if (row[1] == "pass") != (name in real_models.CLEAN)]
     if broken:
         print(f"FAILED: the alternatives gave a wrong verdict on models without dropout: {sorted(set(broken))}")
     return 1 if wrong["ddparity"] or broken else 0
