@@ -21,7 +21,7 @@ EXIT_CODES = """exit codes:
 A closed output pipe (| head) ends the output quietly; the exit code is still the verdict's."""
 
 CHECK_EXAMPLES = """examples:
-  ddparity check --demo                                 the built-in models, a minute or so
+  ddparity check --demo                                 the built-in models, a few seconds
   ddparity check my_cases.py:case                       your Case at world sizes 1, 2 and 4
   ddparity check my_cases.py:case --world-sizes 2,8 --backend threaded
   ddparity check my_cases.py:case --json - | python -m json.tool     the JSON on stdout

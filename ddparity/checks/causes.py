@@ -48,14 +48,19 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         return None
     first = found[0]
     off_by = 1 - 1 / world_size
+    layers = list(dict.fromkeys(d.name.rsplit(".", 1)[0] for d in found if d.kind == "buffer"
+                                and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS))
     if first.kind == "loss" and first.step == 0 and abs(first.max_rel - off_by) <= SIGNATURE_REL_TOL:
+        also = (f"; BatchNorm statistics differ too ({', '.join(layers)}): BatchNorm on shards may remain once "
+                f"the loss is fixed, check again" if layers else "")
         return (f"likely cause: a loss summed over the batch (reduction='sum'): the loss is off by exactly "
                 f"1 - 1/{world_size} = {off_by:g}, because DDP averages the ranks' gradients and each rank's sum "
-                f"covers 1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world size)")
+                f"covers 1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world "
+                f"size){also}")
     statistics = [d for d in found if d.step == first.step and d.kind == "buffer"
                   and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS]
     if statistics:
-        layer = statistics[0].name.rsplit(".", 1)[0]
+        layer = ", ".join(layers)
         return (f"likely cause: BatchNorm on shards ({layer}): each rank normalises its shard with its own "
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
                 f"or BatchNorm in eval mode")
@@ -86,7 +91,8 @@ def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int) -> str |
             return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
                     f"entries on the ranks' shards (labels not -100, mask ones), and DDP averages the ranks' means, "
                     f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
-                    f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size")
+                    f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size (in a "
+                    f"Case's train_step: ctx.world_size)")
     return None
 
 

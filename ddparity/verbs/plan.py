@@ -59,12 +59,18 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
         return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
                          reason=f"the global batch of step {step} has {size} samples, which cannot be split "
                                 f"into {ws} equal shards; use a batch size divisible by every world size "
-                                f"(e.g. {math.lcm(*opts.world_sizes)})")
+                                f"(e.g. {_nearest_multiples(size, math.lcm(*opts.world_sizes))})")
     gpus = rendezvous.cuda_device_count() if backend == "nccl" else 0
     if backend == "nccl" and gpus < ws:
         return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
                          reason=f"nccl needs {ws} CUDA devices, {gpus} visible")
     return None
+
+
+def _nearest_multiples(size: int, multiple: int) -> str:
+    """The batch sizes nearest ``size`` that ``multiple`` divides: ``15 or 18``."""
+    below = size // multiple * multiple
+    return f"{below} or {below + multiple}" if below else str(multiple)
 
 
 # -- failures ----------------------------------------------------------------------------

@@ -256,3 +256,21 @@ def test_a_scaled_gradient_is_named_by_tensors_not_by_the_ranks_reporting_them()
     cause = likely_cause(every, 2, params=4)
     assert cause.startswith("likely cause: all 4 gradients are scaled by the same factor (relative error 0.05"), cause
     assert likely_cause(every[:4], 2, params=4) is None  # two tensors of four
+
+
+def test_a_summed_loss_with_batchnorm_on_shards_says_the_second_may_remain():
+    from ddparity.checks.causes import likely_cause
+    from ddparity.verdicts import Divergence
+
+    def at(kind, name, rel=0.5):
+        return Divergence(step=0, kind=kind, name=name, rank=0, max_abs=1.0, max_rel=rel, tolerance=1e-6)
+
+    found = [at("loss", "loss"), at("buffer", "1.running_mean", 0.1), at("buffer", "1.running_var", 0.1),
+             at("buffer", "5.running_mean", 0.1)]
+    cause = likely_cause(found, 2)
+    assert cause.startswith("likely cause: a loss summed over the batch"), cause
+    assert cause.endswith("; BatchNorm statistics differ too (1, 5): BatchNorm on shards may remain once the loss "
+                          "is fixed, check again"), cause
+    assert "BatchNorm" not in likely_cause(found[:1], 2)
+    bn = likely_cause([at("grad", "w", 0.01), *found[1:]], 2)
+    assert bn.startswith("likely cause: BatchNorm on shards (1, 5):"), bn

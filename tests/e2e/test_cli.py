@@ -235,7 +235,7 @@ def test_demo_faults_reports_every_fault_as_expected():
         (["{file}:not_a_case"], "returned int, not a ddparity.Case"),
         (["{file}:bad_loss"], "unknown loss 'cross_entropyy'"),
         (["{file}:bad_optimizer"], "unknown optimizer 'sgdd'"),
-        (["{file}:odd_batch", "--world-sizes", "4"], "cannot be split into 4 equal shards"),
+        (["{file}:odd_batch", "--world-sizes", "4"], "cannot be split into 4 equal shards; use a batch size divisible by every world size (e.g. 4 or 8)"),
         (["{file}:nothing"], "has no attribute 'nothing'"),
         (["no_such_module_abc:case"], "cannot import module 'no_such_module_abc'"),
         (["{file}:clean", "--world-sizes", "0"], "world sizes must be integers >= 1"),
