@@ -256,7 +256,7 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
         props.append((f"{tag} world_size", run.world_size))
         if run.first_divergence is not None:
             d = run.first_divergence
-            props.append((f"{tag} first_divergence", f"step {d.step} {d.kind} {d.name} rank {d.rank}"))
+            props.append((f"{tag} first_divergence", d.where))
         if run.desync is not None:
             props.append((f"{tag} desync", f"step {run.desync.step} ranks {run.desync.ranks}"))
         if run.hang is not None:

@@ -13,16 +13,11 @@ if TYPE_CHECKING:
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
     from ddparity.report import Report, RunResult
-    from ddparity.verdicts import Crash, Desync, Divergence, Failure, Hang, RankPlace
+    from ddparity.verdicts import Crash, Desync, Failure, Hang, RankPlace
 
 
 def _sci(x: float | None) -> str:
     return "inf" if x is None or x != x or x == float("inf") else f"{x:.3g}"
-
-
-def _where(d: Divergence) -> str:
-    what = "the loss" if d.kind == "loss" else f"{d.kind} {d.name!r}"
-    return f"step {d.step}, {what}, rank {d.rank}"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -151,7 +146,7 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
         lines.extend(_render_desync(run.desync))
     if run.first_divergence is not None:
         d = run.first_divergence
-        lines.append(f"  first divergence: {_where(d)}")
+        lines.append(f"  first divergence: {d.where}")
         lines.append(
             f"    {d.mismatch}" if d.mismatch else
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "

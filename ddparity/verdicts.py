@@ -60,6 +60,12 @@ class Divergence(_ReadsAsJson):
     """Why the error is infinite, in words (a tensor missing, another shape, a NaN)."""
 
     @property
+    def where(self) -> str:
+        """``step 0, the loss, rank 0`` or ``step 2, grad 'fc.weight', rank 1``."""
+        what = "the loss" if self.kind == "loss" else f"{self.kind} {self.name!r}"
+        return f"step {self.step}, {what}, rank {self.rank}"
+
+    @property
     def excess(self) -> float:
         """How many tolerances away the run is (inf when the tolerance is 0)."""
         return self.max_abs / self.tolerance if self.tolerance else math.inf

@@ -109,7 +109,7 @@ def test_session_report_and_junit_properties(pytester):
                    ("test_user.py::test_summed_loss[ws2]", 2): "diverged"}
     props = {(p.get("name"), p.get("value")) for p in ET.parse(pytester.path / "junit.xml").iter("property")}
     assert ("ddparity[ddp ws2] status", "diverged") in props
-    assert ("ddparity[ddp ws2] first_divergence", "step 0 loss loss rank 0") in props
+    assert ("ddparity[ddp ws2] first_divergence", "step 0, the loss, rank 0") in props
     assert ("ddparity[ddp ws4] world_size", "4") in props
 
 
