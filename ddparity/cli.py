@@ -243,11 +243,16 @@ def _check(args: argparse.Namespace) -> int:
             report = check(case, modes=args.modes, world_sizes=args.world_sizes, backend=args.backend,
                            timeout=args.timeout, tolerance=args.tolerance, steps=args.steps)
             reports.append(report)
-            _show(report.render())
+            if len(cases) == 1 or not _Out.quiet:  # quiet, several cases: the overall line alone
+                _show(report.render())
             if len(cases) > 1:
                 _show()
     finally:
         default_pool().close()
+    if len(cases) > 1:
+        good = sum(r.ok for r in reports)
+        _show(f"{'OK' if good == len(reports) else 'FAILED'}: {good} of {len(reports)} cases equivalent to the "
+              f"reference in every run")
     if args.json:
         _write_json(args.json, reports)
     return max(r.exit_code for r in reports)

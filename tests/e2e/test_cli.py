@@ -87,7 +87,11 @@ def test_demo_passes_and_prints_a_table():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo: MLP + SGD" in result.stdout
     assert "transformer block" in result.stdout
-    assert result.stdout.count("OK:") == 3
+    assert result.stdout.count("OK:") == 4
+    assert result.stdout.rstrip().endswith("OK: 3 of 3 cases equivalent to the reference in every run")
+    quiet = ddparity("check", "--demo", "--world-sizes", "1,2", "-q")
+    assert quiet.returncode == 0 and quiet.stdout.splitlines() == [
+        "OK: 3 of 3 cases equivalent to the reference in every run"], quiet.stdout
 
 
 def test_python_dash_m_ddparity_is_the_ddparity_command(user_file, tmp_path):

@@ -99,6 +99,10 @@ MEASURED = [
 ]
 
 
+NATIVE_FRAME = re.compile(r"\(lib[^()]*\.so[^()]*\)\s*$|^\s*0x[0-9a-f]+ \(")
+"""A native frame of py-spy's stack (``pthread_cond_wait (libc.so.6)``): py-spy samples
+them when it can, and on a loaded machine falls back to the Python frames alone."""
+
 SHOWN_HOST = "vm"
 """The name of the machine the transcripts were taken on (health's rank table shows it)."""
 
@@ -143,5 +147,5 @@ def test_each_shown_command_runs_and_prints_what_is_shown(command, shown, tmp_pa
     got = {normalised(line) for line in out.splitlines()}
     shown = shown.split("\n$ ", 1)[0]  # a second command in the block (a multi-node launch) is not run here
     missing = [line for line in shown.splitlines() if line.strip() and line.strip() != "..."
-               and normalised(line) not in got]
+               and not NATIVE_FRAME.search(line) and normalised(line) not in got]
     assert not missing, "\n".join(["shown but not printed (normalised):", *missing, "printed:", out])
