@@ -105,3 +105,24 @@ def test_the_layout_is_what_it_claims():
     assert "ddparity.checks.ledger" not in MODULES  # split into records, harness.recorder, checks.collectives
     assert {"ddparity.verbs.check", "ddparity.verbs.profile", "ddparity.verbs.health",
             "ddparity.verbs.plan", "ddparity.settings", "ddparity.records"} <= set(MODULES)
+
+
+def test_every_phase_a_rank_sets_is_ordered():
+    """``records.PHASES`` orders the phases to tell who is behind in a hang: a phase set
+    in code but missing there ranked as behind everything (a comparing rank named the hang
+    suspect instead of one in forward)."""
+    from ddparity.records import PHASES
+
+    set_in_code = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_phase" \
+                    and len(node.args) == 2:
+                phase = node.args[1]
+                assert isinstance(phase, ast.Constant), f"{name}:{node.lineno}: a phase must be a literal"
+                set_in_code[phase.value] = f"{name}:{node.lineno}"
+    assert len(set_in_code) >= 10, set_in_code  # the walk finds them
+    assert {p: where for p, where in set_in_code.items() if p not in PHASES} == {}
+    from ddparity.records import Position
+
+    assert Position(1, "compare").order() > Position(1, "optimizer").order() > Position(1, "forward").order()
