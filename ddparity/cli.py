@@ -18,9 +18,7 @@ from typing import Any
 
 from ddparity import cli_progress, settings
 from ddparity.cli_parser import build_parser
-from ddparity.errors import UsageError
-
-EXIT_USAGE = 2
+from ddparity.errors import Exit, UsageError
 
 
 class _Out:
@@ -101,7 +99,7 @@ def _health(args: argparse.Namespace) -> int:
             health_under_torchrun(emit, args.backend, args.timeout, args.min_busbw, args.sizes)
         except WorldStartError as exc:
             print(f"ddparity: {exc}", file=sys.stderr)
-            return 3
+            return Exit.HANG_OR_CRASH
     from ddparity.verbs.health import health
 
     report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)
@@ -203,7 +201,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
         launched.profile_launched(case, args.backend, timeout, args.steps, args.warmup, emit)
     except WorldStartError as exc:
         print(f"ddparity: {exc}", file=sys.stderr)
-        return 3
+        return Exit.HANG_OR_CRASH
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -341,11 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ddparity import __version__
 
             _show(f"ddparity {__version__}")
-            return 0
+            return Exit.OK
         verbs = {"check": _check, "profile": _profile, "health": _health}
         if args.command not in verbs:
             parser.print_help()
-            return EXIT_USAGE
+            return Exit.USAGE
         if getattr(args, "json", None) == "-":
             _Out.json_stream = sys.stdout
         _Out.quiet = getattr(args, "quiet", False)
@@ -359,10 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _Out.json_stream, _Out.quiet, _Out.live = None, False, None
     except UsageError as exc:
         print(f"ddparity: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     except KeyboardInterrupt as exc:
         _interrupted(exc)
-        return 130
+        return Exit.INTERRUPTED
     except Exception:
         # A bug in ddparity itself: say so plainly; the traceback is for the report.
         if os.environ.get("DDPARITY_DEBUG"):
@@ -370,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(traceback.format_exc().rstrip().splitlines()[-1], file=sys.stderr)
         print("ddparity: internal error; rerun with DDPARITY_DEBUG=1 and report it", file=sys.stderr)
-        return 4
+        return Exit.INTERNAL
 
 
 if __name__ == "__main__":

@@ -7,6 +7,25 @@ subclasses (hang, crash) to 3.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    """The exit codes of every ddparity command and rank process (SPEC.md), in one place."""
+
+    OK = 0
+    """equivalent, healthy, profiled"""
+    FAILED = 1
+    """a divergence or desync found, a health check failed"""
+    USAGE = 2
+    """bad input: a message names the problem and the fix"""
+    HANG_OR_CRASH = 3
+    """a hang, a rank crash, or a world that could not start"""
+    INTERNAL = 4
+    """a bug in ddparity itself"""
+    INTERRUPTED = 130
+    """Ctrl-C (128 + SIGINT)"""
+
 
 class DdparityError(Exception):
     """Root of every error ddparity raises on purpose."""

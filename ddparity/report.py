@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddparity.errors import ParityError
+from ddparity.errors import Exit, ParityError
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, Hang, Straggler, json_or_none
 
 if TYPE_CHECKING:
@@ -75,12 +75,12 @@ def exit_code(statuses: set[str]) -> int:
     """SPEC exit codes from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
     0 otherwise (equivalent, profiled, skipped)."""
     if statuses & {"hang", "crash"}:
-        return 3
+        return Exit.HANG_OR_CRASH
     if "error" in statuses:
-        return 2
+        return Exit.USAGE
     if statuses & {"diverged", "desync"}:
-        return 1
-    return 0
+        return Exit.FAILED
+    return Exit.OK
 
 
 @dataclass
@@ -164,8 +164,8 @@ class HealthReport:
     def exit_code(self) -> int:
         """0 healthy, 1 a check failed, 2 bad input, 3 a hang or crash."""
         if self.failure is not None:
-            return 2 if self.failure["status"] == "error" else 3
-        return 0 if self.healthy else 1
+            return Exit.USAGE if self.failure["status"] == "error" else Exit.HANG_OR_CRASH
+        return Exit.OK if self.healthy else Exit.FAILED
 
     def render(self) -> str:
         header = f"ddparity health: {self.world_size} rank(s), {self.backend}, {self.launcher}"

@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
+from ddparity.errors import Exit, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.frames import hide_own_frames
 from ddparity.harness.outcomes import RankOutcome, with_stacks
 from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, task_prefix
@@ -56,7 +56,6 @@ TERM_GRACE_S = 20.0
 ACK_WAIT_S = 10.0
 """How long the reporter waits for every live rank to read the verdict before it exits
 (under ``srun`` the store lives in rank 0: it must outlast their reading)."""
-EXIT_INTERRUPTED = 130
 
 
 def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
@@ -226,7 +225,7 @@ class LaunchWatch:
             return self._report(failure, self.stage)
         except BaseException:
             traceback.print_exc()
-            return 4
+            return Exit.INTERNAL
 
     def _signals(self) -> None:
         if self._wake is None:

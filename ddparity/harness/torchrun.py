@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddparity.errors import UsageError, WorldStartError
+from ddparity.errors import Exit, UsageError, WorldStartError
 from ddparity.harness.protocol import RankContext
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
-EXIT_HANG = 3
 
 
 def _slurm_tasks() -> bool:
@@ -106,7 +105,7 @@ class Watchdog:
                          f"died or never arrived, or a broken link); this rank's stacks:\n")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        os._exit(EXIT_HANG)
+        os._exit(Exit.HANG_OR_CRASH)
 
 
 @dataclass
