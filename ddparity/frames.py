@@ -12,7 +12,10 @@ from collections.abc import Callable
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 """The package's folder, as tracebacks name its files."""
 _FRAME_FILE = re.compile(r'^\s*File "(?P<tb>[^"]+)", line \d+|\((?P<spy>[^()\s]+\.py):\d+\)\s*$')
-_KEPT = ("fixtures" + os.sep, os.path.join("harness", "rank.py"))
+RANK_LOOP = "ddparity/harness/rank.py"
+"""The rank loop's file as stacks and tracebacks name it: where a task (the user's step)
+is called from; the frames below it are the rank's bootstrap, nobody's code."""
+_KEPT = ("fixtures" + os.sep, os.path.join(*RANK_LOOP.split("/")[1:]))
 """ddparity's files whose frames a report keeps: the fixtures stand for a user's model,
 the rank loop is where the task (the user's step) is called from."""
 

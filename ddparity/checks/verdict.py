@@ -23,7 +23,7 @@ from ddparity.errors import (
     TaskTimeout,
     WorldFailure,
 )
-from ddparity.frames import hide_own_frames
+from ddparity.frames import RANK_LOOP, hide_own_frames
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.report import RunResult
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot
@@ -122,6 +122,6 @@ def _tidy_traceback_dump(text: str) -> str:
         if skipping:
             continue
         lines.append(line)
-        if "ddparity/harness/rank.py" in line and line.lstrip().startswith("File"):
+        if RANK_LOOP in line and line.lstrip().startswith("File"):
             skipping = True
     return hide_own_frames("\n".join(lines))

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from ddparity.frames import hide_own_frames, verbose
+from ddparity.frames import RANK_LOOP, hide_own_frames, verbose
 
 PY_SPY_TIMEOUT_S = 3.5
 """The most a py-spy stack dump of all ranks (run side by side) may take."""
@@ -49,7 +49,7 @@ def tidy_stack(text: str) -> str:
             own = not keep_own and bool(OWN_THREAD.match(line))
         if own:
             continue
-        if "ddparity/harness/rank.py" in line:  # below it: the rank's bootstrap, not the user's code
+        if RANK_LOOP in line:  # below it: the rank's bootstrap, not the user's code
             lines.append(line)
             skipping = True
             continue
