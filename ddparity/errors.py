@@ -1,8 +1,8 @@
 """The one error hierarchy of ddparity.
 
-Every message says what was observed, what was expected, and how to fix it. The CLI maps
-:class:`UsageError` to exit code 2, :class:`ParityError` to 1 and :class:`WorldFailure`
-subclasses (hang, crash) to 3.
+Every message says what was observed, what was expected, and how to fix it. The exit
+codes are :class:`Exit`: a :class:`UsageError` ends the command with ``Exit.USAGE``; a
+report's verdict (a hang or crash among its runs: ``Exit.HANG_OR_CRASH``) decides the rest.
 """
 
 from __future__ import annotations

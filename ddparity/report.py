@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
 
-STATUSES = ("pass", "diverged", "desync", "hang", "crash", "error", "skipped")
 FAILING = ("diverged", "desync", "hang", "crash", "error")
 
 

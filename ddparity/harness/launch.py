@@ -55,12 +55,6 @@ FORK_JOIN_S = 15.0
 """Forked gloo ranks join in about a second; after this long they are started again from
 the forkserver (see ``World._launch``)."""
 
-DNS_HINT = (" They were waiting for a reverse DNS lookup: torch's TCPStore client looks up the"
-            " name of ::ffff:127.0.0.1, which /etc/hosts does not list, and the DNS server dropped the"
-            " query (glibc retries after 5 s). Starting the process (pytest, ddparity) with"
-            " RES_OPTIONS='timeout:1 attempts:1' bounds such a wait to 1 s.")
-"""Added to the warning when stuck ranks' stacks show that lookup."""
-
 
 def start_method(backend: str, threads_per_rank: int) -> str:
     """Fork from here when it is safe, else from a forkserver that preloaded torch.
@@ -187,7 +181,7 @@ def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
         )
         if method == "fork":
             # The child must never run the finalizers of objects it inherited: a
-            # collected copy of an old TCPStore server would join a thread that does
+            # collected copy of an old store server would join a thread that does
             # not exist there and hang the rank. It is forked with the collector off
             # and freezes everything it inherited before turning it back on.
             enabled = gc.isenabled()

@@ -35,7 +35,6 @@ class RankContext:
     world_size: int
     backend: str
     device: str
-    generation: int = 0
 
 
 # controller -> rank

@@ -7,8 +7,8 @@ identically on every backend: its per-group sequence number, op, reduce op, root
 sizes, tensor shapes and dtypes, group, and the caller's source line. Entries go to the
 side channel (one line each, appended) and the rank's latest position (step, phase,
 recent entries, whether it is inside a blocking collective) overwrites its progress key.
-Both live in the controller's store, so they survive a rank stuck in the collective or
-killed in it. The record format is :mod:`ddparity.records`; what it means is judged in
+Both live outside the rank (the world's private side-channel folder, or the launch's store
+under torchrun), so they survive a rank stuck in the collective or killed in it. The record format is :mod:`ddparity.records`; what it means is judged in
 :mod:`ddparity.checks.collectives` and :mod:`ddparity.checks.hang`.
 
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is not used: its wrapper skips reduce-op and root

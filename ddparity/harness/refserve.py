@@ -108,10 +108,6 @@ class ReferenceServer:
             if entry[2] is not None and entry[6]:
                 _send(self._pg, mapped_bytes(self._spool, entry, maps).contiguous(), peer)
 
-    def join(self, timeout: float) -> None:
-        for thread in self._threads:
-            thread.join(timeout)
-
 
 class RemoteReference:
     """A rank's end: fetches the initial state into its own spool, and opens steps for its

@@ -204,17 +204,15 @@ class World:
             try:
                 self._start_ranks("fork", min(self.spec.start_timeout, launch.FORK_JOIN_S))
             except launch.JoinTimeout as stuck:
-                # Seen: ranks stuck in torch's TCPStore client, which names its socket by a
-                # reverse DNS lookup of ::ffff:127.0.0.1 (never in /etc/hosts); a dropped
-                # query costs 5 s a try (see launch.DNS_HINT). A child could also inherit a lock a
-                # controller thread held at fork. Either way, start this generation again
-                # from the forkserver rather than wait.
+                # A forked child can inherit a lock a controller thread held at fork (seen
+                # before the FileStore rendezvous: torch's TCPStore client stuck in a reverse
+                # DNS lookup). Start this generation again from the forkserver rather than wait.
                 stacks = outcomes.dump_stacks(self._ranks, stuck.ranks)
                 text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in stacks.items())
                 log.warning(
                     "forked ranks %s of a %d-rank world did not join within %g s; starting them "
-                    "from the forkserver instead.%s Their stacks:\n%s", stuck.ranks, self.spec.world_size,
-                    launch.FORK_JOIN_S, launch.DNS_HINT if "gethostbyaddr" in text else "", text)
+                    "from the forkserver instead. Their stacks:\n%s", stuck.ranks, self.spec.world_size,
+                    launch.FORK_JOIN_S, text)
                 self._ranks.kill()
                 self._start_ranks("forkserver", self.spec.start_timeout)
         else:

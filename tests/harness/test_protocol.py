@@ -7,7 +7,7 @@ from ddparity.harness import protocol
 
 MESSAGES = [
     protocol.RankSpec(0, 2, "gloo", "cpu", "127.0.0.1", 1234, "ddparity/gen1", 60.0, 1, "lo"),
-    protocol.RankContext(1, 2, "gloo", "cpu", 3),
+    protocol.RankContext(1, 2, "gloo", "cpu"),
     protocol.RunTask(7, b"payload", ("/a", "/b")),
     protocol.Shutdown(),
     protocol.RankReady(1, 4242, 0.25),
