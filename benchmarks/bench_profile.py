@@ -30,7 +30,8 @@ def plain_loop(ctx, case, state, steps, warmup):  # noqa: ANN001, ANN201 - runs 
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.case import make_optimizer, resolve_loss
-    from ddparity.harness.training import cast, data_fn, global_batch, prepared, shard
+    from ddparity.harness.batches import cast, shard
+    from ddparity.harness.training import data_fn, global_batch, prepared
 
     model = DistributedDataParallel(prepared(case, state, ctx.device), **case.ddp_options)
     optimizer = make_optimizer(case, model.parameters())

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.case import Case
+from ddparity.harness.batches import batch_size, valid_counts
 from ddparity.harness.modes.ddp import DDPMode
 from ddparity.harness.modes.dp import DataParallelMode
 from ddparity.harness.modes.single import SingleMode
@@ -26,7 +27,7 @@ from ddparity.harness.modes.twin import TwinMode
 from ddparity.harness.protocol import RankContext
 from ddparity.harness.rank import released
 from ddparity.harness.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
-from ddparity.harness.training import batch_size, data_fn, global_batch, initial_state, train, valid_counts
+from ddparity.harness.training import data_fn, global_batch, initial_state, train
 from ddparity.measurements import RankProfile
 from ddparity.trace import Distances, Reference
 

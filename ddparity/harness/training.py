@@ -26,13 +26,13 @@ emulated or real), ``ddp`` (also each simulated rank of the threaded backend) an
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ddparity.case import Case, Whole, load_target, make_optimizer, resolve_loss
+from ddparity.case import Case, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
+from ddparity.harness.batches import batch_size, cast
 from ddparity.harness.draws import RandomDraws
 from ddparity.harness.randomness import AlignedDropout
 from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, Ticks, default_step, never_stepped
@@ -291,109 +291,3 @@ def call_args(inputs: Any) -> tuple[tuple, dict]:
 def forward(model: Any, inputs: Any) -> Any:
     args, kwargs = call_args(inputs)
     return model(*args, **kwargs)
-
-
-# -- batches -------------------------------------------------------------------------------
-
-
-def map_tensors(obj: Any, fn: Any, whole: Callable[[Any], Any] = lambda w: w) -> Any:
-    """``obj`` with ``fn`` applied to every batched tensor and ``whole`` to every
-    :class:`~ddparity.case.Whole` (kept as is unless told)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Whole):
-        return whole(obj)
-    if isinstance(obj, tuple):
-        items = [map_tensors(o, fn, whole) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [map_tensors(o, fn, whole) for o in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn, whole)) for k, v in obj.items())
-    return obj
-
-
-def named_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
-    """Every tensor of a nest that may be batched (not :class:`~ddparity.case.Whole`), with its path."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, (tuple, list)):
-        for i, o in enumerate(obj):
-            yield from named_tensors(o, f"{path}[{i}]")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from named_tensors(v, f"{path}[{k!r}]")
-
-
-def batch_size(obj: Any, step: int = 0) -> int | None:
-    """The global batch size of a batch: the dim 0 most of its tensors share. Tensors with
-    another dim 0 are not batched (every replica gets them whole); a tie between sizes
-    cannot be decided and is a :class:`CaseError` naming the tensors."""
-    sized = [(path, int(t.shape[0])) for path, t in named_tensors(obj) if t.dim()]
-    if not sized:
-        return None
-    counts = Counter(size for _, size in sized).most_common()
-    if len(counts) > 1 and counts[0][1] == counts[1][1]:
-        tied = {size for size, n in counts if n == counts[0][1]}
-        named = ", ".join(f"{path} (dim 0 = {size})" for path, size in sized if size in tied)
-        raise CaseError(
-            f"cannot tell the batch size of step {step}'s batch: {named} are as many of each size; wrap the tensors "
-            f"that are not batched in ddparity.whole(...) so that every replica gets them whole"
-        )
-    return counts[0][0]
-
-
-IGNORE_INDEX = -100
-"""torch's (and transformers') label for an entry a loss leaves out."""
-
-
-def valid_counts(batch: Any) -> dict[str, list[int]]:
-    """Per sample, the entries a loss averaged over valid entries counts: labels that are
-    not ``IGNORE_INDEX`` (batched integer tensors that have some), and the ones of a 0/1
-    mask (a batched tensor whose path names a mask). For the likely cause of a per-rank
-    normalisation."""
-    import torch
-
-    size = batch_size(batch)
-    labels: dict[str, list[int]] = {}
-    masks: dict[str, list[int]] = {}
-    for path, t in named_tensors(batch):
-        if t.dim() < 2 or t.shape[0] != size or t.is_floating_point() or t.dtype == torch.bool:
-            continue
-        if bool((t == IGNORE_INDEX).any()):
-            labels[path] = (t != IGNORE_INDEX).reshape(size, -1).sum(1).tolist()
-        elif "mask" in path.lower() and bool(((t == 0) | (t == 1)).all()) and not bool(t.all()):
-            masks[path] = t.reshape(size, -1).sum(1).tolist()
-    return labels | masks  # labels first: what a loss counts
-
-
-def shard(obj: Any, rank: int, world_size: int, size: int | None = None) -> Any:
-    """Rank ``rank``'s contiguous, equal share of every batched tensor (dim 0 = ``size``,
-    the global batch size; every tensor with a dim 0 when ``size`` is None)."""
-
-    def cut(t: Any) -> Any:
-        if t.dim() == 0 or (size is not None and t.shape[0] != size):
-            return t
-        per = t.shape[0] // world_size
-        return t[rank * per : (rank + 1) * per]
-
-    return map_tensors(obj, cut)
-
-
-def reverse_samples(obj: Any, size: int) -> Any:
-    """The same batch in reversed sample order (tensors whose dim 0 is the batch)."""
-    return map_tensors(obj, lambda t: t.flip(0) if t.dim() and t.shape[0] == size else t)
-
-
-def cast(batch: Any, case: Case, device: str) -> Any:
-    """The batch on ``device``, floating tensors in the case's dtype, :class:`~ddparity.case.Whole` unwrapped."""
-
-    def move(t: Any) -> Any:
-        t = t.to(device)
-        return t.to(case.torch_dtype) if t.is_floating_point() else t
-
-    return map_tensors(batch, move, lambda w: move(w.tensor))

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness import ddp_buckets, recorder
+from ddparity.harness.batches import shard
 from ddparity.harness.fingerprint import fingerprint
 from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica, finish_step, shard
+from ddparity.harness.training import Replica, finish_step
 
 
 @dataclass

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.harness import recorder
+from ddparity.harness.batches import batch_size, shard
 from ddparity.harness.modes.ddp import distributed
-from ddparity.harness.training import Replica, batch_size, compute_loss, forward, shard
+from ddparity.harness.training import Replica, compute_loss, forward
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
