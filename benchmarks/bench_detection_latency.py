@@ -20,7 +20,7 @@ from torch import nn
 
 from ddparity import Case, check
 from ddparity.fixtures.models import MLP, vectors
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 
 
 class FaultAtStep1(nn.Module):

@@ -31,8 +31,8 @@ def steps_task(ctx, detect: bool, steps: int) -> list[float]:  # noqa: ANN001
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.fixtures.models import MLP
-    from ddparity.harness import ddp_buckets, recorder
-    from ddparity.harness.fingerprint import fingerprint
+    from ddparity.harness.ranks import ddp_buckets, recorder
+    from ddparity.harness.ranks.fingerprint import fingerprint
 
     torch.manual_seed(0)
     model = MLP(SIZES)

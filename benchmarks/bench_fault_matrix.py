@@ -21,7 +21,7 @@ import psutil
 from ddparity import Case, check
 from ddparity.fixtures import bugs
 from ddparity.fixtures.faults import FAULT_RANK, FAULTS, reported_ranks
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 
 HELPERS = ("forkserver", "resource_tracker", "ddparity-janitor")
 

@@ -97,7 +97,7 @@ def _case(name: str, steps: int) -> Any:
 def _train(case: Any, rank: int, world_size: int, ddp: bool) -> None:
     import torch
 
-    from ddparity.harness.batches import shard
+    from ddparity.harness.ranks.batches import shard
 
     torch.manual_seed(case.seed)
     model = case.model()

@@ -18,9 +18,9 @@ import statistics
 import time
 
 from ddparity.fixtures.models import profile_demo
-from ddparity.harness.pool import WorldPool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import prepare_task
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import prepare_task
+from ddparity.harness.world.pool import WorldPool
 from ddparity.verbs.profile import profile
 
 
@@ -30,8 +30,8 @@ def plain_loop(ctx, case, state, steps, warmup):  # noqa: ANN001, ANN201 - runs 
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.case import make_optimizer, resolve_loss
-    from ddparity.harness.batches import cast, shard
-    from ddparity.harness.training import data_fn, global_batch, prepared
+    from ddparity.harness.ranks.batches import cast, shard
+    from ddparity.harness.ranks.training import data_fn, global_batch, prepared
 
     model = DistributedDataParallel(prepared(case, state, ctx.device), **case.ddp_options)
     optimizer = make_optimizer(case, model.parameters())

@@ -25,7 +25,7 @@ from typing import Any
 
 from ddparity import check
 from ddparity.fixtures import real_models
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 
 
 def run(cases: dict[str, Any], world_sizes: tuple[int, ...], pool: WorldPool) -> dict[str, list[tuple]]:
@@ -48,7 +48,7 @@ def switch_alignment_off() -> None:
     this inherit it)."""
     import contextlib
 
-    from ddparity.harness import training
+    from ddparity.harness.ranks import training
 
     class Unaligned:
         def __init__(self, *args: Any, **options: Any) -> None:

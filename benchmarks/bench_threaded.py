@@ -12,7 +12,7 @@ import torch
 
 from ddparity import Case, check
 from ddparity.fixtures.models import MLP
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 
 
 def data(step: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,9 @@ import torch.multiprocessing as tmp
 
 from ddparity import check
 from ddparity.fixtures import models
-from ddparity.harness.pool import WorldPool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.world.pool import WorldPool
 
 STEPS = 5
 

@@ -21,7 +21,7 @@ import torch
 
 from ddparity import check
 from ddparity.fixtures import catalogue
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 
 SIZES = (1, 2, 4, 16)
 UNALIGNED = {"RReLU", "FractionalMaxPool2d", "FractionalMaxPool3d"}

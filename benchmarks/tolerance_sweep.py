@@ -18,9 +18,9 @@ import torch
 from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance
 from ddparity.fixtures import models
-from ddparity.harness.pool import WorldPool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.world.pool import WorldPool
 
 
 def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:

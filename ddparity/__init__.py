@@ -13,34 +13,34 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ddparity.case import Case, whole
     from ddparity.errors import DdparityError, ParityError, UsageError
-    from ddparity.harness.outcomes import RankOutcome
     from ddparity.harness.protocol import RankContext
-    from ddparity.harness.stepping import StepContext
-    from ddparity.harness.world import World
-    from ddparity.report import HealthReport, ProfileReport, Report, RunResult
+    from ddparity.harness.ranks.stepping import StepContext
+    from ddparity.harness.world.outcomes import RankOutcome
+    from ddparity.harness.world.world import World
+    from ddparity.report import HealthReport, ProfileReport, Report
     from ddparity.verbs.check import check
     from ddparity.verbs.health import health
     from ddparity.verbs.profile import profile
-    from ddparity.verdicts import Divergence
+    from ddparity.verdicts import Divergence, RunResult
 
 _HOMES = {
     "Case": "ddparity.case",
     "whole": "ddparity.case",
-    "StepContext": "ddparity.harness.stepping",
+    "StepContext": "ddparity.harness.ranks.stepping",
     "check": "ddparity.verbs.check",
     "DdparityError": "ddparity.errors",
     "ParityError": "ddparity.errors",
     "UsageError": "ddparity.errors",
     "RankContext": "ddparity.harness.protocol",
-    "RankOutcome": "ddparity.harness.outcomes",
-    "World": "ddparity.harness.world",
+    "RankOutcome": "ddparity.harness.world.outcomes",
+    "World": "ddparity.harness.world.world",
     "HealthReport": "ddparity.report",
     "health": "ddparity.verbs.health",
     "ProfileReport": "ddparity.report",
     "profile": "ddparity.verbs.profile",
     "Divergence": "ddparity.verdicts",
     "Report": "ddparity.report",
-    "RunResult": "ddparity.report",
+    "RunResult": "ddparity.verdicts",
 }
 
 __all__ = [

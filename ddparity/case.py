@@ -40,7 +40,7 @@ class Case:
     ``optimizer`` is ``"sgd" | "adam" | "adamw"`` or ``(params) -> Optimizer``.
     ``train_step(model, batch, optimizer, ctx)`` (optional) is your own step, run in every
     mode instead of ddparity's (then ``data`` may return any nest of tensors, and ``loss``
-    is not used); see :class:`ddparity.harness.stepping.StepContext` for ``ctx``.
+    is not used); see :class:`ddparity.harness.ranks.stepping.StepContext` for ``ctx``.
     Tensors whose dim 0 is the global batch size are split between replicas, the others
     reach every replica whole; wrap one in :func:`whole` to say it is not batched.
     ``ddp_options`` are passed to ``DistributedDataParallel``; ``comm_hook`` (optional)

@@ -79,7 +79,7 @@ def _silence(stream: Any) -> None:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from ddparity.harness import torchrun
+    from ddparity.harness.launch import torchrun
 
     if not torchrun.launched() or os.environ.get("RANK") == "0":
         _check_writable(args.json, "JSON health report")
@@ -111,8 +111,8 @@ def _health(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
-    from ddparity.harness import torchrun
-    from ddparity.harness.pool import default_pool
+    from ddparity.harness.launch import torchrun
+    from ddparity.harness.world.pool import default_pool
     from ddparity.verbs.profile import profile
 
     if args.plot:
@@ -206,8 +206,8 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from ddparity.case import load_case
-    from ddparity.harness import torchrun
-    from ddparity.harness.pool import default_pool
+    from ddparity.harness.launch import torchrun
+    from ddparity.harness.world.pool import default_pool
     from ddparity.report import Report
     from ddparity.verbs.check import check
 
@@ -259,7 +259,7 @@ def _check(args: argparse.Namespace) -> int:
 def _demo_faults(args: argparse.Namespace) -> int:
     """Every fault injection, with its report, then whether each got the right verdict."""
     from ddparity.fixtures.faults import FAULTS, reported_ranks
-    from ddparity.harness.pool import default_pool
+    from ddparity.harness.world.pool import default_pool
     from ddparity.render import table
     from ddparity.verbs.check import check
 

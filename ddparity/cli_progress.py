@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ddparity.harness import progress
+from ddparity.harness.world import progress
 
 QUIET_NOTE_S = 10.0
 """No progress for this long is worth a line (the hang is declared at the timeout)."""

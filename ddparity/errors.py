@@ -7,6 +7,7 @@ report's verdict (a hang or crash among its runs: ``Exit.HANG_OR_CRASH``) decide
 
 from __future__ import annotations
 
+import signal
 from enum import IntEnum
 
 
@@ -25,6 +26,17 @@ class Exit(IntEnum):
     """a bug in ddparity itself"""
     INTERRUPTED = 130
     """Ctrl-C (128 + SIGINT)"""
+
+
+def signal_name(exitcode: int | None) -> str:
+    """How a process ended, as reports say it: ``exit code N``, or ``signal SIGKILL`` for a
+    negative ``Popen``/``multiprocessing`` exit code."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 class DdparityError(Exception):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 """The package's folder, as tracebacks name its files."""
 _FRAME_FILE = re.compile(r'^\s*File "(?P<tb>[^"]+)", line \d+|\((?P<spy>[^()\s]+\.py):\d+\)\s*$')
-RANK_LOOP = "ddparity/harness/rank.py"
+RANK_LOOP = "ddparity/harness/ranks/rank.py"
 """The rank loop's file as stacks and tracebacks name it: where a task (the user's step)
 is called from; the frames below it are the rank's bootstrap, nobody's code."""
 _KEPT = ("fixtures" + os.sep, os.path.join(*RANK_LOOP.split("/")[1:]))
@@ -97,7 +97,7 @@ def own_error_site(traceback: str) -> str | None:
     return None
 
 
-_OBSERVERS = tuple(os.path.join("harness", f) for f in (
+_OBSERVERS = tuple(os.path.join("harness", "ranks", f) for f in (
     "spool.py", "ddp_buckets.py", "recorder.py", "calls.py", "fingerprint.py"))
 """ddparity's files that only watch the training (record, compare, fingerprint): an error
 raised there is ddparity's. The step driver and the modes call the user's model through

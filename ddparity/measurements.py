@@ -1,6 +1,6 @@
 """What ranks measure and send back, as plain data: the profile's step and bucket
-timings (:mod:`ddparity.harness.modes.timed`) and a rank's health measurements
-(:mod:`ddparity.harness.health_task`). Judged by :mod:`ddparity.checks.comm` and
+timings (:mod:`ddparity.harness.ranks.modes.timed`) and a rank's health measurements
+(:mod:`ddparity.harness.ranks.health_probe`). Judged by :mod:`ddparity.checks.comm` and
 :mod:`ddparity.checks.health`. A leaf module.
 """
 

@@ -143,7 +143,7 @@ def world_size(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def ddparity_pool(request: pytest.FixtureRequest) -> Any:
     """The session's warm worlds (one pool per process; under xdist, per worker)."""
-    from ddparity.harness.pool import WorldPool
+    from ddparity.harness.world.pool import WorldPool
 
     max_ranks = request.config.stash[SETTINGS].max_ranks
     if max_ranks is None:
@@ -284,7 +284,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def write_report(path: str, runs: list[dict[str, Any]]) -> None:
-    from ddparity.report import FAILING
+    from ddparity.verdicts import FAILING
 
     data = {"version": 1, "ok": all(r["status"] not in FAILING for r in runs),
             "case": "pytest session", "runs": runs}

@@ -8,7 +8,7 @@ Three records per rank and task (see :mod:`ddparity.harness.sidechannel` for the
 * the **ledger**: one line per collective, appended;
 * the **fingerprints**: one line per training step, appended.
 
-The rank side (:mod:`ddparity.harness.recorder`) writes them with the ``encode_*``
+The rank side (:mod:`ddparity.harness.ranks.recorder`) writes them with the ``encode_*``
 functions; the judging side (:mod:`ddparity.checks`) reads them with the ``parse_*``
 ones. A leaf module: plain data, no torch, no harness.
 """

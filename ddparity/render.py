@@ -12,8 +12,7 @@ if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
-    from ddparity.report import Report, RunResult
-    from ddparity.verdicts import Crash, Desync, Failure, Hang, RankPlace
+    from ddparity.verdicts import Crash, Desync, Failure, Hang, RankPlace, RunResult
 
 
 def _sci(x: float | None) -> str:
@@ -173,27 +172,28 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
     return lines
 
 
-def render_report(report: Report) -> str:
+def render_report(case: str, runs: list[RunResult]) -> str:
+    """A check's report: the table of its runs, each failure, the notes, one overall line."""
     rows = [("mode", "world", "backend", "status", "seconds")]
-    for r in report.runs:
+    for r in runs:
         backend = r.backend + (" (simulated)" if r.simulated else "")
         rows.append((r.mode, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
-    out = [f"ddparity check: {report.case}", *table(rows)]
-    failures = [r for r in report.runs if not r.ok]
+    out = [f"ddparity check: {case}", *table(rows)]
+    failures = [r for r in runs if not r.ok]
     told: dict[tuple[str, ...], str] = {}
     for run in failures:
         out.append("")
         out.extend(render_run_failure(run, told))
-    notes = [line for r in report.runs if r.ok for line in render_notes(r)]
+    notes = [line for r in runs if r.ok for line in render_notes(r)]
     if notes:
         out.append("")
         out.extend(line.strip() for line in notes)
-    passed = sum(r.status == "pass" for r in report.runs)
-    skipped = sum(r.status == "skipped" for r in report.runs)
-    verdict = "OK" if report.ok else "FAILED"
+    passed = sum(r.status == "pass" for r in runs)
+    skipped = sum(r.status == "skipped" for r in runs)
+    verdict = "OK" if all(r.ok for r in runs) else "FAILED"
     tail = f", {skipped} skipped" if skipped else ""
     out.append("")
-    out.append(f"{verdict}: {passed} of {len(report.runs)} runs equivalent to the reference{tail}")
+    out.append(f"{verdict}: {passed} of {len(runs)} runs equivalent to the reference{tail}")
     return "\n".join(out)
 
 

@@ -1,4 +1,5 @@
-"""The reports of the three verbs: ``check`` (:class:`Report` of :class:`RunResult`),
+"""The reports of the three verbs: ``check`` (:class:`Report` of
+:class:`~ddparity.verdicts.RunResult`),
 ``profile`` (:class:`ProfileReport`) and ``health`` (:class:`HealthReport`), with their
 exit codes and JSON (version 1). Their text is :mod:`ddparity.render`."""
 
@@ -10,77 +11,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddparity.errors import Exit, ParityError
-from ddparity.verdicts import Crash, Desync, Divergence, Failure, Hang, Straggler, json_or_none
+from ddparity.verdicts import RunResult, exit_code
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
-
-FAILING = ("diverged", "desync", "hang", "crash", "error")
-
-
-@dataclass
-class RunResult:
-    mode: str
-    world_size: int
-    backend: str
-    status: str
-    simulated: bool = False
-    reason: str | None = None
-    first_divergence: Divergence | None = None
-    worst: list[Divergence] = field(default_factory=list)
-    desync: Desync | None = None
-    hang: Hang | None = None
-    crash: Crash | None = None
-    stragglers: list[Straggler] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    tolerance: str = ""
-    repro: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status not in FAILING
-
-    def failed(self, failure: Failure) -> RunResult:
-        """This run, ended by ``failure`` (its status, reason and verdict)."""
-        self.status, self.reason = failure.status, failure.reason
-        self.desync, self.hang, self.crash = failure.desync, failure.hang, failure.crash
-        return self
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "simulated": self.simulated,
-            "status": self.status,
-            "reason": self.reason,
-            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
-            "desync": json_or_none(self.desync),
-            "hang": json_or_none(self.hang),
-            "crash": json_or_none(self.crash),
-            "stragglers": [s.to_json() for s in self.stragglers],
-            "notes": self.notes,
-            "seconds": round(self.seconds, 4),
-            "worst": [d.to_json() for d in self.worst],
-            "tolerance": self.tolerance,
-            "repro": self.repro,
-        }
-
-
-def exit_code(statuses: set[str]) -> int:
-    """SPEC exit codes from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
-    0 otherwise (equivalent, profiled, skipped)."""
-    if statuses & {"hang", "crash"}:
-        return Exit.HANG_OR_CRASH
-    if "error" in statuses:
-        return Exit.USAGE
-    if statuses & {"diverged", "desync"}:
-        return Exit.FAILED
-    return Exit.OK
-
 
 @dataclass
 class Report:
@@ -104,7 +40,7 @@ class Report:
     def render(self) -> str:
         from ddparity.render import render_report
 
-        return render_report(self)
+        return render_report(self.case, self.runs)
 
     def raise_for_failure(self) -> None:
         if not self.ok:

@@ -1,6 +1,7 @@
 """The verdicts a run can carry, typed: a :class:`Divergence` from the reference, a
 :class:`Desync` across ranks, a :class:`Hang`, a :class:`Crash`, and the
-:class:`Straggler` notes of a passing run. Decided once in :mod:`ddparity.checks`; the
+:class:`Straggler` notes of a passing run, and the :class:`RunResult` of one run that
+carries them (with its status, and :func:`exit_code` from statuses). Decided once in :mod:`ddparity.checks`; the
 same objects become the text (:mod:`ddparity.render`), the JSON (``to_json``: the SPEC's
 version-1 fields, pinned byte for byte by ``tests/test_report_json.py``), the JUnit
 properties and the exit code.
@@ -17,6 +18,8 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ddparity.errors import Exit
 
 
 class _ReadsAsJson(Mapping[str, Any]):
@@ -209,3 +212,68 @@ class Failure:
 
 def json_or_none(verdict: _ReadsAsJson | None) -> dict[str, Any] | None:
     return verdict.to_json() if verdict is not None else None
+
+
+FAILING = ("diverged", "desync", "hang", "crash", "error")
+
+
+@dataclass
+class RunResult:
+    mode: str
+    world_size: int
+    backend: str
+    status: str
+    simulated: bool = False
+    reason: str | None = None
+    first_divergence: Divergence | None = None
+    worst: list[Divergence] = field(default_factory=list)
+    desync: Desync | None = None
+    hang: Hang | None = None
+    crash: Crash | None = None
+    stragglers: list[Straggler] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    tolerance: str = ""
+    repro: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status not in FAILING
+
+    def failed(self, failure: Failure) -> RunResult:
+        """This run, ended by ``failure`` (its status, reason and verdict)."""
+        self.status, self.reason = failure.status, failure.reason
+        self.desync, self.hang, self.crash = failure.desync, failure.hang, failure.crash
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "simulated": self.simulated,
+            "status": self.status,
+            "reason": self.reason,
+            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
+            "desync": json_or_none(self.desync),
+            "hang": json_or_none(self.hang),
+            "crash": json_or_none(self.crash),
+            "stragglers": [s.to_json() for s in self.stragglers],
+            "notes": self.notes,
+            "seconds": round(self.seconds, 4),
+            "worst": [d.to_json() for d in self.worst],
+            "tolerance": self.tolerance,
+            "repro": self.repro,
+        }
+
+
+def exit_code(statuses: set[str]) -> int:
+    """SPEC exit codes from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
+    0 otherwise (equivalent, profiled, skipped)."""
+    if statuses & {"hang", "crash"}:
+        return Exit.HANG_OR_CRASH
+    if "error" in statuses:
+        return Exit.USAGE
+    if statuses & {"diverged", "desync"}:
+        return Exit.FAILED
+    return Exit.OK

@@ -47,7 +47,7 @@ def no_leftover_processes():
     """Fails the test if it leaves any child process behind."""
     before = _children()
     yield
-    from ddparity.harness.pool import default_pool
+    from ddparity.harness.world.pool import default_pool
 
     default_pool().close()
     leftover = stray_processes(before)  # multiprocessing's shared helpers may stay

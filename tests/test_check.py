@@ -12,7 +12,7 @@ from torch import nn
 from ddparity import Case, ParityError, check
 from ddparity.errors import UsageError
 from ddparity.fixtures import bugs, models
-from ddparity.harness.rendezvous import cuda_device_count
+from ddparity.harness.world.rendezvous import cuda_device_count
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

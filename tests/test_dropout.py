@@ -7,11 +7,11 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import dropout
-from ddparity.harness.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
-from ddparity.harness.modes.single import SingleMode
-from ddparity.harness.modes.twin import TwinMode
-from ddparity.harness.spool import Comparer, Spool, Writer, write_state
-from ddparity.harness.training import initial_state, train
+from ddparity.harness.ranks.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
+from ddparity.harness.ranks.modes.single import SingleMode
+from ddparity.harness.ranks.modes.twin import TwinMode
+from ddparity.harness.ranks.spool import Comparer, Spool, Writer, write_state
+from ddparity.harness.ranks.training import initial_state, train
 from tests.conftest import needs_newer_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -48,7 +48,7 @@ def test_a_checkpointed_region_recomputed_in_backward_draws_its_forwards_mask(re
     replica's rows: a false alarm in dp), as torch's own dropout does by restoring the RNG."""
     import torch
 
-    from ddparity.harness.randomness import AlignedDropout
+    from ddparity.harness.ranks.randomness import AlignedDropout
 
     x = torch.randn(8, 16)
     grads = []

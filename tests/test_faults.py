@@ -13,8 +13,8 @@ import pytest
 from ddparity import check
 from ddparity.fixtures import models
 from ddparity.fixtures.faults import FAULTS, reported_ranks
-from ddparity.harness import spool
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.ranks import spool
+from ddparity.harness.world.pool import WorldPool
 from tests.conftest import stray_processes
 
 TIMEOUT = 3.0  # seconds without progress before a run counts as a hang

@@ -9,7 +9,7 @@ import torch
 from ddparity.frames import PACKAGE, own_error_site
 
 TORCH = os.path.dirname(torch.__file__)
-RANK = os.path.join(PACKAGE, "harness", "rank.py")
+RANK = os.path.join(PACKAGE, "harness", "ranks", "rank.py")
 
 
 def _tb(*files: str) -> str:
@@ -20,17 +20,17 @@ def _tb(*files: str) -> str:
 
 
 def test_an_error_torch_raises_inside_a_harness_hook_is_ddparitys():
-    tb = _tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"), os.path.join(TORCH, "optim", "optimizer.py"),
-             os.path.join(PACKAGE, "harness", "spool.py"), os.path.join(TORCH, "_tensor.py"))
-    assert own_error_site(tb) == "harness/spool.py:13"
+    tb = _tb(RANK, os.path.join(PACKAGE, "harness", "ranks", "stepping.py"), os.path.join(TORCH, "optim", "optimizer.py"),
+             os.path.join(PACKAGE, "harness", "ranks", "spool.py"), os.path.join(TORCH, "_tensor.py"))
+    assert own_error_site(tb) == "harness/ranks/spool.py:13"
 
 
 def test_an_error_in_the_users_code_or_torch_under_it_is_the_users():
     user = "/home/me/project/model.py"
-    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"), user)) is None
+    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "ranks", "stepping.py"), user)) is None
     assert own_error_site(_tb(RANK, user, os.path.join(TORCH, "nn", "functional.py"))) is None
     # torch raising under the step driver over the user's set-up (an unused parameter)
-    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "stepping.py"),
+    assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "harness", "ranks", "stepping.py"),
                               os.path.join(TORCH, "nn", "parallel", "distributed.py"))) is None
     # the fixtures stand for a user's model
     assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "fixtures", "faults.py"))) is None

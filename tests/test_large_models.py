@@ -10,9 +10,9 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import large
-from ddparity.harness.pool import default_pool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.world.pool import default_pool
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

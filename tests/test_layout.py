@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ddparity"
 MAX_LINES = 400
-LEAVES = ("ddparity.errors", "ddparity.settings", "ddparity.case", "ddparity.trace", "ddparity.records", "ddparity.frames",
+LEAVES = ("ddparity.errors", "ddparity.settings", "ddparity.case", "ddparity.distances", "ddparity.records", "ddparity.frames",
           "ddparity.measurements", "ddparity.verdicts")
 """Value types: they import nothing from ddparity but each other."""
 JUDGING_OR_REPORTING = ("ddparity.checks", "ddparity.verbs", "ddparity.report", "ddparity.render",
@@ -70,22 +70,112 @@ def test_value_types_are_leaves(name):
     assert not bad, f"{name} is a value type; it may import only other value types, not {bad}"
 
 
-def test_no_folder_imports_a_folder_that_imports_it_back():
-    def folder(module: str) -> str:
-        parts = module.split(".")
-        if len(parts) > 2 or (len(parts) == 2 and MODULES.get(module, PACKAGE).name == "__init__.py"):
-            return parts[1]
-        return "top"
+HARNESS_ROOMS = ("world", "ranks", "launch")
+"""``harness/``'s folders by process role; its files directly inside (what all three
+share) count as one room."""
+LAYERS = (
+    LEAVES,
+    ("ddparity.harness", "ddparity.checks", "ddparity.fixtures"),
+    ("ddparity.render", "ddparity.report", "ddparity.plot"),
+    ("ddparity.verbs",),
+    ("ddparity.cli", "ddparity.cli_parser", "ddparity.cli_progress", "ddparity.pytest_plugin", "ddparity.strategies",
+     "ddparity.__main__", "ddparity"),
+)
+"""From the bottom up: a module imports from its own layer or below, never above (value
+types flow down, verdicts flow up)."""
+HARNESS_LAYERS = ("ddparity.harness", "ddparity.harness.ranks", "ddparity.harness.world", "ddparity.harness.launch")
+"""Inside the harness, from the bottom up: what all share, the rank side, the controller
+(which starts ranks), the launch (whose processes are ranks and watch each other)."""
+MAX_ROOM_SHARE = 0.30
 
+
+def room(module: str) -> str:
+    """The room a module lives in: a folder (``harness``'s role folders each one, its files
+    directly inside together one), or a top-level module alone."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "harness" and parts[2] in HARNESS_ROOMS:
+        return f"harness/{parts[2]}"
+    if len(parts) > 2 or (len(parts) == 2 and MODULES.get(module, PACKAGE).name == "__init__.py"):
+        return parts[1]
+    return module
+
+
+def layer(module: str, layers: tuple[tuple[str, ...], ...] | tuple[str, ...]) -> int:
+    """The index of the innermost (longest) room prefix of ``module`` in ``layers``."""
+    best, found = -1, -1
+    for i, rooms in enumerate(layers):
+        for r in (rooms,) if isinstance(rooms, str) else rooms:
+            if within(module, (r,)) and len(r) > best:
+                best, found = len(r), i
+    assert found >= 0, f"{module} is in no layer of the layout test; place it"
+    return found
+
+
+def room_graph() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for name, path in MODULES.items():
-        here = folder(name)
         for target in ddparity_imports(path):
-            there = folder(target)
-            if here != "top" and there != "top" and here != there:
-                edges.setdefault(here, set()).add(there)
-    cycles = sorted((a, b) for a, targets in edges.items() for b in targets if a in edges.get(b, set()))
-    assert not cycles, f"folders that import each other: {cycles} (edges {edges})"
+            a, b = room(name), room(target)
+            if a != b and b != "ddparity":
+                edges.setdefault(a, set()).add(b)
+    return edges
+
+
+def test_no_room_imports_a_room_that_imports_it_back():
+    """No circle of any length between rooms, top-level modules included (Tarjan's
+    strongly connected components of the room graph)."""
+    edges = room_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    assert not circles, f"rooms that import each other, round a circle: {circles}"
+    assert len(edges) >= 10  # the walk finds the rooms
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if m != "ddparity"])
+def test_no_arrow_runs_back_up(name):
+    mine = layer(name, LAYERS)
+    up = sorted(m for m in ddparity_imports(MODULES[name]) if m != "ddparity" and layer(m, LAYERS) > mine)
+    assert not up, f"{name} (layer {mine} of {LAYERS[mine]}) imports from above it: {up}"
+    if within(name, ("ddparity.harness",)):
+        mine = layer(name, HARNESS_LAYERS)
+        up = sorted(m for m in ddparity_imports(MODULES[name])
+                    if within(m, ("ddparity.harness",)) and layer(m, HARNESS_LAYERS) > mine)
+        assert not up, f"{name} ({HARNESS_LAYERS[mine]}) imports a harness room above it: {up}"
+
+
+def test_no_room_holds_more_than_a_share_of_the_package():
+    lines: dict[str, int] = {}
+    for name, path in MODULES.items():
+        lines[room(name)] = lines.get(room(name), 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    big = {r: f"{n / total:.0%}" for r, n in lines.items() if n > MAX_ROOM_SHARE * total}
+    assert not big, f"rooms over {MAX_ROOM_SHARE:.0%} of the package's {total} lines: {big}; split them by role"
+    assert {"harness", "harness/world", "harness/ranks", "harness/launch", "checks", "verbs"} <= set(lines)
 
 
 @pytest.mark.parametrize("name", list(MODULES))

@@ -8,12 +8,13 @@ import json
 import os
 from pathlib import Path
 
-from ddparity.checks.verdict import judge_completed, judge_failure
+from ddparity.checks.judge import judge_completed, judge_failure
 from ddparity.errors import RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
-from ddparity.harness.outcomes import RankOutcome
-from ddparity.harness.threaded import SimulatedRankError
+from ddparity.harness.ranks.threaded import SimulatedRankError
+from ddparity.harness.world.outcomes import RankOutcome
 from ddparity.records import RankRecords
-from ddparity.report import Divergence, Report, RunResult
+from ddparity.report import Report
+from ddparity.verdicts import Divergence, RunResult
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "report_v1.json"
 

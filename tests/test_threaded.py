@@ -11,7 +11,7 @@ from ddparity import Case, check
 from ddparity.fixtures import bugs
 from ddparity.fixtures.faults import FAULTS, reported_ranks
 from ddparity.fixtures.models import MLP, summed_mse
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 from ddparity.settings import REAL_RANKS_LIMIT
 from tests.conftest import needs_newer_torch
 

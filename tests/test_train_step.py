@@ -100,10 +100,10 @@ def test_ctx_tells_the_step_where_it_runs():
         assert ctx.state["calls"] == ctx.step + 1  # one state for the whole run of a replica
         return loops.accumulate(model, batch, optimizer, ctx)
 
-    from ddparity.harness.modes.ddp import DDPMode
-    from ddparity.harness.modes.dp import DataParallelMode
-    from ddparity.harness.modes.single import SingleMode
-    from ddparity.harness.training import initial_state, train
+    from ddparity.harness.ranks.modes.ddp import DDPMode
+    from ddparity.harness.ranks.modes.dp import DataParallelMode
+    from ddparity.harness.ranks.modes.single import SingleMode
+    from ddparity.harness.ranks.training import initial_state, train
 
     case = _step(train_step=spy, steps=2)
     state = initial_state(case)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddparity.checks.tolerance import Tolerance
-from ddparity.trace import RECORD_KINDS, Distances, Reference
+from ddparity.distances import RECORD_KINDS, Distances, Reference
 from ddparity.verdicts import Divergence
 
 WORST_SHOWN = 5

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.trace import RECORD_KINDS, Reference, distance, max_abs  # noqa: F401 - the measures, re-exported
+from ddparity.distances import RECORD_KINDS, Reference, distance, max_abs  # noqa: F401 - the measures, re-exported
 
 HEADROOM = 32.0
 """The twin samples *one* reordering; DDP is another. Across our sweep

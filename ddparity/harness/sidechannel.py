@@ -16,7 +16,7 @@ Records of task ``T`` for rank ``r``:
 * ``L<r>`` — ledger: one line per collective, appended.
 * ``F<r>`` — fingerprints: one line per training step, appended.
 
-A rank that runs simulated ranks (threads, :mod:`ddparity.harness.threaded`) writes theirs
+A rank that runs simulated ranks (threads, :mod:`ddparity.harness.ranks.threaded`) writes theirs
 beside its own, as ``P<r>.s<simulated rank>`` and so on, plus ``T`` (the thread's id) and
 ``E`` (the code it passed to ``os._exit``): the World reads them when that rank fails.
 """
@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ddparity.records import RankRecords
 
@@ -39,6 +39,44 @@ SIMULATED = ".s"
 
 def task_prefix(world_prefix: str, task_id: int) -> str:
     return f"{world_prefix}/side/t{task_id}/"
+
+
+class RankEnd(Protocol):
+    """A rank's end of the side channel, written by its recorder (:class:`RankChannel`: keys
+    in a launch's store; :class:`FileRankChannel`: files in a local world's private folder).
+    Writes only, and only while a task runs (between :meth:`begin` and :meth:`end`)."""
+
+    def begin(self, task_id: int) -> None: ...
+
+    def end(self) -> None: ...
+
+    @property
+    def active(self) -> bool:
+        """Whether a task runs (records are written)."""
+
+    def set_progress(self, value: str) -> None:
+        """The rank's latest position (:func:`ddparity.records.encode_progress`), overwritten."""
+
+    def append_ledger(self, line: str) -> None:
+        """One collective, appended (:func:`ddparity.records.encode_entry`)."""
+
+    def append_fingerprint(self, line: str) -> None:
+        """One step's fingerprints, appended."""
+
+
+class TaskEnd(Protocol):
+    """The reader's end for one task (:class:`TaskChannel`, :class:`FileTaskChannel`): made
+    ready before the task is sent, polled while it runs (by the controller, or a launch's
+    watch), read once it ended, cleared."""
+
+    def prepare(self) -> None: ...
+
+    def progress(self) -> list[str]:
+        """Every rank's latest position, by rank (``""``: none yet)."""
+
+    def read(self) -> dict[int, RankRecords]: ...
+
+    def clear(self) -> None: ...
 
 
 class RankChannel:
@@ -110,7 +148,7 @@ def private_root() -> str:
     removed by a janitor when the process is gone)."""
     global _ROOT
     if _ROOT is None or not os.path.isdir(_ROOT):
-        from ddparity.harness.spool import remove_when_gone
+        from ddparity.harness.janitor import remove_when_gone
 
         _ROOT = tempfile.mkdtemp(prefix=f"ddparity-side-{os.getpid()}-")
         remove_when_gone(_ROOT)

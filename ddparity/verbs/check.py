@@ -15,18 +15,19 @@ from ddparity.case import Case
 from ddparity.checks.causes import likely_cause
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
+from ddparity.checks.judge import judge_completed
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
-from ddparity.checks.verdict import judge_completed
+from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
-from ddparity.harness.pool import WorldPool, default_pool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import ddp_task, dp_task, prepare_task, reference_task
-from ddparity.harness.threaded import as_simulated, threaded_ddp_task
-from ddparity.harness.world import PendingTask
-from ddparity.report import Report, RunResult
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import ddp_task, dp_task, prepare_task, reference_task
+from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task
+from ddparity.harness.world.pool import WorldPool, default_pool
+from ddparity.harness.world.world import PendingTask
+from ddparity.report import Report
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
-from ddparity.trace import Distances, Reference
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, run_backend
+from ddparity.verdicts import RunResult
 
 
 def check(

@@ -1,8 +1,8 @@
 """``health``: is this machine (or cluster) fit to train on? (``ddparity health``)
 
 Locally it starts a World of real ranks (one per GPU under nccl, else 2 CPU ranks on
-gloo); under torchrun each launched process is a rank (:mod:`ddparity.harness.torchrun`).
-The ranks measure (:mod:`ddparity.harness.health_task`), rank 0 or the controller judges
+gloo); under torchrun each launched process is a rank (:mod:`ddparity.harness.launch.torchrun`).
+The ranks measure (:mod:`ddparity.harness.ranks.health_probe`), rank 0 or the controller judges
 (:mod:`ddparity.checks.health`).
 """
 
@@ -14,8 +14,8 @@ from typing import NoReturn
 
 from ddparity.checks.health import judge
 from ddparity.errors import WorldFailure
-from ddparity.harness import rendezvous
-from ddparity.harness.health_task import FAULT_ENV, HealthOptions, health_task, parse_fault
+from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, parse_fault
+from ddparity.harness.world import rendezvous
 from ddparity.render import render_failure
 from ddparity.report import HealthReport
 from ddparity.settings import (
@@ -41,7 +41,7 @@ def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
            min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> HealthReport:
     """Run the health checks on a local World of real ranks."""
-    from ddparity.harness.world import World
+    from ddparity.harness.world.world import World
 
     opts = options(sizes_mib)
     _check_numbers(timeout, min_busbw)
@@ -69,7 +69,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     """This process's part of a torchrun-launched health check: every launched process
     measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
     to ``emit``; every process exits with its code. Hangs and crashes are found by the
-    launch's watch threads (:mod:`ddparity.harness.launchwatch`)."""
+    launch's watch threads (:mod:`ddparity.harness.launch.watch`)."""
     from ddparity.verbs.launched import everyone
 
     opts = options(sizes_mib)

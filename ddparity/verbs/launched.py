@@ -1,20 +1,20 @@
 """``check`` and ``profile`` inside a torchrun (or Slurm) launch: the launched processes
 are the world (``torchrun ... -m ddparity check TARGET``).
 
-Every process loads the target and joins the launch (:func:`ddparity.harness.torchrun.join`).
+Every process loads the target and joins the launch (:func:`ddparity.harness.launch.torchrun.connect`).
 For ``check``:
 
 1. rank 0 builds the initial state into its spool and trains the single-device reference
    (and its calibration twin) on its own device, writing every step; the others wait;
 2. every rank trains its DDP replica at world size ``WORLD_SIZE`` and compares each step
    with the reference: in place where it can read rank 0's spool (rank 0's node), else
-   served by rank 0 over a gloo group of its own (:mod:`ddparity.harness.refserve`);
+   served by rank 0 over a gloo group of its own (:mod:`ddparity.harness.launch.refserve`);
 3. rank 0 gathers the distances and what the ranks left in the side channel (through the
    launch's store), judges them exactly as a local check does, prints the report and
    writes the JSON; every process exits with the verdict's code.
 
 A hang, a crash or a collective mismatch anywhere is found by the processes' watch threads
-(:mod:`ddparity.harness.launchwatch`) and reported the same way, by the lowest rank alive.
+(:mod:`ddparity.harness.launch.watch`) and reported the same way, by the lowest rank alive.
 ``profile`` times DDP steps on every rank and rank 0 summarises them.
 """
 
@@ -31,12 +31,13 @@ from typing import Any, NoReturn
 from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, first_non_finite
+from ddparity.distances import Reference
 from ddparity.errors import UsageError, WorldFailure
-from ddparity.harness import torchrun
-from ddparity.harness.launchwatch import LaunchWatch
-from ddparity.report import Report, RunResult
+from ddparity.harness.launch import torchrun
+from ddparity.harness.launch.everyone import Everyone
+from ddparity.report import Report
 from ddparity.settings import CheckOptions, needs_newer_torch
-from ddparity.trace import Reference
+from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
 PROGRAM = "torchrun <the same launch options> -m ddparity"
@@ -80,7 +81,7 @@ class _LaunchedCheck:
 
     def __init__(self, case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> None:
         self.case, self.opts, self._emit_to = case, opts, emit
-        self.world = _Everyone(opts.backend, opts.timeout, self._report_failure)
+        self.world = everyone(opts.backend, opts.timeout, self._report_failure)
         self.launch, self.ctx, self.recorder, self.watch = (self.world.launch, self.world.ctx, self.world.recorder,
                                                             self.world.watch)
         self.started = time.perf_counter()
@@ -93,9 +94,9 @@ class _LaunchedCheck:
     # -- rank 0's reference ----------------------------------------------------------
 
     def reference_stage(self) -> dict[str, Any]:
-        from ddparity.harness.rank import released
-        from ddparity.harness.spool import Spool
-        from ddparity.harness.tasks import prepare_task, reference_task
+        from ddparity.harness.ranks.rank import released
+        from ddparity.harness.ranks.spool import Spool
+        from ddparity.harness.ranks.tasks import prepare_task, reference_task
         from ddparity.verbs.plan import cannot_run
 
         case, ctx, store = self.case, self.ctx, self.launch.store
@@ -133,9 +134,9 @@ class _LaunchedCheck:
     # -- every rank's DDP replica ------------------------------------------------------
 
     def ddp_stage(self, go: dict[str, Any]) -> Any:
-        from ddparity.harness.refserve import ReferenceServer, RemoteReference
-        from ddparity.harness.spool import Spool, load_state
-        from ddparity.harness.tasks import WAIT_LIMIT_S, ddp_task
+        from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
+        from ddparity.harness.ranks.spool import Spool, load_state
+        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, ddp_task
 
         ctx, launch = self.ctx, self.launch
         self.watch.stage = 2
@@ -265,74 +266,6 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     me.watch.finish(me.report_completed())
 
 
-class _Everyone:
-    """A launch in which every rank runs one task (``profile``'s timed steps, ``health``'s
-    measurements); rank 0 may first run one alone (stage 1)."""
-
-    def __init__(self, backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> None:
-        from ddparity.harness.recorder import install_recorder
-        from ddparity.harness.sidechannel import RankChannel
-
-        self.timeout = timeout
-        self.launch = torchrun.connect(backend, timeout, tasks=(1, 2))
-        self.ctx, self.store = self.launch.ctx, self.launch.store
-        self.recorder = install_recorder(RankChannel(self.store, "", self.ctx.rank))
-        self.watch = LaunchWatch(self.store, self.ctx.rank, self.ctx.world_size, timeout, failed, LiveWatch())
-
-    def alone(self, task: Callable[..., Any], *args: Any) -> Any:
-        """Rank 0: ``task`` in a process group of its own (world size 1)."""
-        import dataclasses
-
-        with torchrun.alone(self.ctx.backend):
-            self.recorder.begin_task(1)
-            value = task(dataclasses.replace(self.ctx, world_size=1), *args)
-            self.recorder.end_task()
-        return value
-
-    def run(self, first: Callable[[], None] | None, task: Callable[..., Any], *args: Any) -> list[Any]:
-        """``first()`` on rank 0 (stage 1, e.g. :meth:`alone`), then ``task(ctx, *args)`` on
-        every rank; rank 0 gets every rank's value (see :meth:`gather`)."""
-        ctx, store = self.ctx, self.store
-        try:
-            if ctx.rank == 0:
-                if first is not None:
-                    first()
-                store.set("go", "1")
-            while not store.check(["go"]):
-                time.sleep(0.05)
-            self.watch.stage = 2
-            torchrun.form_world(self.launch, self.timeout)
-            self.recorder.begin_task(2)
-            value = task(ctx, *args)
-            self.recorder.end_task()
-            self.publish(value)
-        except KeyboardInterrupt:
-            os._exit(130)
-        except BaseException as exc:
-            self.watch.fail(exc)
-        return self.gather()
-
-    def publish(self, value: Any) -> None:
-        """This rank's result of the every-rank task."""
-        import cloudpickle
-
-        self.store.set(f"R{self.ctx.rank}", cloudpickle.dumps(value))
-
-    def gather(self) -> list[Any]:
-        """Rank 0: every rank's published result, once it holds the right to report; the
-        others, and rank 0 without that right, wait here for the verdict (and exit with it)."""
-        import cloudpickle
-
-        n = self.ctx.world_size
-        if self.ctx.rank != 0:
-            self.watch.idle()
-        while not self.store.check([f"R{r}" for r in range(n)]):  # one round trip: all there?
-            time.sleep(0.05)
-        if not self.watch.claim():
-            self.watch.idle()
-        return [cloudpickle.loads(self.store.get(f"R{r}")) for r in range(n)]
-
-
 def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
                      emit: Callable[[Any], None]) -> NoReturn:
     """This process's part of ``profile`` in a launch: rank 0 times the case on its own
@@ -340,8 +273,8 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     figure), then every rank times DDP steps; rank 0 summarises both and reports; every
     process exits with the report's code."""
     from ddparity.checks.comm import add_scaling, summarize
-    from ddparity.harness.tasks import profile_task
-    from ddparity.harness.training import initial_state
+    from ddparity.harness.ranks.tasks import profile_task
+    from ddparity.harness.ranks.training import initial_state
     from ddparity.report import ProfileReport
     from ddparity.verbs.profile import failed_run
 
@@ -363,7 +296,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
         one.notes.append("rank 0 alone: the baseline of the scaling figure")
         runs.append(one)
 
-    me = _Everyone(backend, timeout, failed)
+    me = everyone(backend, timeout, failed)
     # every rank builds the initial state from the seed; DDP broadcasts rank 0's anyway
     profiles = me.run(baseline, lambda ctx: profile_task(ctx, case, initial_state(case), steps, warmup))
     run = summarize(profiles, me.ctx.backend)
@@ -375,9 +308,10 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     me.watch.finish(report.exit_code)
 
 
-def everyone(backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> _Everyone:
-    """A launch in which every rank runs one task (see :class:`_Everyone`)."""
-    return _Everyone(backend, timeout, failed)
+def everyone(backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> Everyone:
+    """A launch in which every rank runs one task, watched for collective mismatches too
+    (see :class:`~ddparity.harness.launch.everyone.Everyone`)."""
+    return Everyone(backend, timeout, failed, LiveWatch())
 
 
 __all__ = ["check_launched", "everyone", "launch_options", "profile_launched"]

@@ -10,13 +10,12 @@ import os
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.verdict import judge_failure
+from ddparity.checks.judge import judge_failure
 from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.frames import own_error_site, without_package_frames
-from ddparity.harness import rendezvous
-from ddparity.report import RunResult
+from ddparity.harness.world import rendezvous
 from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
-from ddparity.verdicts import Failure
+from ddparity.verdicts import Failure, RunResult
 
 # -- planning ----------------------------------------------------------------------------
 
@@ -25,7 +24,7 @@ def choose_backend(backend: str, world_sizes: tuple[int, ...]) -> str:
     """One backend for the whole check, so every run is compared on the same device kind
     (``threaded`` runs its simulated ranks in a gloo world's process)."""
     if backend == "threaded":
-        from ddparity.harness.threaded import threaded_pg
+        from ddparity.harness.ranks.threaded import threaded_pg
 
         threaded_pg()  # raises a UsageError naming the fix where torch lacks it
         return "gloo"
@@ -109,7 +108,7 @@ def _own_error(exc: BaseException) -> str | None:
 def failure(exc: BaseException) -> Failure:
     """Why a run the World could not finish ended: ``error`` when the case itself cannot
     run (its factory, data or loss raised; the world could not start), else the desync,
-    hang or crash that :func:`ddparity.checks.verdict.judge_failure` finds."""
+    hang or crash that :func:`ddparity.checks.judge.judge_failure` finds."""
     if isinstance(exc, TaskFailed) and any(isinstance(o.error, (CaseError, UsageError))
                                            for o in exc.outcomes if not o.ok):
         return Failure("error", _user_error(exc))

@@ -1,7 +1,7 @@
 """``profile``: a case's DDP communication at each world size (``ddparity profile``).
 
 Runs in the same warm worlds as :func:`ddparity.check`, with the same hang and crash
-detection; the rank side is :mod:`ddparity.harness.modes.timed`, the figures
+detection; the rank side is :mod:`ddparity.harness.ranks.modes.timed`, the figures
 :mod:`ddparity.checks.comm`.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile, add_scaling, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
-from ddparity.harness.pool import WorldPool, default_pool
-from ddparity.harness.spool import Spool
-from ddparity.harness.tasks import prepare_task, profile_task
+from ddparity.harness.ranks.spool import Spool
+from ddparity.harness.ranks.tasks import prepare_task, profile_task
+from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.render import render_failure
 from ddparity.report import ProfileReport
 from ddparity.settings import (

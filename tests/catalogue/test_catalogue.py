@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ddparity import check
 from ddparity.fixtures import catalogue, inputs
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 from tests.conftest import _children, needs_newer_torch, stray_processes
 
 MEMBERS = catalogue.members()

@@ -11,8 +11,8 @@ import torch
 from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
 from ddparity.checks.hang import stragglers, suspect_ranks
-from ddparity.harness.fingerprint import fingerprint
-from ddparity.harness.stacks import tidy_stack
+from ddparity.harness.ranks.fingerprint import fingerprint
+from ddparity.harness.world.stacks import tidy_stack
 from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
 
 
@@ -81,7 +81,7 @@ def test_a_rank_that_changes_what_it_calls_from_one_step_is_blamed_at_two_ranks(
 
 
 def test_two_ranks_without_evidence_are_both_reported_as_disagreeing():
-    from ddparity.checks.verdict import mismatch_desync
+    from ddparity.checks.judge import mismatch_desync
     from ddparity.render import _differs
 
     found = collective_mismatch({0: [_call(0, 0, "a.py:1 in f")], 1: [_call(0, 0, "a.py:1 in f", "broadcast|None|1|x")]})
@@ -168,8 +168,8 @@ Thread 12 (idle): "MainThread"
     c10d::Work::wait (libtorch_cpu.so)
     pybind11::cpp_function::initialize<std::vector<at::Tensor, std::allocator<at::Tensor> >, bool>(foo<int>)::{lambda(int)#1}::_FUN (libtorch_python.so)
     train (model.py:10)
-    _run_task (ddparity/harness/rank.py:130)
-    rank_main (ddparity/harness/rank.py:176)
+    _run_task (ddparity/harness/ranks/rank.py:130)
+    rank_main (ddparity/harness/ranks/rank.py:176)
     BaseProcess._bootstrap (multiprocessing/process.py:314)
 """
     text = tidy_stack(raw)
@@ -186,7 +186,7 @@ def test_tidy_stack_hides_ddparitys_own_threads_unless_verbose(monkeypatch):
     raw = """Thread 12 (idle): "MainThread"
     train (model.py:10)
 Thread 13 (idle): "ddparity-ledger"
-    Recorder._publish_loop (ddparity/harness/recorder.py:179)
+    Recorder._publish_loop (ddparity/harness/ranks/recorder.py:179)
 Thread 14 (idle): "ddparity-simulated-rank3"
     forward (model.py:20)
 """
@@ -204,24 +204,24 @@ def test_stacks_and_tracebacks_fold_ddparitys_own_frames_unless_verbose(monkeypa
     spy = """Thread 12 (idle): "MainThread"
     Tensor.backward (torch/_tensor.py:623)
     train_step (my_training.py:30)
-    record_step (ddparity/harness/stepping.py:144)
-    DDPMode.step (ddparity/harness/modes/ddp.py:75)
-    train (ddparity/harness/training.py:155)
-    _run_task (ddparity/harness/rank.py:135)
+    record_step (ddparity/harness/ranks/stepping.py:144)
+    DDPMode.step (ddparity/harness/ranks/modes/ddp.py:75)
+    train (ddparity/harness/ranks/training.py:155)
+    _run_task (ddparity/harness/ranks/rank.py:135)
     FaultyMLP.forward (ddparity/fixtures/faults.py:55)
 """
-    own = f"{PACKAGE}harness/stepping.py"
+    own = f"{PACKAGE}harness/ranks/stepping.py"
     python = ("Traceback (most recent call last):\n"
-              f'  File "{PACKAGE}harness/rank.py", line 135, in _run_task\n    value = fn(ctx)\n'
+              f'  File "{PACKAGE}harness/ranks/rank.py", line 135, in _run_task\n    value = fn(ctx)\n'
               f'  File "{own}", line 144, in record_step\n    loss = replica.step_fn(model)\n           ^^^^^\n'
               f'  File "{own}", line 199, in step\n    loss = forward(model)\n'
               '  File "/home/me/my_training.py", line 30, in train_step\n    raise ValueError("bad")\n'
               "ValueError: bad\n")
     monkeypatch.delenv("DDPARITY_VERBOSE", raising=False)
     text = hide_own_frames(spy)
-    assert "stepping.py" not in text and "harness/training.py" not in text
+    assert "stepping.py" not in text and "harness/ranks/training.py" not in text
     assert "    train_step (my_training.py:30)\n    [3 frames of ddparity's own: --verbose shows them]\n" \
-           "    _run_task (ddparity/harness/rank.py:135)\n" in text
+           "    _run_task (ddparity/harness/ranks/rank.py:135)\n" in text
     assert "FaultyMLP.forward" in text  # the fixtures are a user's model
     tb = hide_own_frames(python)
     assert "stepping.py" not in tb and "replica.step_fn" not in tb and "^^^^^" not in tb

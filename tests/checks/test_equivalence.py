@@ -8,7 +8,7 @@ import torch
 
 from ddparity.checks.equivalence import divergences, first_non_finite, worst
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance, distance, fixed_tolerance
-from ddparity.trace import Distances, Entry, Reference
+from ddparity.distances import Distances, Entry, Reference
 
 KEYS = [("loss", "loss"), ("grad", "a.weight"), ("grad", "b.bias"), ("param", "a.weight"), ("param", "b.bias"),
         ("buffer", "bn.running_mean")]
@@ -176,7 +176,7 @@ def test_a_tolerance_is_never_nan_even_when_the_twins_magnitudes_blew_up():
 
 
 def test_an_infinite_distance_says_why():
-    from ddparity.trace import mismatch
+    from ddparity.distances import mismatch
 
     one = torch.ones(3)
     assert mismatch(one, None) == "missing (the reference has one)"

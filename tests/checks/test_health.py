@@ -8,7 +8,7 @@ import pytest
 
 from ddparity.checks.health import MATMUL_REL_TOL, judge
 from ddparity.errors import UsageError
-from ddparity.harness.health_task import parse_fault
+from ddparity.harness.ranks.health_probe import parse_fault
 from ddparity.measurements import RankHealth
 from ddparity.render import render_health as render
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ddparity.harness.rendezvous import cuda_device_count
+from ddparity.harness.world.rendezvous import cuda_device_count
 
 USER_FILE = textwrap.dedent(
     """
@@ -162,8 +162,8 @@ def test_a_crash_shows_the_users_frames_and_ddparitys_own_only_with_verbose():
     for result in (plain, verbose):
         assert "injected fault: rank 1 raised at step 1" in result.stdout and "in _inject" in result.stdout
     assert "frames of ddparity's own: --verbose shows them]" in plain.stdout
-    assert "harness/stepping.py" not in plain.stdout
-    assert "harness/stepping.py" in verbose.stdout and "frames of ddparity's own" not in verbose.stdout
+    assert "harness/ranks/stepping.py" not in plain.stdout
+    assert "harness/ranks/stepping.py" in verbose.stdout and "frames of ddparity's own" not in verbose.stdout
 
 
 def test_a_mismatched_collective_exits_1_with_each_ranks_call_site(tmp_path):
@@ -270,7 +270,7 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, mess
     text = result.stdout + result.stderr
     assert message in text
     assert "Traceback" not in result.stderr
-    assert "ddparity/harness/rank.py" not in text  # never a traceback through ddparity's rank loop
+    assert "ddparity/harness/ranks/rank.py" not in text  # never a traceback through ddparity's rank loop
 
 
 def test_modes_single_dp_ddp_label_the_simulated_runs(tmp_path):
@@ -412,7 +412,7 @@ def test_piped_a_run_without_progress_gets_one_plain_line():
     import io
 
     from ddparity.cli_progress import QuietNotes, describe
-    from ddparity.harness.progress import Snapshot
+    from ddparity.harness.world.progress import Snapshot
     from ddparity.records import encode_progress
 
     stuck = encode_progress(5, 1, "forward", None, [])

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from ddparity.harness.rendezvous import cuda_device_count
+from ddparity.harness.world.rendezvous import cuda_device_count
 from tests.e2e.test_cli import ddparity
 
 CHECKS = ["versions", "collectives", "compute", "speed", "bandwidth", "latency"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from ddparity import Case, check
 from ddparity.fixtures import bugs, models
-from ddparity.harness import dp_emulation as dp
+from ddparity.harness.ranks import dp_emulation as dp
 
 
 def test_scatter_uses_dataparallels_chunks_and_containers():

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ddparity.errors import UsageError
-from ddparity.harness.pool import WorldPool
+from ddparity.harness.world.pool import WorldPool
 from ddparity.settings import default_max_ranks
 from tests.conftest import wait_gone
 

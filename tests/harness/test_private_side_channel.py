@@ -14,8 +14,8 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures.models import mlp_sgd
-from ddparity.harness.pool import WorldPool
 from ddparity.harness.sidechannel import private_root
+from ddparity.harness.world.pool import WorldPool
 
 
 def _as_another_user(work) -> int:  # noqa: ANN001

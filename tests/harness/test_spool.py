@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddparity.harness.spool import Comparer, ReferenceFailed, Spool, Writer
-from ddparity.trace import distance, max_abs
+from ddparity.distances import distance, max_abs
+from ddparity.harness.ranks.spool import Comparer, ReferenceFailed, Spool, Writer
 
 
 def _model():
@@ -108,7 +108,7 @@ def test_a_run_waits_for_the_reference_and_stops_when_it_will_not_come():
 
 
 def test_distance_is_measured_in_chunks_and_in_a_wide_enough_dtype(monkeypatch):
-    import ddparity.trace as trace
+    import ddparity.distances as trace
 
     monkeypatch.setattr(trace, "CHUNK", 7)
     a = torch.arange(100, dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_a_spools_janitor_removes_it_when_its_owner_is_killed(tmp_path):
     import sys
     import time
 
-    code = ("import sys, time; from ddparity.harness.spool import Spool; "
+    code = ("import sys, time; from ddparity.harness.ranks.spool import Spool; "
             f"s = Spool(parent={str(tmp_path)!r}, janitor=True); print(s.path, flush=True); time.sleep(60)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     path = owner.stdout.readline().strip()

@@ -246,7 +246,7 @@ def test_submit_runs_worlds_side_by_side_one_task_per_world():
 
 
 def test_forked_ranks_that_do_not_join_are_started_again_from_the_forkserver(monkeypatch):
-    from ddparity.harness import launch
+    from ddparity.harness.world import spawn
 
     original = World._start_ranks
     methods = []
@@ -255,7 +255,7 @@ def test_forked_ranks_that_do_not_join_are_started_again_from_the_forkserver(mon
         methods.append(method)
         if method == "fork":
             original(self, method, join_timeout)
-            raise launch.JoinTimeout([0, 1])  # as if a forked rank hung in start-up
+            raise spawn.JoinTimeout([0, 1])  # as if a forked rank hung in start-up
         return original(self, method, join_timeout)
 
     monkeypatch.setattr(World, "_start_ranks", flaky)

@@ -2,7 +2,7 @@
 tensors.
 
 The reference writes its tensors once, to a private spool on disk
-(:mod:`ddparity.harness.spool`); every other run compares its own tensors against them
+(:mod:`ddparity.harness.ranks.spool`); every other run compares its own tensors against them
 where they are, step by step, and sends back one distance per (step, kind, tensor). So a
 check's memory is the replicas' own, whatever the model's size and the number of steps,
 and nothing big is pickled.

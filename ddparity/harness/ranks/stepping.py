@@ -7,7 +7,7 @@ or :func:`default_step` (zero the gradients, forward, the case's loss, backward,
 (:class:`OptimizerWatch`) hand the gradients to the run's sink as the optimizer sees them
 when ``optimizer.step()`` is called — after any accumulation, unscaling or clipping the
 step did — and the parameters and buffers when the step returns (the sink writes the
-reference's to the spool, or compares a run's with them: :mod:`ddparity.harness.spool`).
+reference's to the spool, or compares a run's with them: :mod:`ddparity.harness.ranks.spool`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Ticks:
     progress the controller sees while one long step of a large model computes."""
 
     def __init__(self, model: Any) -> None:
-        from ddparity.harness import recorder
+        from ddparity.harness.ranks import recorder
 
         rec = recorder.active()
         self._handles: list[Any] = []

@@ -1,5 +1,5 @@
 """Mode ``dp``: ``torch.nn.DataParallel`` over ``world_size`` devices — real when that
-many CUDA devices exist, else emulated on one device (:mod:`ddparity.harness.dp_emulation`),
+many CUDA devices exist, else emulated on one device (:mod:`ddparity.harness.ranks.dp_emulation`),
 with DataParallel's pitfalls noted as they are met.
 
 Dropout is aligned per sample in the emulation (its chunks are views of the batch, run in
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.harness import dp_emulation, recorder
-from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica, finish_step
+from ddparity.harness.ranks import dp_emulation, recorder
+from ddparity.harness.ranks.stepping import record_step
+from ddparity.harness.ranks.training import Replica, finish_step
 
 
 @dataclass
@@ -25,6 +25,9 @@ class DataParallelMode:
     name: str = "dp"
     rank: int = 0
     recorder: Any = None
+    align_dropout: bool = True
+    watch_draws: bool = False
+    name_draws: bool = False
     notes: dict[str, str] = field(default_factory=dict)
     """DataParallel pitfalls found (name -> explanation)."""
     real: bool = False

@@ -25,8 +25,7 @@ from ddparity.errors import (
 )
 from ddparity.frames import RANK_LOOP, hide_own_frames
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
-from ddparity.report import RunResult
-from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot
+from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot, RunResult
 
 
 def mismatch_desync(mismatch: Mismatch, stacks: dict[int, str] | None = None) -> Desync:

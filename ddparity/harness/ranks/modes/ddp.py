@@ -3,10 +3,10 @@
 backend).
 
 The rank reports its phase at every stage of a step, its DDP bucket all-reduces are
-recorded (:mod:`ddparity.harness.ddp_buckets`, wrapping the case's own comm hook, if any),
+recorded (:mod:`ddparity.harness.ranks.ddp_buckets`, wrapping the case's own comm hook, if any),
 and the fingerprints of its replica are published after every optimizer step, so the
 controller can judge hangs and desync. A simulated rank records the same into its own
-recorder (:class:`~ddparity.harness.threaded.ThreadRecorder`).
+recorder (:class:`~ddparity.harness.ranks.threaded.ThreadRecorder`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness import ddp_buckets, recorder
-from ddparity.harness.batches import shard
-from ddparity.harness.fingerprint import fingerprint
-from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica, finish_step
+from ddparity.harness.ranks import ddp_buckets, recorder
+from ddparity.harness.ranks.batches import shard
+from ddparity.harness.ranks.fingerprint import fingerprint
+from ddparity.harness.ranks.stepping import record_step
+from ddparity.harness.ranks.training import Replica, finish_step
 
 
 @dataclass
@@ -34,6 +34,9 @@ class DDPMode:
     name: str = "ddp"
     settle: Any = None
     """Called once DDP is built (simulated ranks: wait until every thread has built its own)."""
+    align_dropout: bool = True
+    watch_draws: bool = False
+    name_draws: bool = False
 
     def __post_init__(self) -> None:
         self.recorder = recorder.active()  # a simulated rank's own (a thread's)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import atexit
 
-from ddparity.harness.world import World
+from ddparity.harness.world.world import World
 from ddparity.settings import default_max_ranks, validate_max_ranks
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness import recorder
-from ddparity.harness.stepping import record_step
-from ddparity.harness.training import Replica, finish_step
+from ddparity.harness.ranks import recorder
+from ddparity.harness.ranks.stepping import record_step
+from ddparity.harness.ranks.training import Replica, finish_step
 
 
 @dataclass
@@ -18,6 +18,7 @@ class SingleMode:
     rank: int = 0
     world_size: int = 1
     recorder: Any = None
+    align_dropout: bool = True
     watch_draws: bool = True
     """Stop at any random draw outside the aligned dropouts (the reference watches)."""
     name_draws: bool = False

@@ -41,8 +41,9 @@ from typing import Any, NoReturn
 
 from ddparity.errors import Exit, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.frames import hide_own_frames
-from ddparity.harness.outcomes import RankOutcome, with_stacks
-from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, task_prefix
+from ddparity.harness.deadlines import Ending, TaskClock
+from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, TaskEnd, task_prefix
+from ddparity.harness.world.outcomes import RankOutcome, with_stacks
 from ddparity.records import RankRecords
 
 BEAT_S = 0.25
@@ -110,8 +111,7 @@ class LaunchWatch:
         self._claimed = False
         self._beats: dict[int, tuple[str, float]] = {}
         self._seen: list[str] | None = None
-        self._progress_at = time.monotonic()
-        self._failed_at: float | None = None
+        self._clock = TaskClock(time.monotonic(), timeout, ERROR_GRACE_S)
         self._term_at: float | None = None
         self._answered = 0
         self._live = live
@@ -134,7 +134,7 @@ class LaunchWatch:
         """This rank's task raised: tell the reporter, then wait for the verdict."""
         import cloudpickle
 
-        from ddparity.harness.rank import encode_exception
+        from ddparity.harness.ranks.rank import encode_exception
 
         text = "".join(traceback.format_exception(exc))
         if _comm_error(exc):  # a peer aborted or is gone: read where every rank was while the store still answers
@@ -302,29 +302,31 @@ class LaunchWatch:
             return
         now = time.monotonic()
         ranks = self._participants()
-        channel = TaskChannel(self.store, "", self.stage, self.n)
+        channel: TaskEnd = TaskChannel(self.store, "", self.stage, self.n)
         progress = self._progress
         failure: WorldFailure | None = None
         if progress != self._seen:
-            self._seen, self._progress_at = progress, now
+            self._seen = progress
+            self._clock.progressed(now)
             if self.stage == 2:
                 reason = self._live(progress)
                 if reason:
                     failure = TaskStopped(f"the run was stopped: {reason}", reason, ranks)
         raised = self._raised() if int(self.store.add("failures", 0)) else {}
-        if raised and self._failed_at is None:
-            self._failed_at = now
+        if raised:
+            self._clock.raised(now)
         # a peer's death reaches the others as their own errors first: give it time to show
         grace = DEAD_S + 1 if raised and all(_comm_error(e) for e, _ in raised.values()) else ERROR_GRACE_S
         dead = [r for r in dead if r not in raised]
-        if failure is None and dead:
+        ending = self._clock.decide(now, stopped=failure is not None, dead=bool(dead), grace=grace)
+        if ending is Ending.CRASHED:
             failure = RankCrashed(self._death(dead[0]), dead[0], None)
-        elif failure is None and raised and self._failed_at is not None and now - self._failed_at >= grace:
+        elif ending is Ending.FAILED:
             failure = self._task_failed(raised, ranks)
-        elif failure is None and now - self._progress_at > self.timeout:
+        elif ending is Ending.TIMED_OUT:
             pending = [r for r in ranks if not self.store.check([f"R{r}"])]
             failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending)
-        elif failure is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
+        elif ending is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
             failure = TaskStopped("the launcher stopped every rank (SIGTERM) before the check ended",
                                   "stopped by the launcher", ranks)
         if failure is not None and self.claim():
@@ -345,7 +347,7 @@ class LaunchWatch:
         return TaskFailed(f"task failed on rank(s) {', '.join(map(str, sorted(raised)))}: "
                           f"{type(head.error).__name__}: {head.error}\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}", outcomes)
 
-    def _conclude(self, failure: WorldFailure, channel: TaskChannel, ranks: list[int], dead: list[int]) -> None:
+    def _conclude(self, failure: WorldFailure, channel: TaskEnd, ranks: list[int], dead: list[int]) -> None:
         stacks = self._gather_stacks([r for r in range(self.n) if r not in dead])
         failure.stacks = {r: stacks.get(r, "") for r in ranks if r not in dead}
         if isinstance(failure, TaskFailed):  # the bystanders' stacks, where a World keeps them

@@ -1,5 +1,5 @@
 """Every rank's stack, from outside: py-spy (native frames included), tidied for a report
-(a faulthandler dump's tidying is the judge's: :mod:`ddparity.checks.verdict`)."""
+(a faulthandler dump's tidying is the judge's: :mod:`ddparity.checks.judge`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The controller's only door to the ranks. Ranks are forked from this (torch-importing)
 process, or from a forkserver that preloaded torch where forking is unsafe (CUDA, or more
 than one intra-op thread: libgomp hangs in a forked child); starting them is
-:mod:`ddparity.harness.launch`, a failed task's evidence :mod:`ddparity.harness.outcomes`,
+:mod:`ddparity.harness.world.spawn`, a failed task's evidence :mod:`ddparity.harness.world.outcomes`,
 the records they leave (in the world's private folder) :mod:`ddparity.harness.sidechannel`.
 Ranks die with their controller (``PR_SET_PDEATHSIG``); every wait here has a deadline.
 """
@@ -24,12 +24,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ddparity.errors import UsageError, WorldFailure
-from ddparity.harness import launch, outcomes, rendezvous
-from ddparity.harness import progress as progress_observers
-from ddparity.harness.outcomes import RankOutcome
+from ddparity.errors import UsageError, WorldFailure, signal_name
+from ddparity.harness.deadlines import Ending, TaskClock
 from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunTask, Shutdown, TaskDone
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
+from ddparity.harness.world import outcomes, rendezvous, spawn
+from ddparity.harness.world import progress as progress_observers
+from ddparity.harness.world.outcomes import RankOutcome
 from ddparity.records import RankRecords
 from ddparity.settings import PG_TIMEOUT_MARGIN_S, WorldSpec
 
@@ -85,12 +86,12 @@ class World:
         self.spec = WorldSpec(world_size=world_size, backend=backend, **options)
         self._backend: str | None = None
         self._side: str | None = None
-        self._ranks = launch.Ranks()
+        self._ranks = spawn.Ranks()
         self._generation = 0
         self._live = False
         self._closed = False
         self._pending: PendingTask | None = None
-        self._finalizer = weakref.finalize(self, launch.Ranks.kill, self._ranks)
+        self._finalizer = weakref.finalize(self, spawn.Ranks.kill, self._ranks)
         self.start_seconds: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -192,18 +193,18 @@ class World:
             )
             for rank in range(n)
         ]
-        launch.start_ranks(self._ranks, specs, method)
-        launch.await_ready(self._ranks, join_timeout, f"a {self.spec.backend} world of {n}",
+        spawn.start_ranks(self._ranks, specs, method)
+        spawn.await_ready(self._ranks, join_timeout, f"a {self.spec.backend} world of {n}",
                            retry_possible=method == "fork")
 
     def _launch(self) -> None:
         started = time.perf_counter()
-        launch.preload()
-        method = launch.start_method(self.backend, self.spec.threads_per_rank)
+        spawn.preload()
+        method = spawn.start_method(self.backend, self.spec.threads_per_rank)
         if method == "fork":
             try:
-                self._start_ranks("fork", min(self.spec.start_timeout, launch.FORK_JOIN_S))
-            except launch.JoinTimeout as stuck:
+                self._start_ranks("fork", min(self.spec.start_timeout, spawn.FORK_JOIN_S))
+            except spawn.JoinTimeout as stuck:
                 # A forked child can inherit a lock a controller thread held at fork (seen
                 # before the FileStore rendezvous: torch's TCPStore client stuck in a reverse
                 # DNS lookup). Start this generation again from the forkserver rather than wait.
@@ -212,7 +213,7 @@ class World:
                 log.warning(
                     "forked ranks %s of a %d-rank world did not join within %g s; starting them "
                     "from the forkserver instead. Their stacks:\n%s", stuck.ranks, self.spec.world_size,
-                    launch.FORK_JOIN_S, text)
+                    spawn.FORK_JOIN_S, text)
                 self._ranks.kill()
                 self._start_ranks("forkserver", self.spec.start_timeout)
         else:
@@ -312,53 +313,53 @@ class World:
         task_id, limit = task._task_id, task._limit
         results: list[RankOutcome | None] = [None] * n
         pending = set(range(n))
-        first_failure: float | None = None
-        last_progress = time.monotonic()
-        hard_deadline = task._submitted + HARD_LIMIT_FACTOR * limit
+        clock = TaskClock(time.monotonic(), limit, self.spec.error_grace, quiet_s=FAILURE_QUIET_S,
+                          hard_deadline=task._submitted + HARD_LIMIT_FACTOR * limit)
         seen: list[str] | None = None
         stop_reason: str | None = None
+        ending: Ending | None = None
+        died = -1
         next_poll = time.monotonic() + POLL_S  # most tasks are done before the first poll
-        while pending:
+        while pending and ending is None:
             now = time.monotonic()
             progress = None
             if now >= next_poll:
                 progress, next_poll = self._progress(task), now + POLL_S
             if progress is not None and progress != seen:
-                seen, last_progress = progress, now
-                if task._watch is not None and first_failure is None:
+                seen = progress
+                clock.progressed(now)
+                if task._watch is not None and clock.first_failure is None:
                     stop_reason = task._watch(progress)
-                    if stop_reason:
-                        break
-            until = min(last_progress + limit, hard_deadline)
-            if first_failure is not None:
-                quiet_since = max(first_failure, last_progress)
-                until = min(until, first_failure + self.spec.error_grace, quiet_since + FAILURE_QUIET_S)
-            if now >= until:
+            ending = clock.decide(now, stopped=bool(stop_reason))
+            if ending is not None:
                 break
             if progress is not None and progress_observers.OBSERVERS:
                 progress_observers.notify(progress_observers.Snapshot(
-                    task._name, n, self.backend, progress, now - last_progress, limit))
+                    task._name, n, self.backend, progress, now - clock.last_progress, limit))
             watched: dict[Any, int] = {ranks.controls[r]: r for r in pending}
             watched.update({ranks.procs[r].sentinel: r for r in pending})
-            for obj in wait(list(watched), timeout=min(POLL_S, until - now)):
+            for obj in wait(list(watched), timeout=min(POLL_S, clock.due() - now)):
                 rank = watched[obj]
                 if rank not in pending:
                     continue
                 # A message can still be queued behind a rank's death: read it first.
-                for done in launch.queued(ranks.controls[rank]):
+                for done in spawn.queued(ranks.controls[rank]):
                     if isinstance(done, TaskDone) and done.task_id == task_id and rank in pending:
                         results[rank] = self._decode(done)
                         pending.discard(rank)
-                        last_progress = time.monotonic()
-                        if not done.ok and first_failure is None:
-                            first_failure = time.monotonic()
+                        clock.progressed(time.monotonic())
+                        if not done.ok:
+                            clock.raised(time.monotonic())
                 if rank in pending and not isinstance(obj, Connection):
-                    outcomes.crashed(ranks, self._kill, rank, task_id, results)
-        if stop_reason:
-            outcomes.stopped(ranks, self._kill, sorted(pending), task_id, stop_reason)
+                    ending, died = clock.decide(now, dead=True), rank
+                    break
+        if ending is Ending.CRASHED:
+            outcomes.crashed(ranks, self._kill, died, task_id, results)
+        if ending is Ending.STOPPED:
+            outcomes.stopped(ranks, self._kill, sorted(pending), task_id, stop_reason or "")
         if pending:
             outcomes.stuck(ranks, self._kill, sorted(pending), task_id, results, limit,
-                           timed_out=first_failure is None, error_grace=self.spec.error_grace)
+                           timed_out=ending is Ending.TIMED_OUT, error_grace=self.spec.error_grace)
         final = [o for o in results if o is not None]
         outcomes.raise_if_failed(final)
         return final
@@ -393,6 +394,6 @@ class World:
             rank, code = dead[0]
             output = self._ranks.readers[rank].take_all(settle=0.5)
             log.warning("rank %d died after its last task finished (%s); the world is rebuilt.%s", rank,
-                        launch.signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
+                        signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
             self.restart()
 

@@ -1,7 +1,7 @@
 """The reference for ranks that cannot read rank 0's spool: served over the network.
 
 Under torchrun the reference trains on rank 0 and writes its steps to rank 0's spool
-(:mod:`ddparity.harness.spool`). Ranks on rank 0's node read that spool in place; a rank
+(:mod:`ddparity.harness.ranks.spool`). Ranks on rank 0's node read that spool in place; a rank
 on another node (no shared ``/tmp``) asks rank 0 instead, over a gloo group of its own
 (never the group the model trains on, so the collective ledger and the user's collectives
 are untouched). Rank 0 runs one :class:`ReferenceServer` thread per rank; each answers
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ddparity.harness.spool import STATE, mapped_bytes, typed, wait_for
+from ddparity.harness.ranks.spool import STATE, Stored, mapped_bytes, typed, wait_for
 
 STATE_REQUEST, GRADS_REQUEST, AFTER_REQUEST, BYE = 0, 1, 2, -1
 CHUNK_BYTES = 64 << 20
@@ -104,14 +104,14 @@ class ReferenceServer:
         _send_int(self._pg, len(meta), peer)
         _send(self._pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8), peer)
         maps: dict[str, Any] = {}
-        for entry in json.loads(meta)["tensors"]:
-            if entry[2] is not None and entry[6]:
+        for entry in Stored.read(json.loads(meta)["tensors"]):
+            if entry.dtype is not None and entry.nbytes:
                 _send(self._pg, mapped_bytes(self._spool, entry, maps).contiguous(), peer)
 
 
 class RemoteReference:
     """A rank's end: fetches the initial state into its own spool, and opens steps for its
-    :class:`~ddparity.harness.spool.Comparer` (``open_step``)."""
+    :class:`~ddparity.harness.ranks.spool.Comparer` (``open_step``)."""
 
     def __init__(self, pg: Any, server: int = 0) -> None:
         self._pg, self._server = pg, server
@@ -155,20 +155,20 @@ class _RemoteStep:
         _recv(pg, meta, server)
         data = json.loads(bytes(meta.numpy().data))
         self.stepped: bool = data["stepped"]
-        self.tensors: list[list[Any]] = data["tensors"]
+        self.tensors = Stored.read(data["tensors"])
         self._next = 0
 
     def items(self) -> Iterator[tuple[tuple[str, str], Any]]:
         while self._next < len(self.tensors):
             entry = self.tensors[self._next]
             self._next += 1
-            yield (entry[0], entry[1]), None if entry[2] is None else self._receive(entry)
+            yield (entry.kind, entry.name), None if entry.dtype is None else self._receive(entry)
 
-    def _receive(self, entry: list[Any]) -> Any:
+    def _receive(self, entry: Stored) -> Any:
         import torch
 
-        raw = torch.empty(entry[6], dtype=torch.uint8)
-        if entry[6]:
+        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        if entry.nbytes:
             _recv(self._pg, raw, self._server)
         return typed(entry, raw)
 

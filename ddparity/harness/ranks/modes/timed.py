@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.harness import recorder
-from ddparity.harness.batches import batch_size, shard
-from ddparity.harness.modes.ddp import distributed
-from ddparity.harness.training import Replica, compute_loss, forward
+from ddparity.harness.ranks import recorder
+from ddparity.harness.ranks.batches import batch_size, shard
+from ddparity.harness.ranks.modes.ddp import distributed
+from ddparity.harness.ranks.training import Replica, compute_loss, forward
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
@@ -108,6 +108,8 @@ class TimedMode:
     name: str = "ddp"
     align_dropout: bool = False
     """Torch's own dropout: a profile times the training as it is, and compares nothing."""
+    watch_draws: bool = False
+    name_draws: bool = False
     profile: RankProfile = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,16 +1,16 @@
 """The rank tasks of ``check`` and ``profile``: what a World runs, each a thin call of the
-one training loop (:func:`ddparity.harness.training.train`) in a mode, with a sink that
+one training loop (:func:`ddparity.harness.ranks.training.train`) in a mode, with a sink that
 writes the reference's tensors to the check's spool or compares a run's with them there
-(:mod:`ddparity.harness.spool`). Only numbers come back.
+(:mod:`ddparity.harness.ranks.spool`). Only numbers come back.
 
 * :func:`prepare_task` builds the initial state once (from the case's factory and seed)
   into the spool and reports every global batch's size, so the controller can validate
   shards first;
 * :func:`reference_task` trains on one device with the whole global batch (mode
   ``single``), writing every step, then as the calibration twin
-  (:mod:`ddparity.harness.modes.twin`), compared step by step;
+  (:mod:`ddparity.harness.ranks.modes.twin`), compared step by step;
 * :func:`dp_task` and :func:`ddp_task` train as DataParallel and under DDP, compared;
-* :func:`profile_task` times DDP steps (:mod:`ddparity.harness.modes.timed`).
+* :func:`profile_task` times DDP steps (:mod:`ddparity.harness.ranks.modes.timed`).
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.harness.batches import batch_size, valid_counts
-from ddparity.harness.modes.ddp import DDPMode
-from ddparity.harness.modes.dp import DataParallelMode
-from ddparity.harness.modes.single import SingleMode
-from ddparity.harness.modes.timed import TimedMode
-from ddparity.harness.modes.twin import TwinMode
+from ddparity.distances import Distances, Reference
 from ddparity.harness.protocol import RankContext
-from ddparity.harness.rank import released
-from ddparity.harness.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
-from ddparity.harness.training import data_fn, global_batch, initial_state, train
+from ddparity.harness.ranks.batches import batch_size, valid_counts
+from ddparity.harness.ranks.modes.ddp import DDPMode
+from ddparity.harness.ranks.modes.dp import DataParallelMode
+from ddparity.harness.ranks.modes.single import SingleMode
+from ddparity.harness.ranks.modes.timed import TimedMode
+from ddparity.harness.ranks.modes.twin import TwinMode
+from ddparity.harness.ranks.rank import released
+from ddparity.harness.ranks.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
+from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
 from ddparity.measurements import RankProfile
-from ddparity.trace import Distances, Reference
 
 WAIT_LIMIT_S = 3600.0
 """The longest a run waits for the reference to reach a step (the controller stops a
@@ -43,7 +43,7 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
     -100, mask ones), for the likely cause of a per-rank normalisation."""
     import torch
 
-    from ddparity.harness import recorder
+    from ddparity.harness.ranks import recorder
 
     state = initial_state(case)
     write_state(spool, state)
@@ -94,10 +94,10 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
 def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
              open_step: Any = None, state: Any = None) -> Distances:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (with phases, the
-    bucket ledger and fingerprints, see :mod:`ddparity.harness.modes.ddp`; ``settle``: called once the replica is built, before training); its distance to the
+    bucket ledger and fingerprints, see :mod:`ddparity.harness.ranks.modes.ddp`; ``settle``: called once the replica is built, before training); its distance to the
     reference, compared step by step as it trains (``open_step``, ``state``: the
     reference's steps and the initial state from elsewhere than ``spool``, see
-    :mod:`ddparity.harness.refserve`)."""
+    :mod:`ddparity.harness.launch.refserve`)."""
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
                    case.ddp_options, settle=settle)
     sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)

@@ -2,7 +2,7 @@
 before it is issued, readable by the controller while the rank is wedged.
 
 While a task runs, each ``torch.distributed`` collective — called directly, or by DDP's
-gradient buckets (:mod:`ddparity.harness.ddp_buckets`) — is recorded in Python,
+gradient buckets (:mod:`ddparity.harness.ranks.ddp_buckets`) — is recorded in Python,
 identically on every backend: its per-group sequence number, op, reduce op, root, split
 sizes, tensor shapes and dtypes, group, and the caller's source line. Entries go to the
 side channel (one line each, appended) and the rank's latest position (step, phase,
@@ -23,11 +23,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ddparity.harness.calls import RECORDED, call_site, ledger_entry
+from ddparity.harness.ranks.calls import RECORDED, call_site, ledger_entry
 from ddparity.records import encode_fingerprints, encode_progress
+
+if TYPE_CHECKING:
+    from ddparity.harness.sidechannel import RankEnd
 
 RECENT = 8
 """Entries repeated in the progress key, so the watchdog can compare ranks at a common
@@ -48,11 +51,39 @@ see :meth:`Recorder.tick`) publishes that it still is, with no phase change: a l
 of a large model is never taken for a hang, and a rank that waits or is stuck ticks not."""
 
 
+class StepRecorder(Protocol):
+    """What the training loop, the modes and the fingerprints tell the recorder active in
+    this thread (:func:`active`): the rank's :class:`Recorder`, a simulated rank's
+    :class:`~ddparity.harness.ranks.threaded.ThreadRecorder`, or :data:`DISABLED` outside
+    a rank. Its collectives reach it through the patched ``torch.distributed``."""
+
+    def tick(self) -> None:
+        """The rank is computing (a module's forward or a gradient): not hung."""
+
+    def pause(self) -> None:
+        """The rank waits on purpose (nothing to tick for a while)."""
+
+    def set_phase(self, step: int, phase: str) -> None:
+        """Where the rank is: ``phase`` one of :data:`ddparity.records.PHASES`."""
+
+    def via(self, label: str) -> AbstractContextManager[None]:
+        """Collectives issued inside are labelled ``label`` (e.g. a DDP gradient bucket)."""
+
+    def tally(self) -> AbstractContextManager[Any]:
+        """Collectives issued inside are counted (op, bytes) into the value it yields, if any."""
+
+    def fingerprints(self, step: int, values: dict[str, int]) -> None:
+        """The replica's fingerprints after ``step``."""
+
+    def ddp_buckets(self, layout: list[Any]) -> None:
+        """DDP's gradient bucket layout, once the replica is built."""
+
+
 class Recorder:
     """Records this rank's collectives and progress, published to the side channel by a
     background thread (and synchronously at the start and end of every task)."""
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: RankEnd) -> None:
         self.channel = channel
         self._lock = threading.Lock()  # the recorder's state
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
@@ -240,7 +271,7 @@ DISABLED = _Disabled()
 _thread = threading.local()
 
 
-def active() -> Any:
+def active() -> StepRecorder:
     """This thread's recorder: a simulated rank's own (see :func:`set_thread_recorder`),
     else this rank's (a no-op outside a ddparity rank)."""
     own = getattr(_thread, "recorder", None)
@@ -249,9 +280,9 @@ def active() -> Any:
     return _active if _active is not None else DISABLED
 
 
-def set_thread_recorder(own: Any) -> None:
+def set_thread_recorder(own: StepRecorder | None) -> None:
     """This thread is a simulated rank: its phases and collectives go to ``own`` (a
-    :class:`~ddparity.harness.threaded.ThreadRecorder`), not to the rank's recorder."""
+    :class:`~ddparity.harness.ranks.threaded.ThreadRecorder`), not to the rank's recorder."""
     _thread.recorder = own
 
 
@@ -295,7 +326,7 @@ def _nbytes(value: Any) -> int:
     return int(numel() * size()) if callable(numel) and callable(size) else 0
 
 
-def install_recorder(channel: Any) -> Recorder:
+def install_recorder(channel: RankEnd) -> Recorder:
     """Patch ``torch.distributed``'s collectives in this process to record into
     ``channel``. Called once by the rank loop; recording happens only while a task runs."""
     global _active

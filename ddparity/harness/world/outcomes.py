@@ -2,7 +2,7 @@
 :class:`~ddparity.errors.WorldFailure` that says why, with its evidence (every live
 rank's stack) gathered before the ranks are killed.
 
-The :class:`~ddparity.harness.world.World` decides *when* a task has failed; this module
+The :class:`~ddparity.harness.world.world.World` decides *when* a task has failed; this module
 turns that moment into evidence and an exception. ``kill`` is the World's: it ends the
 generation of rank processes.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddparity.errors import Interrupted, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout
-from ddparity.harness import launch
-from ddparity.harness.stacks import py_spy_stacks
+from ddparity.errors import Interrupted, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, signal_name
+from ddparity.harness.world import spawn
+from ddparity.harness.world.stacks import py_spy_stacks
 from ddparity.records import RankRecords
 
 STACK_DUMP_WAIT_S = 1.0
@@ -39,7 +39,7 @@ class RankOutcome:
     records: RankRecords | None = None  # what the rank left in the side channel
 
 
-def dump_stacks(ranks: launch.Ranks, which: list[int], native: bool = True) -> dict[int, str]:
+def dump_stacks(ranks: spawn.Ranks, which: list[int], native: bool = True) -> dict[int, str]:
     """Every thread's stack of each live rank in ``which``: py-spy where it can attach,
     else the rank's own faulthandler dump on SIGUSR1. Native frames (where gloo or NCCL
     waits) for hangs; for the bystanders of a crash the Python stacks, which py-spy
@@ -63,7 +63,7 @@ def dump_stacks(ranks: launch.Ranks, which: list[int], native: bool = True) -> d
     return stacks
 
 
-def _await_quiet_output(ranks: launch.Ranks, which: list[int], limit: float) -> None:
+def _await_quiet_output(ranks: spawn.Ranks, which: list[int], limit: float) -> None:
     """Until every rank printed something and then nothing more for 0.1 s (a
     faulthandler dump is written at once), or ``limit`` seconds."""
     deadline = time.monotonic() + limit
@@ -76,7 +76,7 @@ def _await_quiet_output(ranks: launch.Ranks, which: list[int], limit: float) -> 
         sizes = now
 
 
-def stopped(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], task_id: int,
+def stopped(ranks: spawn.Ranks, kill: Callable[[], None], pending: list[int], task_id: int,
             reason: str) -> NoReturn:
     """A watcher stopped the task (ranks issued different collectives)."""
     stacks = dump_stacks(ranks, pending, native=False)
@@ -85,7 +85,7 @@ def stopped(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], t
     raise TaskStopped(with_stacks(head, stacks), reason, pending, stacks)
 
 
-def crashed(ranks: launch.Ranks, kill: Callable[[], None], rank: int, task_id: int,
+def crashed(ranks: spawn.Ranks, kill: Callable[[], None], rank: int, task_id: int,
             outcomes: list[RankOutcome | None]) -> NoReturn:
     """Rank ``rank`` died: the others' stacks at that moment, its last output."""
     proc = ranks.procs[rank]
@@ -94,7 +94,7 @@ def crashed(ranks: launch.Ranks, kill: Callable[[], None], rank: int, task_id: i
     stacks = dump_stacks(ranks, others, native=False)  # first: "at that moment"
     output = ranks.readers[rank].take_all(settle=1.0)
     kill()
-    how = launch.signal_name(proc.exitcode)
+    how = signal_name(proc.exitcode)
     lines = [f"rank {rank} died ({how}) during the run; the world will be rebuilt"]
     if output.strip():
         lines.append(f"--- rank {rank} output ---\n{output.rstrip()}")
@@ -104,7 +104,7 @@ def crashed(ranks: launch.Ranks, kill: Callable[[], None], rank: int, task_id: i
     raise RankCrashed("\n".join(lines), rank, proc.exitcode, output, stacks)
 
 
-def stuck(ranks: launch.Ranks, kill: Callable[[], None], pending: list[int], task_id: int,
+def stuck(ranks: spawn.Ranks, kill: Callable[[], None], pending: list[int], task_id: int,
           outcomes: list[RankOutcome | None], limit: float, timed_out: bool, error_grace: float) -> None:
     """Ranks still running at the deadline: a hang (``timed_out``, raises), or bystanders
     of a failed rank, whose outcomes become :class:`StillRunning` with their stacks."""

@@ -105,7 +105,7 @@ class AlignedDropout:
 
     def begin(self, step: int, rows: Any, batch: Any) -> None:
         """A new step, on the samples ``rows`` (global indices of the share's rows)."""
-        from ddparity.harness.batches import named_tensors
+        from ddparity.harness.ranks.batches import named_tensors
 
         if not self.enabled:
             return
@@ -166,7 +166,7 @@ def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
     views), or the whole share; None when its inputs say neither."""
     import torch
 
-    from ddparity.harness.batches import named_tensors
+    from ddparity.harness.ranks.batches import named_tensors
 
     if scope.rows is None:
         return None

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.batches import batch_size, cast, map_tensors, reverse_samples, shard
-from ddparity.harness.modes.single import SingleMode
-from ddparity.harness.randomness import suspended
-from ddparity.harness.stepping import lowest_precision, record_step
-from ddparity.harness.training import Replica, call_args, finish_step, forward
+from ddparity.harness.ranks.batches import batch_size, cast, map_tensors, reverse_samples, shard
+from ddparity.harness.ranks.modes.single import SingleMode
+from ddparity.harness.ranks.randomness import suspended
+from ddparity.harness.ranks.stepping import lowest_precision, record_step
+from ddparity.harness.ranks.training import Replica, call_args, finish_step, forward
 
 
 @dataclass

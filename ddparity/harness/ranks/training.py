@@ -4,19 +4,19 @@ way of training a replica implements.
 :func:`train` builds the replica from the shared initial state, draws every global batch
 from the case's data function, hands the mode this replica's share and lets the mode run
 the step; the step's tensors go to the run's sink as they are made (the reference's to
-the spool, every other run's compared with them there: :mod:`ddparity.harness.spool`). A mode (one per file in
-:mod:`ddparity.harness.modes`) says
+the spool, every other run's compared with them there: :mod:`ddparity.harness.ranks.spool`). A mode (one per file in
+:mod:`ddparity.harness.ranks.modes`) says
 
 * how the replica is wrapped (``wrap``: the model itself, ``DataParallel``, ``DDP``);
 * which share of each global batch it trains on (``share``: all, reversed, a shard);
 * what happens as the step calls ``optimizer.step()`` (``before_optimizer``: the twin's
   nudge, DDP's phase);
 * how a step runs and what is recorded (``step``: usually the case's own ``train_step``
-  or ddparity's, through :func:`ddparity.harness.stepping.record_step`, then
+  or ddparity's, through :func:`ddparity.harness.ranks.stepping.record_step`, then
   :func:`finish_step`).
 
 While a replica trains, dropout gives every sample the same mask in every mode
-(:mod:`ddparity.harness.randomness`), the reference watches for any other random draw,
+(:mod:`ddparity.harness.ranks.randomness`), the reference watches for any other random draw,
 and the lowest precision autocast computed in is noted for the calibration.
 
 The modes: ``single`` (the reference), its calibration ``twin``, ``dp`` (DataParallel,
@@ -32,10 +32,17 @@ from typing import Any, Protocol
 
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
-from ddparity.harness.batches import batch_size, cast
-from ddparity.harness.draws import RandomDraws
-from ddparity.harness.randomness import AlignedDropout
-from ddparity.harness.stepping import AutocastWatch, OptimizerWatch, StepContext, Ticks, default_step, never_stepped
+from ddparity.harness.ranks.batches import batch_size, cast
+from ddparity.harness.ranks.draws import RandomDraws
+from ddparity.harness.ranks.randomness import AlignedDropout
+from ddparity.harness.ranks.stepping import (
+    AutocastWatch,
+    OptimizerWatch,
+    StepContext,
+    Ticks,
+    default_step,
+    never_stepped,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -55,13 +62,13 @@ class Replica:
     """``(model, batch, optimizer, ctx) -> loss``: the case's ``train_step``, or ddparity's
     (set by :func:`train` once the replica exists: ddparity's step uses it)."""
     watch: Any = None
-    """The :class:`~ddparity.harness.stepping.OptimizerWatch` on the optimizer (set by :func:`train`)."""
+    """The :class:`~ddparity.harness.ranks.stepping.OptimizerWatch` on the optimizer (set by :func:`train`)."""
     precision: Any = None
-    """The :class:`~ddparity.harness.stepping.AutocastWatch` on the model (set by :func:`train`)."""
+    """The :class:`~ddparity.harness.ranks.stepping.AutocastWatch` on the model (set by :func:`train`)."""
     shared_batch: Any = None
     """This step's share of the global batch before it is cast (``ddparity.whole`` marks kept)."""
     sink: Any = None
-    """Where the step's tensors go (:mod:`ddparity.harness.spool`: written, or compared)."""
+    """Where the step's tensors go (:mod:`ddparity.harness.ranks.spool`: written, or compared)."""
     stepped: list[bool] = field(default_factory=list)
     """Per step so far, whether the optimizer stepped."""
 
@@ -77,6 +84,13 @@ class Mode(Protocol):
     """Iterations to run; past the case's own steps its batches are used again, in order."""
     recorder: Any
     """Where the loop reports its phases (the ledger's recorder, or a no-op)."""
+    align_dropout: bool
+    """Draw each sample's dropout mask as every mode does (off: profile's timed steps)."""
+    watch_draws: bool
+    """Watch for random draws dropout alignment does not cover (the reference: a run whose
+    draws differ from the reference's cannot be compared)."""
+    name_draws: bool
+    """Name each such draw by its op and layer (a second, slower pass)."""
 
     def wrap(self, model: Any) -> Any:
         """What the step calls: the model, or the model wrapped."""
@@ -88,7 +102,7 @@ class Mode(Protocol):
         """Called as the step calls ``optimizer.step()``, before the optimizer runs."""
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
-        """Run one step (usually :func:`ddparity.harness.stepping.record_step`, then
+        """Run one step (usually :func:`ddparity.harness.ranks.stepping.record_step`, then
         :func:`finish_step`)."""
 
 
@@ -105,11 +119,11 @@ class Trained:
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Any = None) -> Trained:
     """Train one replica of ``case`` from ``state`` as ``mode`` says; its tensors go to
-    ``sink`` as they are made (:mod:`ddparity.harness.spool`: the reference's are written,
+    ``sink`` as they are made (:mod:`ddparity.harness.ranks.spool`: the reference's are written,
     a run's compared with them), nothing is kept here."""
     import torch
 
-    from ddparity.harness.spool import NoSink
+    from ddparity.harness.ranks.spool import NoSink
 
     rec = mode.recorder
     rec.set_phase(-1, "build")
@@ -127,7 +141,7 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
     generator = torch.Generator().manual_seed(case.seed)
     sizes: list[int] = []
     drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
-    dropout = AlignedDropout(model, case.seed, enabled=getattr(mode, "align_dropout", True))
+    dropout = AlignedDropout(model, case.seed, enabled=mode.align_dropout)
     ticks = Ticks(model)
     try:
         for step in range(mode.steps):
@@ -145,8 +159,8 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
                 shared, batch, rows = drawn[step % case.steps]
             replica.shared_batch = shared
             dropout.begin(step, rows, batch)
-            if getattr(mode, "watch_draws", False):
-                naming = getattr(mode, "name_draws", False)
+            if mode.watch_draws:
+                naming = mode.name_draws
                 with RandomDraws(name=naming) as draws:
                     mode.step(step, replica, batch)
                 if draws.moved and not naming:  # name them: the same training again, up to here, op by op
@@ -252,7 +266,7 @@ def prepared(case: Case, state: dict[str, Any] | str, device: str) -> Any:
             f"with nn.BatchNorm here (SyncBatchNorm is what makes BatchNorm under DDP match one device)"
         )
     if isinstance(state, str):  # a check's spool: the state memory-mapped from it
-        from ddparity.harness.spool import load_state
+        from ddparity.harness.ranks.spool import load_state
 
         state = load_state(state)
     model.load_state_dict(state)

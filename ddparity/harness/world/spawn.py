@@ -11,21 +11,20 @@ import concurrent.futures
 import gc
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ddparity.errors import WorldStartError
-from ddparity.harness import rendezvous
-from ddparity.harness.output import OutputReader
+from ddparity.errors import WorldStartError, signal_name
 from ddparity.harness.protocol import RankReady, RankSpec, RankStartFailed
+from ddparity.harness.world import rendezvous
+from ddparity.harness.world.output import OutputReader
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
-           "ddparity.harness.rank", "ddparity.harness.recorder", "ddparity.harness.ddp_buckets",
-           "ddparity.harness.sidechannel", "ddparity.harness.fingerprint"]
+           "ddparity.harness.ranks.rank", "ddparity.harness.ranks.recorder", "ddparity.harness.ranks.ddp_buckets",
+           "ddparity.harness.sidechannel", "ddparity.harness.ranks.fingerprint"]
 """Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
 first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
 
@@ -100,15 +99,6 @@ class Ranks:
         self.procs, self.controls, self.readers = [], [], []
 
 
-def signal_name(exitcode: int | None) -> str:
-    if exitcode is None or exitcode >= 0:
-        return f"exit code {exitcode}"
-    try:
-        return f"signal {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
 def queued(conn: Connection) -> list[Any]:
     """Every message already waiting on ``conn``; stops at EOF (a dead rank)."""
     messages: list[Any] = []
@@ -146,7 +136,7 @@ def _clean_up_after_the_forkserver() -> None:
     finalizer that a killed controller never runs: a janitor removes it then."""
     from multiprocessing import util
 
-    from ddparity.harness.spool import remove_when_gone
+    from ddparity.harness.janitor import remove_when_gone
 
     path = util.get_temp_dir()
     if path not in _SWEPT:
@@ -291,6 +281,6 @@ def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherit
     _let_the_forkserver_go()  # a forked rank too: it inherited the controller's copy
     gc.freeze()  # what a forked rank inherited is never collected here (see start_ranks)
     gc.enable()
-    from ddparity.harness.rank import rank_main
+    from ddparity.harness.ranks.rank import rank_main
 
     rank_main(spec, control, output, inherited)

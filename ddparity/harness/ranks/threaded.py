@@ -57,7 +57,7 @@ def threaded_pg() -> Any:
 
 class ThreadRecorder:
     """The recorder of one simulated rank (a thread): what a real rank's
-    :class:`~ddparity.harness.recorder.Recorder` records — phases, every collective (the
+    :class:`~ddparity.harness.ranks.recorder.Recorder` records — phases, every collective (the
     patched ``torch.distributed`` calls and DDP's gradient buckets), fingerprints — kept
     per thread, since the simulated ranks share one process. Each record is also written
     at once to the host rank's side-channel folder (``channel``): a simulated world that
@@ -68,7 +68,7 @@ class ThreadRecorder:
     def __init__(self, rank: int, channel: Any) -> None:
         from collections import deque
 
-        from ddparity.harness.recorder import RECENT
+        from ddparity.harness.ranks.recorder import RECENT
 
         self.rank = rank
         self.lines: list[str] = []
@@ -131,7 +131,7 @@ class ThreadRecorder:
         self._channel.append_fingerprint(line)
 
     def ddp_buckets(self, layout: list[Any]) -> None:
-        from ddparity.harness.calls import call_site
+        from ddparity.harness.ranks.calls import call_site
 
         site = call_site(2)
         for index, bucket in enumerate(layout):
@@ -140,7 +140,7 @@ class ThreadRecorder:
     # what the patched collectives call
 
     def call(self, op: str, signature: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ddparity.harness.calls import call_site
+        from ddparity.harness.ranks.calls import call_site
 
         if self._depth:  # a collective's own inner one (all_gather_object -> all_gather)
             return fn(*args, **kwargs)
@@ -160,7 +160,7 @@ class ThreadRecorder:
                 self._changed()
 
     def _enter(self, op: str, args: dict[str, Any], blocking: bool, site: str, via: str) -> None:
-        from ddparity.harness.calls import ledger_entry
+        from ddparity.harness.ranks.calls import ledger_entry
 
         line, self.inflight = ledger_entry(self._seq, op, args, blocking, site, via, self.step, self.phase)
         self.lines.append(line)
@@ -176,9 +176,9 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
     import torch.distributed as dist
 
     from ddparity.case import make_optimizer
-    from ddparity.harness import recorder
-    from ddparity.harness.tasks import ddp_task
-    from ddparity.harness.training import build_model
+    from ddparity.harness.ranks import recorder
+    from ddparity.harness.ranks.tasks import ddp_task
+    from ddparity.harness.ranks.training import build_model
 
     module = threaded_pg()
     # The model factory and the optimizer once here first: neither the imports a factory
@@ -240,7 +240,7 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
 
 def _noted_exit(real_exit: Any) -> Any:
     def noted_exit(code: int) -> Any:
-        from ddparity.harness import recorder
+        from ddparity.harness.ranks import recorder
 
         mine = recorder.active()
         if isinstance(mine, ThreadRecorder):
@@ -256,7 +256,7 @@ def as_simulated(exc: WorldFailure) -> WorldFailure:
     them hung or died as a whole, so the World names that process's rank; the threads'
     records (:class:`ThreadRecorder`) say which simulated rank was behind (a hang), which
     called ``os._exit`` or was the thread faulthandler caught crashing, and where each was."""
-    from ddparity.harness.launch import signal_name
+    from ddparity.errors import signal_name
     from ddparity.records import parse_progress
 
     sim = exc.simulated

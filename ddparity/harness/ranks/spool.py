@@ -18,7 +18,7 @@ tensor's largest magnitude, the first non-finite value). Every other run trains 
 :class:`Comparer`, which reads the reference's step (memory-mapped, one tensor at a time)
 when it reaches that step — waiting for it if the reference is behind — and keeps one
 distance per tensor. The controller receives those numbers only
-(:class:`~ddparity.trace.Reference`, :class:`~ddparity.trace.Distances`).
+(:class:`~ddparity.distances.Reference`, :class:`~ddparity.distances.Distances`).
 
 Disk: ``4 B x (2 x parameters + buffers) x steps`` in float32, in ``$TMPDIR``.
 """
@@ -28,14 +28,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
-from ddparity.trace import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
+from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
+from ddparity.harness.janitor import remove_when_gone
 
 ALIGN = 64
 PREFIX = "ddparity-spool-"
@@ -45,26 +44,38 @@ POLL_MIN_S = 0.001
 POLL_MAX_S = 0.05
 
 
+class Stored(NamedTuple):
+    """One tensor of a step file's ``.json`` manifest (written as a JSON list, in this order;
+    read back with :meth:`read`)."""
+
+    kind: str
+    name: str
+    dtype: str | None
+    """``None``: no tensor (a parameter without a gradient); the rest is then left out."""
+    shape: list[int] | tuple[int, ...] = ()
+    stem: str = ""
+    """The ``.bin`` file holding the bytes (an earlier step's, for bytes unchanged since)."""
+    offset: int = 0
+    nbytes: int = 0
+
+    @staticmethod
+    def read(manifest: list[list[Any]]) -> list[Stored]:
+        return [Stored(*entry) for entry in manifest]
+
+
+class Sink(Protocol):
+    """Where a run's tensors go as the step makes them: the reference's :class:`Writer`, every
+    other run's :class:`Comparer`, or :class:`NoSink` (profile's timed steps)."""
+
+    def grads(self, step: int, model: Any) -> None:
+        """The gradients as the optimizer sees them (at ``optimizer.step()``)."""
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+        """The loss, parameters and buffers as the step left them."""
+
+
 class ReferenceFailed(RuntimeError):
     """The reference stopped (its run failed, or the check ended) before the step a run waits for."""
-
-
-JANITOR = """import os, shutil, sys, time
-parent = int(sys.argv[2])  # not getppid() here: the owner may be gone before this line runs
-while os.getppid() == parent:
-    time.sleep(0.2)
-shutil.rmtree(sys.argv[1], ignore_errors=True)
-"""
-"""Removes a spool once the process that owns it is gone, however it went (a launched rank
-0 that gloo aborts over a mismatched collective runs no finalizer, and no other process
-on its node may be left to clean up)."""
-
-
-def remove_when_gone(path: str) -> None:
-    """Start a janitor that removes ``path`` once this process is gone (see :data:`JANITOR`)."""
-    subprocess.Popen([sys.executable, "-c", JANITOR, path, str(os.getpid()), "ddparity-janitor"],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
 
 
 class Spool:
@@ -171,7 +182,7 @@ class Writer:
         self.spool = spool
         self.reference = Reference()
         self._grads_done = -1
-        self._same: dict[tuple[str, str], list[Any]] = {}  # key -> where its bytes were last written
+        self._same: dict[tuple[str, str], Stored] = {}  # key -> where its bytes were last written
         self._maps: dict[str, Any] = {}
         self._bad: dict[int, dict[str, tuple[str, float]]] = {}
 
@@ -192,14 +203,14 @@ class Writer:
         while len(self.reference.steps) <= step:
             self.reference.steps.append({})
         entries = self.reference.steps[step]
-        manifest: list[list[Any]] = []
+        manifest: list[Stored] = []
         offset = 0
         path = os.path.join(self.spool, stem)
         with open(path + ".bin.tmp", "wb") as f:
             for key, t, persistent in tensors:
                 kind, name = key
                 if t is None:
-                    manifest.append([kind, name, None])
+                    manifest.append(Stored(kind, name, None))
                     entries[key] = Entry(0.0, False)
                     continue
                 value = max_abs(t)
@@ -216,7 +227,7 @@ class Writer:
                 offset += pad
                 if raw.numel():
                     f.write(raw.numpy().data)
-                entry = [kind, name, _dtype_name(t), list(t.shape), stem, offset, int(raw.numel())]
+                entry = Stored(kind, name, _dtype_name(t), list(t.shape), stem, offset, int(raw.numel()))
                 offset += int(raw.numel())
                 manifest.append(entry)
                 if persistent:
@@ -246,17 +257,17 @@ def _first_non_finite(t: Any) -> float:
     return float(flat[bad][0].real) if bool(bad.any()) else float("nan")
 
 
-def _mapped(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
+def _mapped(spool: str, entry: Stored, maps: dict[str, Any]) -> Any:
     """The tensor a manifest entry describes, read in place from its file (``maps``: the
     files mapped so far, by name)."""
     return typed(entry, mapped_bytes(spool, entry, maps))
 
 
-def mapped_bytes(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
+def mapped_bytes(spool: str, entry: Stored, maps: dict[str, Any]) -> Any:
     """A manifest entry's raw bytes (a uint8 tensor), mapped from its file."""
     import torch
 
-    _, _, _, _, stem, offset, nbytes = entry
+    stem, offset, nbytes = entry.stem, entry.offset, entry.nbytes
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     if stem not in maps:
@@ -265,14 +276,14 @@ def mapped_bytes(spool: str, entry: list[Any], maps: dict[str, Any]) -> Any:
     return maps[stem][offset : offset + nbytes]
 
 
-def typed(entry: list[Any], raw: Any) -> Any:
+def typed(entry: Stored, raw: Any) -> Any:
     """A manifest entry's tensor, given its raw bytes."""
     import torch
 
-    dtype = getattr(torch, entry[2])
+    dtype = getattr(torch, str(entry.dtype))
     if not raw.numel():
-        return torch.empty(entry[3], dtype=dtype)
-    return raw.view(dtype).reshape(entry[3])
+        return torch.empty(entry.shape, dtype=dtype)
+    return raw.view(dtype).reshape(entry.shape)
 
 
 def wait_for(spool: str, path: str, limit_s: float) -> None:
@@ -299,15 +310,15 @@ class _Step:
             meta = json.load(f)
         self.spool = spool
         self.stepped: bool = meta["stepped"]
-        self.tensors: list[list[Any]] = meta["tensors"]
+        self.tensors = Stored.read(meta["tensors"])
         self._maps: dict[str, Any] = {}
 
     def items(self) -> Iterator[tuple[tuple[str, str], Any]]:
         """((kind, name), tensor or None) for every tensor, in order."""
         for entry in self.tensors:
-            yield (entry[0], entry[1]), None if entry[2] is None else self._tensor(entry)
+            yield (entry.kind, entry.name), None if entry.dtype is None else self._tensor(entry)
 
-    def _tensor(self, entry: list[Any]) -> Any:
+    def _tensor(self, entry: Stored) -> Any:
         return _mapped(self.spool, entry, self._maps)
 
     def close(self) -> None:
@@ -323,7 +334,7 @@ class Comparer:
         self.spool = spool
         self._open = open_step or (lambda stem: _Step(self.spool, stem, self._wait))
         """Where the reference's steps come from: the spool here, or (another node of a
-        launch, :mod:`ddparity.harness.refserve`) rank 0 over the network."""
+        launch, :mod:`ddparity.harness.launch.refserve`) rank 0 over the network."""
         self.limit_s = limit_s
         self.result = Distances(mode, rank, world_size)
         self.own_values = own_values
@@ -336,7 +347,7 @@ class Comparer:
         wait_for(self.spool, path, self.limit_s)
 
     def note_scales(self, step: int, loss_scale: Any, grad_scales: dict[str, Any]) -> None:
-        """The twin's summand sizes of this step (see :mod:`ddparity.harness.modes.twin`)."""
+        """The twin's summand sizes of this step (see :mod:`ddparity.harness.ranks.modes.twin`)."""
         if loss_scale is not None:
             self.scales[(step, "loss", "loss")] = max_abs(loss_scale)
         for name, scale in grad_scales.items():
