@@ -15,16 +15,11 @@ QUIET_NOTE_S = 10.0
 """No progress for this long is worth a line (the hang is declared at the timeout)."""
 REFRESH_S = 0.25
 
-_RUNS = {"prepare_task": "set-up (the initial state, every step's batch)", "reference_task": "the reference (one device)",
-         "dp_task": "dp", "ddp_task": "ddp", "threaded_ddp_task": "ddp (simulated)", "profile_task": "profile",
-         "health_task": "health"}
-
-
 def describe(snap: progress.Snapshot) -> str:
     """``ddp world_size=4 (gloo): step 2, backward`` and, when quiet, how long until a hang."""
-    run = _RUNS.get(snap.task, snap.task)
-    if run.startswith(("ddp", "profile")):
-        size = len(snap.progress) - 1 if snap.task == "threaded_ddp_task" else snap.world_size
+    run = snap.task.label
+    if snap.task.sized:
+        size = len(snap.progress) - 1 if snap.task.simulated else snap.world_size
         run = f"{run} world_size={size} ({snap.backend})"
     places = snap.positions()
     where = ""
@@ -72,7 +67,7 @@ class QuietNotes:
         self._noted: set[tuple[str, int]] = set()
 
     def __call__(self, snap: progress.Snapshot) -> None:
-        key = (snap.task, snap.world_size)
+        key = (snap.task.label, snap.world_size)
         if snap.quiet_s >= QUIET_NOTE_S and snap.limit_s > 2 * QUIET_NOTE_S and key not in self._noted:
             self._noted.add(key)
             print(describe(snap), file=self.stream, flush=True)

@@ -1,6 +1,8 @@
-"""Stacks and tracebacks as reports show them: each run of ddparity's own frames (the
-step driver, the modes, the collective recorder, between the rank loop and the user's code)
-folded into one line, unless ``--verbose``. A leaf module: text in, text out."""
+"""Stacks and tracebacks as reports show them, tidied in this one place: each run of
+ddparity's own frames (the step driver, the modes, the collective recorder, between the
+rank loop and the user's code) folded into one line, unless ``--verbose``; py-spy's dumps
+(:func:`tidy_stack`) and faulthandler's (:func:`tidy_faulthandler_dump`) without the
+rank's bootstrap. A leaf module: text in, text out."""
 
 from __future__ import annotations
 
@@ -102,3 +104,66 @@ _OBSERVERS = tuple(os.path.join("harness", "ranks", f) for f in (
 """ddparity's files that only watch the training (record, compare, fingerprint): an error
 raised there is ddparity's. The step driver and the modes call the user's model through
 torch, where torch raises over the user's set-up (an unused parameter under DDP)."""
+
+
+_TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
+_LAMBDA = re.compile(r"\{lambda\([^{}]*\)#\d+\}")
+_PARENS = re.compile(r"\([^()]*\)")
+_THREAD_START = re.compile(r"^\s+Thread\.run \(threading\.py:\d+\)$")
+
+
+OWN_THREAD = re.compile(r'^Thread .*"ddparity-(?!simulated-rank)[^"]*"')
+"""The first line of a thread of ddparity's own in a py-spy dump (the ledger's publisher;
+a simulated rank is the user's)."""
+
+
+def tidy_stack(text: str) -> str:
+    """py-spy's dump without its header, the rank's bootstrap frames or ddparity's own
+    threads and frames (kept with ``--verbose``: :func:`ddparity.frames.verbose`), C++ frames
+    without template arguments."""
+    skipping = own = False
+    keep_own = verbose()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith(("Process ", "Python v")) or not line.strip():
+            continue
+        if line.startswith("Thread "):
+            own = not keep_own and bool(OWN_THREAD.match(line))
+        if own:
+            continue
+        if RANK_LOOP in line:  # below it: the rank's bootstrap, not the user's code
+            lines.append(line)
+            skipping = True
+            continue
+        if _THREAD_START.search(line):  # a thread's bootstrap (a simulated rank's, say): nobody's code
+            skipping = True
+            continue
+        if line.startswith("Thread "):
+            skipping = False
+        elif skipping:
+            continue
+        if line.rstrip().endswith(".so)") or ".so." in line:
+            head, sep, lib = line.rpartition(" (")
+            previous = None
+            while previous != head:
+                previous, head = head, _PARENS.sub("", _TEMPLATE_ARGS.sub("", _LAMBDA.sub("{lambda}", head)))
+            line = head + sep + lib
+            if len(line) > 160:
+                line = line[:157] + "..."
+        lines.append(line)
+    return hide_own_frames("\n".join(lines) + "\n")
+
+
+def tidy_faulthandler_dump(text: str) -> str:
+    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
+    in a forked rank repeats the controller's whole stack), ddparity's own folded."""
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if skipping and (not line.strip() or not line.startswith("  ")):
+            skipping = False
+        if skipping:
+            continue
+        lines.append(line)
+        if RANK_LOOP in line and line.lstrip().startswith("File"):
+            skipping = True
+    return hide_own_frames("\n".join(lines))

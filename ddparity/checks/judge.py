@@ -23,7 +23,7 @@ from ddparity.errors import (
     TaskTimeout,
     WorldFailure,
 )
-from ddparity.frames import RANK_LOOP, hide_own_frames
+from ddparity.frames import hide_own_frames, tidy_faulthandler_dump
 from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot, RunResult
 
@@ -89,7 +89,7 @@ def judge_failure(exc: WorldFailure) -> Failure:
     if isinstance(exc, RankCrashed):
         return Failure("crash", str(exc), crash=Crash(
             rank=exc.rank, exitcode=exc.exitcode, error=_first_line(exc),
-            output=_tidy_traceback_dump(exc.output.strip())[-8000:],
+            output=tidy_faulthandler_dump(exc.output.strip())[-8000:],
             ranks=rank_places(records, exc.stacks, sorted(exc.stacks)) if records else {}))
     if isinstance(exc, TaskFailed):
         bad = [o for o in exc.outcomes if not o.ok]
@@ -109,18 +109,3 @@ def judge_failure(exc: WorldFailure) -> Failure:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def _tidy_traceback_dump(text: str) -> str:
-    """A faulthandler dump without the frames below the rank loop (its bootstrap, which
-    in a forked rank repeats the controller's whole stack), ddparity's own folded."""
-    lines, skipping = [], False
-    for line in text.splitlines():
-        if skipping and (not line.strip() or not line.startswith("  ")):
-            skipping = False
-        if skipping:
-            continue
-        lines.append(line)
-        if RANK_LOOP in line and line.lstrip().startswith("File"):
-            skipping = True
-    return hide_own_frames("\n".join(lines))

@@ -7,7 +7,9 @@ boundary is always plain data. ``tests/harness/test_protocol.py`` round-trips ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +85,33 @@ class TaskDone:
 OUTPUT_END_MARK = b"\n\x00ddparity-task-end:%d\x00\n"
 """Written to a rank's output stream after a task, so the controller can cut the
 stream at task boundaries even though output and messages travel on different pipes."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunName:
+    """How a rank task is shown while it runs (the CLI's live line): declared by the task
+    itself (:func:`names_run`), not looked up by its function's name."""
+
+    label: str
+    sized: bool = False
+    """Shown with its world size and backend (``ddp world_size=4 (gloo)``)."""
+    simulated: bool = False
+    """Its ranks are threads of one process: its world size is the simulated ranks' count."""
+
+
+_Task = TypeVar("_Task", bound=Callable[..., Any])
+
+
+def names_run(label: str, sized: bool = False, simulated: bool = False) -> Callable[[_Task], _Task]:
+    """Declare how the decorated rank task is shown while it runs."""
+
+    def declare(fn: _Task) -> _Task:
+        fn.run_name = RunName(label, sized, simulated)  # type: ignore[attr-defined]
+        return fn
+
+    return declare
+
+
+def run_name(fn: Any) -> RunName:
+    """How ``fn`` is shown while it runs (its function name, if it declared nothing)."""
+    return getattr(fn, "run_name", None) or RunName(getattr(fn, "__name__", "task"))

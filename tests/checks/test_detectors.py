@@ -11,8 +11,8 @@ import torch
 from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
 from ddparity.checks.hang import stragglers, suspect_ranks
+from ddparity.frames import tidy_stack
 from ddparity.harness.ranks.fingerprint import fingerprint
-from ddparity.harness.world.stacks import tidy_stack
 from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
 
 

@@ -412,15 +412,16 @@ def test_piped_a_run_without_progress_gets_one_plain_line():
     import io
 
     from ddparity.cli_progress import QuietNotes, describe
+    from ddparity.harness.protocol import RunName
     from ddparity.harness.world.progress import Snapshot
     from ddparity.records import encode_progress
 
     stuck = encode_progress(5, 1, "forward", None, [])
-    snap = Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 12.0, 60.0)
+    snap = Snapshot(RunName("ddp", sized=True), 2, "gloo", [stuck, stuck], 12.0, 60.0)
     assert describe(snap) == "ddparity: ddp world_size=2 (gloo): step 1, forward · no progress for 12 s (a hang at 60 s)"
     out = io.StringIO()
     notes = QuietNotes(out)
-    notes(Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 3.0, 60.0))  # moving: nothing
+    notes(Snapshot(RunName("ddp", sized=True), 2, "gloo", [stuck, stuck], 3.0, 60.0))  # moving: nothing
     notes(snap)
-    notes(Snapshot("ddp_task", 2, "gloo", [stuck, stuck], 14.0, 60.0))  # said once
+    notes(Snapshot(RunName("ddp", sized=True), 2, "gloo", [stuck, stuck], 14.0, 60.0))  # said once
     assert out.getvalue().splitlines() == [describe(snap)]

@@ -86,3 +86,17 @@ def test_every_implementation_has_what_its_protocol_declares(proto, impl):
     missing = sorted(n for n in _declared(proto) if not hasattr(impl, n) and n not in fields | assigned)
     assert not missing, f"{impl.__name__} lacks {missing}, which {proto.__name__} declares"
     assert len(_declared(proto)) >= 2
+
+
+def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
+    """The live line names a run by what its task declares (``names_run``), never by the
+    task function's name: a renamed task would otherwise show as ``ddp_task``."""
+    from ddparity.harness.protocol import RunName, run_name
+    from ddparity.harness.ranks import health_probe, tasks, threaded
+
+    found = {name: run_name(fn) for module in (tasks, threaded, health_probe) for name, fn in vars(module).items()
+             if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
+    assert set(found) == {"prepare_task", "reference_task", "dp_task", "ddp_task", "profile_task",
+                          "threaded_ddp_task", "health_task"}
+    assert all(n.label != name for name, n in found.items()), found
+    assert found["threaded_ddp_task"] == RunName("ddp (simulated)", sized=True, simulated=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.errors import UsageError
-from ddparity.harness.protocol import RankContext
+from ddparity.harness.protocol import RankContext, names_run
 from ddparity.measurements import RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
@@ -58,6 +58,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@names_run("health")
 def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     import torch
     import torch.distributed as dist

@@ -19,7 +19,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.distances import Distances, Reference
-from ddparity.harness.protocol import RankContext
+from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import batch_size, valid_counts
 from ddparity.harness.ranks.modes.ddp import DDPMode
 from ddparity.harness.ranks.modes.dp import DataParallelMode
@@ -36,6 +36,7 @@ WAIT_LIMIT_S = 3600.0
 stuck check long before: this bounds the wait should it not)."""
 
 
+@names_run("set-up (the initial state, every step's batch)")
 def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], dict[str, list[int]]]:
     """Writes the initial state (built once, from the factory and the seed) to the spool;
     returns the global batch size of every step, so the controller can validate shards
@@ -62,6 +63,7 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
     return sizes, valid
 
 
+@names_run("the reference (one device)")
 def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[int, ...] = ()) -> Reference:
     """The single-device reference, written to the spool step by step, calibrated by its
     twin for the largest world size to be compared."""
@@ -76,6 +78,7 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     return calibrated(reference, twin)
 
 
+@names_run("dp")
 def dp_task(ctx: RankContext, case: Case, spool: str,
             world_sizes: tuple[int, ...]) -> dict[int, tuple[Distances, dict[str, str], bool]]:
     """Mode ``dp`` at every requested world size, in one round trip: by world size, its
@@ -91,6 +94,7 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
     return out
 
 
+@names_run("ddp", sized=True)
 def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
              open_step: Any = None, state: Any = None) -> Distances:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (with phases, the
@@ -105,6 +109,7 @@ def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
     return sink.finish()
 
 
+@names_run("profile", sized=True)
 def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: int) -> RankProfile:
     """Time ``warmup + steps`` iterations of the case under DDP; keep the last ``steps``."""
     mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.errors import RankCrashed, SimulatedRankError, TaskTimeout, UsageError, WorldFailure
-from ddparity.harness.protocol import RankContext
+from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.sidechannel import FileRankChannel, SimulatedRecords
 from ddparity.records import RankRecords
 from ddparity.settings import needs_newer_torch
@@ -169,6 +169,7 @@ class ThreadRecorder:
         self._changed()
 
 
+@names_run("ddp (simulated)", sized=True, simulated=True)
 def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int) -> tuple[list[Any], dict[int, Any]]:
     """Mode ``ddp`` at ``world_size`` simulated ranks: their distances to the reference and
     their records (progress, ledger, fingerprints), by rank."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddparity.harness.protocol import RunName
 from ddparity.records import Position, parse_progress
 
 
@@ -14,8 +15,8 @@ from ddparity.records import Position, parse_progress
 class Snapshot:
     """One poll of a running task."""
 
-    task: str
-    """The task function's name (``reference_task``, ``ddp_task``, ...)."""
+    task: RunName
+    """The task, as it declared it should be shown (:func:`ddparity.harness.protocol.names_run`)."""
     world_size: int
     backend: str
     progress: list[str]

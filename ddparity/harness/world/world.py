@@ -26,7 +26,7 @@ from typing import Any
 
 from ddparity.errors import UsageError, WorldFailure, signal_name
 from ddparity.harness.deadlines import Ending, TaskClock
-from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunTask, Shutdown, TaskDone
+from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunName, RunTask, Shutdown, TaskDone, run_name
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
 from ddparity.harness.world import outcomes, rendezvous, spawn
 from ddparity.harness.world import progress as progress_observers
@@ -58,7 +58,7 @@ class PendingTask:
         self._watch = watch
         self._submitted = time.monotonic()
         self._collected = False
-        self._name = "task"
+        self._name = RunName("task")
 
     def result(self) -> list[RankOutcome]:
         """Every rank's outcome; raises as :meth:`World.execute` does."""
@@ -281,7 +281,7 @@ class World:
             except OSError:
                 pass  # the rank died; its sentinel reports it below
         self._pending = PendingTask(self, task_id, limit, channel, watch)
-        self._pending._name = getattr(fn, "__name__", "task")
+        self._pending._name = run_name(fn)
         return self._pending
 
     def _collect(self, task: PendingTask) -> list[RankOutcome]:
