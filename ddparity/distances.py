@@ -132,6 +132,8 @@ class Reference:
     """The first NaN or inf in the loss, gradients or parameters: (step, kind, name, value)."""
     params: int = 0
     """How many parameter tensors the model has."""
+    layer_types: dict[str, str] = field(default_factory=dict)
+    """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
 
     def entries(self, step: int, kind: str) -> list[tuple[str, Entry]]:
         return [(name, e) for (k, name), e in self.steps[step].items() if k == kind]

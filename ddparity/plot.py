@@ -65,8 +65,21 @@ def figure(report: Any) -> Any:
                  ncol=2, frameon=False)
     backends = sorted({r.backend for r in runs}) or ["-"]
     fig.suptitle(f"ddparity profile: {report.case} ({', '.join(backends)}, {report.cpus} CPUs)")
-    fig.tight_layout()
+    notes = notes_of(every)
+    fig.tight_layout(rect=(0, 0.035 * len(notes), 1, 1))
+    for i, note in enumerate(notes):  # the table's notes travel with the picture (oversubscribed sizes, small messages)
+        fig.text(0.01, 0.035 * (len(notes) - i) - 0.025, note, fontsize=7.5, color="0.3")
     return fig
+
+
+def notes_of(runs: list[Any], width: int = 150) -> list[str]:
+    """The notes the profile's table prints under it, one line each (cut at ``width``)."""
+    out = []
+    for r in runs:
+        for note in r.notes:
+            line = f"world size {r.world_size}: {note}"
+            out.append(line if len(line) <= width else line[:width - 3] + "...")
+    return out
 
 
 def plot_profile(report: Any, path: str) -> None:

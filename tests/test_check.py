@@ -61,7 +61,7 @@ def test_the_likely_cause_is_named_for_known_signatures_and_only_for_them():
     assert [c.split(":")[1] for c in causes(summed)] == [" a loss summed over the batch (reduction='sum')"] * 2
     assert "1 - 1/4 = 0.75" in causes(summed)[1] and "reduction='mean'" in causes(summed)[1]
     bn = causes(check(bugs.batchnorm_on_shards(), world_sizes=(2,)))
-    assert len(bn) == 1 and "BatchNorm on shards (bn)" in bn[0] and "SyncBatchNorm" in bn[0], bn
+    assert len(bn) == 1 and "BatchNorm on shards (bn (BatchNorm1d))" in bn[0] and "SyncBatchNorm" in bn[0], bn
     assert causes(check(models.mlp_sgd(), world_sizes=(2, 4))) == []
     [alone] = causes(check(bugs.corrupted_grad_on_one_rank(), world_sizes=(4,)))
     assert alone.startswith("likely cause: rank 1 alone drifts from ranks [0, 2, 3]"), alone

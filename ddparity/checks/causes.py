@@ -36,10 +36,12 @@ ranks' own gradients may share)."""
 
 
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
-                 params: int = 0, valid: dict[str, list[int]] | None = None) -> str | None:
+                 params: int = 0, valid: dict[str, list[int]] | None = None,
+                 layer_types: dict[str, str] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
-    valid entries per sample, by tensor), or None."""
+    valid entries per sample, by tensor; ``layer_types``: the class of each layer with
+    running statistics, by name), or None."""
     if world_size < 2:
         return None
     if desync is not None:
@@ -48,8 +50,10 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         return None
     first = found[0]
     off_by = 1 - 1 / world_size
-    layers = list(dict.fromkeys(d.name.rsplit(".", 1)[0] for d in found if d.kind == "buffer"
-                                and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS))
+    types = layer_types or {}
+    layers = [f"{name} ({types[name]})" if name in types else name
+              for name in dict.fromkeys(d.name.rsplit(".", 1)[0] for d in found if d.kind == "buffer"
+                                        and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS)]
     if first.kind == "loss" and first.step == 0 and abs(first.max_rel - off_by) <= SIGNATURE_REL_TOL:
         also = (f"; BatchNorm statistics differ too ({', '.join(layers)}): BatchNorm on shards may remain once "
                 f"the loss is fixed, check again" if layers else "")

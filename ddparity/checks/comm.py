@@ -62,6 +62,10 @@ class WorldProfile:
         return out
 
 
+SMALL_MESSAGE_BYTES = 2**20
+"""Below this size a message's time is mostly latency: its bus bandwidth is not the link's."""
+
+
 def busy_seconds(buckets: list[BucketTiming]) -> float:
     """Length of the union of the buckets' ``[start, end]`` intervals."""
     total, reach = 0.0, None
@@ -109,6 +113,11 @@ def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
         out.algbw_gbps = per_step_bytes / comm / 1e9
         if n > 1 and ops == ["all_reduce"]:
             out.busbw_gbps = out.algbw_gbps * bus_factor(n)
+    per_message = per_step_bytes / max(out.buckets or 1, 1)
+    if out.busbw_gbps is not None and per_message < SMALL_MESSAGE_BYTES:
+        out.notes.append(f"messages of {per_message / 1e3:.0f} kB on average: at this size latency, not the link, "
+                         f"decides a collective's time, so bus bandwidth says little about the interconnect "
+                         f"(it means something from about {SMALL_MESSAGE_BYTES / 2**20:g} MiB a message up)")
     if n > 1 and ops and ops != ["all_reduce"]:
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")

@@ -246,7 +246,8 @@ def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distanc
     run.worst = worst(found)
     judged = judge_completed(run, records, found)
     params = reference.params
-    cause = (likely_cause(found, ws, params=params, valid=valid) if judged.status == "diverged"
+    cause = (likely_cause(found, ws, params=params, valid=valid, layer_types=reference.layer_types)
+             if judged.status == "diverged"
              else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
     if cause:
         judged.notes.append(cause)

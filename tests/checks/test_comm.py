@@ -46,6 +46,34 @@ def test_the_slowest_rank_sets_each_step_and_medians_summarise():
     assert out.samples_per_s == pytest.approx(16 / 0.014)
 
 
+def test_bus_bandwidth_of_small_messages_is_said_to_mean_little():
+    def profile(nbytes):
+        steps = [StepTiming(sync=0.010, no_sync=0.008, optimizer=0.0, buckets=[b(0.0, 0.004, nbytes)])]
+        return summarize([rank(0, steps), rank(1, steps)], "gloo")
+
+    small, large = profile(6000), profile(4 * 2**20)
+    assert small.busbw_gbps is not None and large.busbw_gbps is not None
+    assert [n for n in small.notes if "latency" in n] == [
+        "messages of 6 kB on average: at this size latency, not the link, decides a collective's time, so bus "
+        "bandwidth says little about the interconnect (it means something from about 1 MiB a message up)"]
+    assert not [n for n in large.notes if "latency" in n]
+    assert "world size 2: messages of 6 kB" in render("case", [small])
+
+
+def test_the_profile_picture_carries_the_tables_notes(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ddparity.plot import figure, notes_of
+    from ddparity.report import ProfileReport
+
+    runs = [WorldProfile(world_size=2, backend="gloo", step_s=0.02, compute_s=0.01, exposed_comm_s=0.01,
+                         notes=["oversubscribed: 2 ranks on 1 CPUs; communication waits for descheduled ranks"])]
+    fig = figure(ProfileReport("case", runs, cpus=1))
+    drawn = [t.get_text() for t in fig.texts]
+    assert notes_of(runs) == ["world size 2: oversubscribed: 2 ranks on 1 CPUs; communication waits for "
+                              "descheduled ranks"]
+    assert notes_of(runs)[0] in drawn, drawn
+
+
 def test_hidden_communication_is_not_negative_and_non_all_reduce_hooks_get_no_busbw():
     steps = [StepTiming(sync=0.010, no_sync=0.011, optimizer=0.0,
                         buckets=[b(0.0, 0.004, 100, ("all_gather", "all_reduce"))])]

@@ -274,3 +274,5 @@ def test_a_summed_loss_with_batchnorm_on_shards_says_the_second_may_remain():
     assert "BatchNorm" not in likely_cause(found[:1], 2)
     bn = likely_cause([at("grad", "w", 0.01), *found[1:]], 2)
     assert bn.startswith("likely cause: BatchNorm on shards (1, 5):"), bn
+    typed = likely_cause(found, 2, layer_types={"1": "BatchNorm2d", "5": "BatchNorm1d"})
+    assert "BatchNorm statistics differ too (1 (BatchNorm2d), 5 (BatchNorm1d))" in typed, typed

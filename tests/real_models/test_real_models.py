@@ -58,7 +58,7 @@ def test_planted_bugs_in_real_models_are_reported_at_100x_or_as_a_desync(name):
 
 def test_the_likely_cause_is_named_on_real_models():
     cases = {"gpt2_summed": "a loss summed over the batch", "gpt2_late_sync": "no gradient was all-reduced",
-             "resnet_bn_on_shards": "BatchNorm on shards (stem.1, layer1.bn1, ", "vit_scaled_hook": "gradients are scaled by the same factor",
+             "resnet_bn_on_shards": "BatchNorm on shards (stem.1 (BatchNorm2d), layer1.bn1 (BatchNorm2d), ", "vit_scaled_hook": "gradients are scaled by the same factor",
              "gpt2_per_rank_mean": "a loss averaged over each rank's own valid entries: batch['labels']"}
     for name, cause in cases.items():
         report = check(_case(real_models.BUGS, name), world_sizes=(2,))

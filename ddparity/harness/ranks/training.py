@@ -115,6 +115,8 @@ class Trained:
     """The most dropout calls one step made (each given the same mask per sample in every mode)."""
     autocast_dtype: str | None
     """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""
+    layer_types: dict[str, str] = field(default_factory=dict)
+    """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Any = None) -> Trained:
@@ -177,7 +179,9 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
     low = replica.precision.dtype if replica.precision is not None else None
     never_stepped(replica.stepped, mode.steps)
     rec.set_phase(mode.steps, "done")
-    return Trained(sizes, calls, str(low).removeprefix("torch.") if low is not None else None)
+    stats = {name: type(m).__name__ for name, m in model.named_modules()
+             if any(b in ("running_mean", "running_var") for b, _ in m.named_buffers(recurse=False))}
+    return Trained(sizes, calls, str(low).removeprefix("torch.") if low is not None else None, stats)
 
 
 def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
