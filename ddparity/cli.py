@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _Out.quiet = getattr(args, "quiet", False)
         if args.verbose:
             os.environ["DDPARITY_VERBOSE"] = "1"  # read where stacks are tidied (rank processes inherit it)
-        _Out.live = cli_progress.watching(_Out.quiet)
+        _Out.live = cli_progress.watching(_Out.quiet, args.command)
         try:
             return verbs[args.command](args)
         finally:

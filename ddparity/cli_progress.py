@@ -52,6 +52,12 @@ class LiveLine:
         self.stream.flush()
         self.shown = True
 
+    def note(self, text: str) -> None:
+        """A line shown until the first progress (what the command is doing meanwhile)."""
+        self.stream.write("\r\x1b[K" + text)
+        self.stream.flush()
+        self.shown = True
+
     def clear(self) -> None:
         if self.shown:
             self.stream.write("\r\x1b[K")
@@ -78,12 +84,16 @@ class QuietNotes:
         pass
 
 
-def watching(quiet: bool) -> Any:
-    """The observer for this command (registered until :func:`stop`), or None with --quiet."""
+def watching(quiet: bool, verb: str = "") -> Any:
+    """The observer for this command (registered until :func:`stop`), or None with --quiet.
+    On a terminal it says at once that the command started: importing torch and starting
+    rank processes take seconds before the first progress."""
     if quiet:
         return None
     stream = sys.stderr
     observer = LiveLine(stream) if stream.isatty() else QuietNotes(stream)
+    if verb and isinstance(observer, LiveLine):
+        observer.note(f"ddparity {verb}: starting (loading torch, then the rank processes)...")
     progress.OBSERVERS.append(observer)
     return observer
 

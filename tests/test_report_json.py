@@ -85,7 +85,7 @@ def report() -> Report:
 
     # a rank died by a signal; its output has the rank loop's bootstrap frames below it
     output = ('Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n'
-              '  File "/x/model.py", line 9 in forward\n  File "/x/ddparity/harness/rank.py", line 150 in _run_task\n'
+              '  File "/x/model.py", line 9 in forward\n  File "/x/ddparity/harness/ranks/rank.py", line 150 in _run_task\n'
               '  File "/x/multiprocessing/process.py", line 108 in run\n\n')
     crashed = RankCrashed("rank 1 died (signal SIGSEGV) during the run; the world will be rebuilt\nmore",
                           1, -11, output, {0: "Thread 1\n    allreduce\n"})

@@ -32,7 +32,7 @@ from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, first_non_finite
 from ddparity.distances import Reference
-from ddparity.errors import UsageError, WorldFailure
+from ddparity.errors import Exit, UsageError, WorldFailure
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
@@ -260,7 +260,7 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
             me.watch.idle()
         me.world.publish(me.ddp_stage(go))
     except KeyboardInterrupt:
-        os._exit(130)
+        os._exit(Exit.INTERRUPTED)
     except BaseException as exc:
         me.watch.fail(exc)
     me.watch.finish(me.report_completed())

@@ -391,6 +391,8 @@ def test_on_a_terminal_a_live_line_says_which_run_where_and_how_long_until_a_han
     code, text = _through_a_terminal(["check", "ddparity.fixtures.faults:stuck_rank", "--world-sizes", "2",
                                       "--timeout", "6"])
     assert code == 3, text
+    # the first bytes, before torch is imported: the command says it started
+    assert text.startswith("\r\x1b[Kddparity check: starting (loading torch, then the rank processes)..."), text[:200]
     lines = [part.strip("\x1b[K") for part in text.split("\r")]
     assert any(ln.startswith("ddparity: ddp world_size=2 (gloo): step 1, forward") for ln in lines), text
     assert any("no progress for" in ln and "(a hang at 6 s)" in ln for ln in lines), text

@@ -62,7 +62,7 @@ def _implementations():
     return [(recorder.StepRecorder, impl) for impl in (recorder.Recorder, ThreadRecorder, type(recorder.DISABLED))] + \
         [(side.RankEnd, impl) for impl in (side.RankChannel, side.FileRankChannel)] + \
         [(side.TaskEnd, impl) for impl in (side.TaskChannel, side.FileTaskChannel)] + \
-        [(spool.Sink, impl) for impl in (spool.Writer, spool.Comparer, spool.NoSink)] + \
+        [(training.Sink, impl) for impl in (spool.Writer, spool.Comparer, spool.NoSink)] + \
         [(training.Mode, impl) for impl in (SingleMode, TwinMode, DataParallelMode, DDPMode, TimedMode)]
 
 

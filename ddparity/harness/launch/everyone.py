@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddparity.errors import WorldFailure
+from ddparity.errors import Exit, WorldFailure
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.watch import LaunchWatch
 from ddparity.harness.ranks.recorder import install_recorder
@@ -57,7 +57,7 @@ class Everyone:
             self.recorder.end_task()
             self.publish(value)
         except KeyboardInterrupt:
-            os._exit(130)
+            os._exit(Exit.INTERRUPTED)
         except BaseException as exc:
             self.watch.fail(exc)
         return self.gather()

@@ -207,7 +207,7 @@ class LaunchWatch:
         here = [r for r in range(self.n) if self._where[r][0] == mine and self._running_here(r)]  # no store now
         if self.rank != min(here, default=self.rank) or not self.claim():
             sys.stderr.write(f"ddparity: rank {self.rank}: {lost}. This rank's stacks:\n{own_stacks()}\n")
-            self._exit(3)
+            self._exit(Exit.HANG_OR_CRASH)
         ranks = self._participants()
         reason = self._live(self._progress) if self.stage == 2 else None
         elsewhere = [r for r in ranks if self._where[r][0] != mine] or [r for r in ranks if r != self.rank] or [0]
@@ -240,7 +240,7 @@ class LaunchWatch:
         if self._term_at is not None and time.monotonic() - self._term_at > TERM_GRACE_S:
             sys.stderr.write(f"ddparity: rank {self.rank}: stopped by the launcher (SIGTERM) and no verdict came in "
                              f"{TERM_GRACE_S:g} s; this rank's stacks:\n{own_stacks()}\n")
-            self._exit(3)
+            self._exit(Exit.HANG_OR_CRASH)
 
     def _answer_stack_request(self) -> None:
         asked = int(self.store.add("D", 0))

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
 from ddparity.harness.janitor import remove_when_gone
@@ -61,17 +61,6 @@ class Stored(NamedTuple):
     @staticmethod
     def read(manifest: list[list[Any]]) -> list[Stored]:
         return [Stored(*entry) for entry in manifest]
-
-
-class Sink(Protocol):
-    """Where a run's tensors go as the step makes them: the reference's :class:`Writer`, every
-    other run's :class:`Comparer`, or :class:`NoSink` (profile's timed steps)."""
-
-    def grads(self, step: int, model: Any) -> None:
-        """The gradients as the optimizer sees them (at ``optimizer.step()``)."""
-
-    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
-        """The loss, parameters and buffers as the step left them."""
 
 
 class ReferenceFailed(RuntimeError):

@@ -45,6 +45,19 @@ from ddparity.harness.ranks.stepping import (
 )
 
 
+class Sink(Protocol):
+    """Where a run's tensors go as the step makes them: the reference's
+    :class:`~ddparity.harness.ranks.spool.Writer`, every other run's
+    :class:`~ddparity.harness.ranks.spool.Comparer`, or
+    :class:`~ddparity.harness.ranks.spool.NoSink` (profile's timed steps)."""
+
+    def grads(self, step: int, model: Any) -> None:
+        """The gradients as the optimizer sees them (at ``optimizer.step()``)."""
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+        """The loss, parameters and buffers as the step left them."""
+
+
 @dataclass(slots=True, eq=False)
 class Replica:
     """One replica in training: what a mode's step works with."""
@@ -68,7 +81,7 @@ class Replica:
     shared_batch: Any = None
     """This step's share of the global batch before it is cast (``ddparity.whole`` marks kept)."""
     sink: Any = None
-    """Where the step's tensors go (:mod:`ddparity.harness.ranks.spool`: written, or compared)."""
+    """Where the step's tensors go: a :class:`Sink` (set by :func:`train`)."""
     stepped: list[bool] = field(default_factory=list)
     """Per step so far, whether the optimizer stepped."""
 
@@ -119,7 +132,7 @@ class Trained:
     """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
 
 
-def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Any = None) -> Trained:
+def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None) -> Trained:
     """Train one replica of ``case`` from ``state`` as ``mode`` says; its tensors go to
     ``sink`` as they are made (:mod:`ddparity.harness.ranks.spool`: the reference's are written,
     a run's compared with them), nothing is kept here."""
