@@ -46,6 +46,11 @@ class Case:
     ``ddp_options`` are passed to ``DistributedDataParallel``; ``comm_hook`` (optional)
     is registered with ``DistributedDataParallel.register_comm_hook(comm_hook_state, comm_hook)``;
     every run gets its own copy of ``comm_hook_state``.
+    ``fsdp(model, mesh)`` (optional) applies ``fully_shard`` as your code does (its
+    wrapping, ``MixedPrecisionPolicy``, ``ignored_params``...) in modes ``fsdp`` and
+    ``hsdp`` and returns the model (or None: the same model); by default each direct child
+    holding parameters is sharded, then the root. ``hsdp_shard`` is the shard size S of
+    mode ``hsdp``'s (replicate, shard) mesh (default 2; ``--hsdp-shard`` overrides it).
     """
 
     model: Callable[[], Any] | str
@@ -60,6 +65,8 @@ class Case:
     comm_hook: Callable[..., Any] | None = None
     comm_hook_state: Any = None
     train_step: Callable[[Any, Any, Any, Any], Any] | str | None = None
+    fsdp: Callable[[Any, Any], Any] | None = None
+    hsdp_shard: int | None = None
     name: str | None = None
     target: str | None = None  # "module:function" it was loaded from, for repro commands
 
@@ -99,6 +106,13 @@ class Case:
                 f"Case.train_step must be a callable (model, batch, optimizer, ctx) -> loss, or 'module:function', "
                 f"got {self.train_step!r}"
             )
+        if self.fsdp is not None and not callable(self.fsdp):
+            raise UsageError(f"Case.fsdp must be a callable (model, mesh) -> model that applies fully_shard, "
+                             f"got {self.fsdp!r}")
+        if self.hsdp_shard is not None and (isinstance(self.hsdp_shard, bool) or not isinstance(self.hsdp_shard, int)
+                                            or self.hsdp_shard < 1):
+            raise UsageError(f"Case.hsdp_shard must be an int >= 1 (the shard size of HSDP's mesh), "
+                             f"got {self.hsdp_shard!r}")
         if self.comm_hook is not None and not callable(self.comm_hook):
             raise UsageError(f"Case.comm_hook must be callable (state, bucket) -> Future, got {self.comm_hook!r}")
         return self

@@ -239,7 +239,8 @@ def _check(args: argparse.Namespace) -> int:
     try:
         for case in cases:
             report = check(case, modes=args.modes, world_sizes=args.world_sizes, backend=args.backend,
-                           timeout=args.timeout, tolerance=args.tolerance, steps=args.steps)
+                           timeout=args.timeout, tolerance=args.tolerance, steps=args.steps,
+                           hsdp_shard=args.hsdp_shard)
             reports.append(report)
             if len(cases) == 1 or not _Out.quiet:  # quiet, several cases: the overall line alone
                 _show(report.render())

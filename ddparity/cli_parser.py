@@ -94,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--demo-faults", action="store_true",
                      help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
     chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES,
-                     help=f"comma-separated, of single, dp, ddp (default {_csv(settings.CHECK_MODES)}; dp is "
-                          "simulated without enough GPUs)")
+                     help=f"comma-separated, of single, dp, ddp, fsdp, hsdp (default {_csv(settings.CHECK_MODES)}; "
+                          "dp is simulated without enough GPUs; fsdp and hsdp are FSDP2's fully_shard)")
+    chk.add_argument("--hsdp-shard", type=_text(settings.parse_count, "--hsdp-shard"), default=None, metavar="S",
+                     help=f"mode hsdp's shard size: a (W/S replicas, S shards) mesh (default: the Case's, else "
+                          f"{settings.HSDP_SHARD})")
     chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
                      help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
                           f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")

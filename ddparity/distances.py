@@ -149,6 +149,8 @@ class Distances:
     steps: list[dict[tuple[str, str], float]] = field(default_factory=list)
     mismatches: dict[tuple[int, str, str], str] = field(default_factory=dict)
     """Why a distance is infinite (a tensor missing, another shape, a NaN), by (step, kind, name)."""
+    unsharded: list[str] = field(default_factory=list)
+    """Under FSDP: the parameters left out of sharding (compared whole)."""
 
     def compare(self, step: int, key: tuple[str, str], expected: Any, got: Any) -> None:
         """Record ``got``'s distance to the reference's ``expected`` (and why, if infinite)."""

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-PHASES = ("", "drawing the global batch", "build", "ddp", "forward", "backward", "optimizer", "compare",
+PHASES = ("", "drawing the global batch", "build", "ddp", "fsdp", "forward", "backward", "optimizer", "compare",
           "fingerprint", "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done")
 """Phases of a training step in the order a rank passes them (for who is behind): every
 phase a rank sets is here (tests/test_layout.py reads the code's ``set_phase`` calls)."""

@@ -21,8 +21,13 @@ from ddparity.errors import UsageError
 
 # -- choices -----------------------------------------------------------------------------
 
-MODES = ("single", "dp", "ddp")
-"""Ways to train a Case: one device (the reference), DataParallel, DistributedDataParallel."""
+MODES = ("single", "dp", "ddp", "fsdp", "hsdp")
+"""Ways to train a Case: one device (the reference), DataParallel, DistributedDataParallel,
+FSDP2 on a 1-D mesh, FSDP2 on a (replicate, shard) mesh."""
+REPLICA_MODES = ("ddp", "fsdp", "hsdp")
+"""The modes whose every rank is a process of the world (a run per world size)."""
+HSDP_SHARD = 2
+"""Mode hsdp's shard size S when neither the Case nor ``--hsdp-shard`` says."""
 
 WORLD_BACKENDS = ("auto", "gloo", "nccl")
 """Backends of real rank processes (worlds, profile, health, torchrun)."""
@@ -302,7 +307,7 @@ class CheckOptions:
     """What ``check`` (and ``profile``) run. Built once from the API, CLI or plugin."""
 
     modes: tuple[str, ...] = CHECK_MODES
-    """single, dp and/or ddp."""
+    """single, dp, ddp, fsdp and/or hsdp."""
     world_sizes: tuple[int, ...] = CHECK_WORLD_SIZES
     backend: str = "auto"
     timeout: float = TIMEOUT_S
@@ -310,6 +315,8 @@ class CheckOptions:
     """``"auto"`` (calibrated noise floor) or a relative tolerance (0: bit-exact)."""
     steps: int | None = None
     """Overrides the Case's own number of steps."""
+    hsdp_shard: int | None = None
+    """Overrides the Case's ``hsdp_shard`` (mode hsdp's shard size)."""
 
     @classmethod
     def validated(cls, where: str, **values: Any) -> CheckOptions:
@@ -327,6 +334,8 @@ class CheckOptions:
             out["tolerance"] = validate_tolerance(values["tolerance"], where)
         if values.get("steps") is not None:
             out["steps"] = validate_count(values["steps"], "steps", where)
+        if values.get("hsdp_shard") is not None:
+            out["hsdp_shard"] = validate_count(values["hsdp_shard"], "hsdp_shard", where)
         return cls(**out)
 
 

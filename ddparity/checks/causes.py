@@ -37,18 +37,23 @@ ranks' own gradients may share)."""
 
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
                  params: int = 0, valid: dict[str, list[int]] | None = None,
-                 layer_types: dict[str, str] | None = None) -> str | None:
+                 layer_types: dict[str, str] | None = None, mode: str = "ddp",
+                 unsharded: list[str] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
     valid entries per sample, by tensor; ``layer_types``: the class of each layer with
-    running statistics, by name), or None."""
-    if world_size < 2:
-        return None
+    running statistics, by name; ``mode``: ddp, fsdp or hsdp, as the text names it;
+    ``unsharded``: under FSDP, the parameters left out of sharding), or None."""
     if desync is not None:
-        return _desync_cause(desync, params)
+        return _desync_cause(desync, params) if world_size > 1 else None
     if not found:
         return None
     first = found[0]
+    grads = [d for d in found if d.step == first.step and d.kind == "grad"]
+    names = {d.name for d in grads}  # each rank reports its own copy of a tensor (or shard)
+    sharded = _sharded_cause(first, grads, names, params, mode, unsharded or [])
+    if sharded or world_size < 2:
+        return sharded
     off_by = 1 - 1 / world_size
     types = layer_types or {}
     layers = [f"{name} ({types[name]})" if name in types else name
@@ -58,7 +63,7 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         also = (f"; BatchNorm statistics differ too ({', '.join(layers)}): BatchNorm on shards may remain once "
                 f"the loss is fixed, check again" if layers else "")
         return (f"likely cause: a loss summed over the batch (reduction='sum'): the loss is off by exactly "
-                f"1 - 1/{world_size} = {off_by:g}, because DDP averages the ranks' gradients and each rank's sum "
+                f"1 - 1/{world_size} = {off_by:g}, because {mode.upper()} averages the ranks' gradients and each rank's sum "
                 f"covers 1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world "
                 f"size){also}")
     statistics = [d for d in found if d.step == first.step and d.kind == "buffer"
@@ -68,10 +73,12 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         return (f"likely cause: BatchNorm on shards ({layer}): each rank normalises its shard with its own "
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
                 f"or BatchNorm in eval mode")
-    grads = [d for d in found if d.step == first.step and d.kind == "grad"]
-    names = {d.name for d in grads}  # each rank reports its own copy of a tensor
     if first.kind == "grad" and len(names) >= 2 and (not params or len(names) >= MISSED_SYNC_SHARE * params):
-        rels = [d.max_rel for d in grads]
+        # a tensor's error: the largest over the ranks (under FSDP each holds a shard of it)
+        whole: dict[str, float] = {}
+        for d in grads:
+            whole[d.name] = max(whole.get(d.name, 0.0), d.max_rel)
+        rels = list(whole.values())
         if max(rels) - min(rels) <= UNIFORM_SCALE_TOL * max(rels):
             hint = f" (an unaveraged sum is off by {world_size - 1:g}, a double division by {1 - 1 / world_size:g})"
             share = f"all {len(names)} gradients" if len(names) >= params else f"{len(names)} of {params} gradients"
@@ -80,11 +87,31 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                     f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
                     f"mean over ranks: divide the sum by the world size once, and scale nothing else")
     if first.kind == "loss" and first.step == 0:
-        return _uneven_valid_entries(valid or {}, world_size)
+        return _uneven_valid_entries(valid or {}, world_size, mode)
     return None
 
 
-def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int) -> str | None:
+def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], params: int, mode: str,
+                   unsharded: list[str]) -> str | None:
+    """FSDP's own signatures: a gradient left out of sharding never reduced; no gradient
+    reaching the optimizer because the sync stayed off."""
+    if mode not in ("fsdp", "hsdp") or first.kind != "grad":
+        return None
+    left_out = sorted(n for n in names if n in unsharded)
+    if left_out and first.name in unsharded:
+        return (f"likely cause: {', '.join(left_out)} left out of sharding (ignored_params): FSDP2 neither shards "
+                f"nor reduces them, so each rank keeps the gradient of its own share of the batch; all-reduce their "
+                f"gradients yourself and divide by the world size (a post-accumulate-grad hook), or shard them")
+    missing = {d.name for d in grads if d.mismatch and d.mismatch.startswith("missing")}
+    if first.step == 0 and missing and len(missing) >= MISSED_SYNC_SHARE * max(params, 1):
+        return (f"likely cause: no gradient reached the optimizer ({len(missing)} of {params} missing at step 0): "
+                f"{mode.upper()}'s gradient sync was off (set_requires_gradient_sync(False), ctx.no_sync()) through "
+                f"the last backward, so no gradient was reduce-scattered into the sharded parameters; turn the sync "
+                f"back on before the last micro-batch's backward")
+    return None
+
+
+def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: str = "ddp") -> str | None:
     for path, counts in valid.items():
         if len(counts) % world_size:
             continue
@@ -93,7 +120,7 @@ def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int) -> str |
         if len(set(totals)) > 1:
             shown = ", ".join(map(str, totals[:4])) + (", ..." if len(totals) > 4 else "")
             return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
-                    f"entries on the ranks' shards (labels not -100, mask ones), and DDP averages the ranks' means, "
+                    f"entries on the ranks' shards (labels not -100, mask ones), and {mode.upper()} averages the ranks' means, "
                     f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
                     f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size (in a "
                     f"Case's train_step: ctx.world_size)")

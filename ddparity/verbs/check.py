@@ -20,13 +20,13 @@ from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolera
 from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.spool import Spool
-from ddparity.harness.ranks.tasks import ddp_task, dp_task, prepare_task, reference_task
+from ddparity.harness.ranks.tasks import ddp_task, dp_task, fsdp_task, hsdp_task, prepare_task, reference_task
 from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
-from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
-from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, run_backend
+from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, REPLICA_MODES, TIMEOUT_S, CheckOptions
+from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
 
 
@@ -39,13 +39,15 @@ def check(
     tolerance: str | float = "auto",
     *,
     steps: int | None = None,
+    hsdp_shard: int | None = None,
     pool: WorldPool | None = None,
 ) -> Report:
-    """Run ``case`` in every mode and world size; compare each run to the reference."""
+    """Run ``case`` in every mode and world size; compare each run to the reference
+    (``hsdp_shard``: mode hsdp's shard size, overriding the Case's)."""
     if not isinstance(case, Case):
         raise UsageError(f"check() needs a ddparity.Case, got {type(case).__name__}")
     opts = CheckOptions.validated("check()", modes=modes, world_sizes=world_sizes, backend=backend,
-                                  timeout=timeout, tolerance=tolerance, steps=steps)
+                                  timeout=timeout, tolerance=tolerance, steps=steps, hsdp_shard=hsdp_shard)
     case = case.with_steps(opts.steps).validate()
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
@@ -70,7 +72,8 @@ class _Doing:
 def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool,
            doing: _Doing) -> Report:
     started = time.perf_counter()
-    ddp_sizes = opts.world_sizes if "ddp" in opts.modes else ()
+    replicas = [(mode, ws) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes]
+    ddp_sizes = tuple(sorted({ws for _, ws in replicas}))
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
@@ -83,9 +86,9 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     # The first runnable DDP run trains alongside the reference (comparing each step as the
     # reference writes it); the others follow.
     backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
-    plan = {ws: cannot_run(case, opts, backends[ws], ws, batch_sizes) for ws in ddp_sizes}
-    first = next((ws for ws, reason in plan.items() if reason is None), None)
-    early = _start_ddp(case, opts, backends[first], first, pool, spool) if first is not None else None
+    plan = {(mode, ws): cannot_run(case, opts, backends[ws], ws, batch_sizes, mode) for mode, ws in replicas}
+    first = next((run for run, reason in plan.items() if reason is None), None)
+    early = _start_ddp(case, opts, backends[first[1]], first, pool, spool) if first is not None else None
     try:
         [reference] = [o.value for o in ref_pending.result()]
     except WorldFailure as exc:
@@ -107,13 +110,14 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
     ddp_runs = doing.finished
-    for ws, unrunnable in plan.items():
+    for (mode, ws), unrunnable in plan.items():
         if unrunnable is not None:
             ddp_runs.append(unrunnable)
             continue
-        doing.run = f"ddp world_size={ws} ({backends[ws]})"
-        launched = early if ws == first and early is not None else _start_ddp(case, opts, backends[ws], ws, pool, spool)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], ws, launched, reference, blowup, valid))
+        doing.run = f"{mode} world_size={ws} ({backends[ws]})"
+        launched = early if (mode, ws) == first and early is not None else _start_ddp(
+            case, opts, backends[ws], (mode, ws), pool, spool)
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws), launched, reference, blowup, valid))
     doing.run = f"dp world sizes {list(dp_sizes)}"
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, blowup))
@@ -188,46 +192,56 @@ def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
     plan = [("single", 1)] if "single" in opts.modes else []
     if "dp" in opts.modes:
         plan += [("dp", ws) for ws in opts.world_sizes]
-    if "ddp" in opts.modes:
-        plan += [("ddp", ws) for ws in opts.world_sizes]
+    plan += [(mode, ws) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes]
     return plan
 
 
-def _start_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, pool: WorldPool,
+def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int], pool: WorldPool,
                spool: Spool) -> tuple[float, PendingTask | RunResult]:
+    """Start one run of a replica mode (``run``: mode and world size) in a warm world."""
+    mode, ws = run
     started = time.perf_counter()
     try:
         if backend == "threaded":
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
             return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
+        if mode in ("fsdp", "hsdp"):
+            task = fsdp_task if mode == "fsdp" else hsdp_task
+            return started, world.submit(task, case, spool.path, hsdp_shard(case, opts), timeout=opts.timeout,
+                                         watch=LiveWatch())
         return started, world.submit(ddp_task, case, spool.path, timeout=opts.timeout, watch=LiveWatch())
     except WorldStartError as exc:
-        return started, RunResult(mode="ddp", world_size=ws, backend=backend, status="error", reason=str(exc),
+        return started, RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=str(exc),
                                   simulated=backend == "threaded",
                                   seconds=time.perf_counter() - started,
-                                  repro=check_repro(case, "ddp", ws, backend, opts.tolerance))
+                                  repro=check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts)))
 
 
-def _finish_ddp(case: Case, opts: CheckOptions, backend: str, ws: int, launched: tuple[float, PendingTask | RunResult],
+def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int],
+                launched: tuple[float, PendingTask | RunResult],
                 reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
+    mode, ws = planned
     started, pending = launched
     if isinstance(pending, RunResult):
         return pending
-    repro = check_repro(case, "ddp", ws, backend, opts.tolerance)
+    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts))
     try:
         outcomes = pending.result()
     except WorldFailure as exc:
         if backend == "threaded":
             exc = as_simulated(exc)
-        failed = failure_run("ddp", ws, backend, exc, time.perf_counter() - started, repro)
+        failed = failure_run(mode, ws, backend, exc, time.perf_counter() - started, repro)
         failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
         return failed
     simulated = backend == "threaded"
     runs, records = outcomes[0].value if simulated else ([o.value for o in outcomes],
                                                           {o.rank: o.records for o in outcomes if o.records is not None})
-    run = RunResult(mode="ddp", world_size=ws, backend=backend, status="pass", simulated=simulated,
+    run = RunResult(mode=mode, world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
+    if mode == "hsdp":
+        s = hsdp_shard(case, opts)
+        run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
     if simulated:
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
@@ -246,7 +260,9 @@ def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distanc
     run.worst = worst(found)
     judged = judge_completed(run, records, found)
     params = reference.params
-    cause = (likely_cause(found, ws, params=params, valid=valid, layer_types=reference.layer_types)
+    unsharded = sorted({n for r in runs for n in r.unsharded})
+    cause = (likely_cause(found, ws, params=params, valid=valid, layer_types=reference.layer_types, mode=run.mode,
+                          unsharded=unsharded)
              if judged.status == "diverged"
              else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
     if cause:

@@ -14,7 +14,7 @@ from ddparity.checks.judge import judge_failure
 from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness.world import rendezvous
-from ddparity.settings import REAL_RANKS_LIMIT, CheckOptions
+from ddparity.settings import HSDP_SHARD, REAL_RANKS_LIMIT, CheckOptions
 from ddparity.verdicts import Failure, RunResult
 
 # -- planning ----------------------------------------------------------------------------
@@ -44,24 +44,35 @@ def run_backend(opts: CheckOptions, chosen: str, ws: int) -> str:
     return chosen
 
 
-def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: list[int]) -> RunResult | None:
-    """The ``error`` or ``skipped`` run that stands for a DDP run at ``ws`` which cannot
-    happen here (a batch that cannot be sharded, too few GPUs); None when it can run."""
-    repro = check_repro(case, "ddp", ws, backend, opts.tolerance)
+def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: list[int],
+               mode: str = "ddp") -> RunResult | None:
+    """The ``error`` or ``skipped`` run that stands for a run of ``mode`` (ddp, fsdp, hsdp)
+    at ``ws`` which cannot happen here (a batch that cannot be sharded, too few GPUs, a mesh
+    the world size does not fit); None when it can run."""
+    shard = hsdp_shard(case, opts)
+    repro = check_repro(case, mode, ws, backend, opts.tolerance, shard)
+    if mode in ("fsdp", "hsdp") and backend == "threaded":
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, simulated=True,
+                         reason=f"{mode} runs on real rank processes only (FSDP2 on simulated ranks is not "
+                                f"supported yet); use --backend gloo or world sizes up to {REAL_RANKS_LIMIT}")
+    if mode == "hsdp" and ws % shard:
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro,
+                         reason=f"hsdp's (replicate, shard) mesh needs a world size divisible by the shard size "
+                                f"{shard}; use --hsdp-shard with a divisor of {ws} (1 and {ws} included)")
     if any(size < 1 for size in sizes):
-        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="error", repro=repro,
                          reason="cannot find the batch dimension: the data function's inputs hold no tensor "
                                 "with a dim 0 to shard")
     uneven = [(step, size) for step, size in enumerate(sizes) if size % ws]
     if uneven:
         step, size = uneven[0]
-        return RunResult(mode="ddp", world_size=ws, backend=backend, status="error", repro=repro,
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="error", repro=repro,
                          reason=f"the global batch of step {step} has {size} samples, which cannot be split "
                                 f"into {ws} equal shards; use a batch size divisible by every world size "
                                 f"(e.g. {_nearest_multiples(size, math.lcm(*opts.world_sizes))})")
     gpus = rendezvous.cuda_device_count() if backend == "nccl" else 0
     if backend == "nccl" and gpus < ws:
-        return RunResult(mode="ddp", world_size=ws, backend=backend, status="skipped", repro=repro,
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro,
                          reason=f"nccl needs {ws} CUDA devices, {gpus} visible")
     return None
 
@@ -129,16 +140,24 @@ def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: f
 # -- reproduce lines ---------------------------------------------------------------------
 
 
-def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any) -> str:
+def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any, shard: int | None = None) -> str:
+    """The command (or call) that runs this one run again (``shard``: hsdp's shard size)."""
     if case.target:
+        mesh = f" --hsdp-shard {shard}" if mode == "hsdp" and shard else ""
         return (
             f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
-            f"--steps {case.steps} --tolerance {tolerance}"
+            f"--steps {case.steps} --tolerance {tolerance}{mesh}"
         )
+    mesh = f", hsdp_shard={shard}" if mode == "hsdp" and shard else ""
     return (
         f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
-        f"tolerance={tolerance!r})  # seed={case.seed}, steps={case.steps}"
+        f"tolerance={tolerance!r}{mesh})  # seed={case.seed}, steps={case.steps}"
     )
+
+
+def hsdp_shard(case: Case, opts: CheckOptions) -> int:
+    """Mode hsdp's shard size: the option's, else the Case's, else the default."""
+    return opts.hsdp_shard or case.hsdp_shard or HSDP_SHARD
 
 
 def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float) -> str:

@@ -54,6 +54,7 @@ def _implementations():
     from ddparity.harness.ranks import recorder, spool, training
     from ddparity.harness.ranks.modes.ddp import DDPMode
     from ddparity.harness.ranks.modes.dp import DataParallelMode
+    from ddparity.harness.ranks.modes.fsdp import FSDPMode
     from ddparity.harness.ranks.modes.single import SingleMode
     from ddparity.harness.ranks.modes.timed import TimedMode
     from ddparity.harness.ranks.modes.twin import TwinMode
@@ -63,7 +64,7 @@ def _implementations():
         [(side.RankEnd, impl) for impl in (side.RankChannel, side.FileRankChannel)] + \
         [(side.TaskEnd, impl) for impl in (side.TaskChannel, side.FileTaskChannel)] + \
         [(training.Sink, impl) for impl in (spool.Writer, spool.Comparer, spool.NoSink)] + \
-        [(training.Mode, impl) for impl in (SingleMode, TwinMode, DataParallelMode, DDPMode, TimedMode)]
+        [(training.Mode, impl) for impl in (SingleMode, TwinMode, DataParallelMode, DDPMode, TimedMode, FSDPMode)]
 
 
 @pytest.mark.parametrize(("proto", "impl"), _implementations(), ids=lambda x: x.__name__)
@@ -97,6 +98,6 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
     found = {name: run_name(fn) for module in (tasks, threaded, health_probe) for name, fn in vars(module).items()
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
     assert set(found) == {"prepare_task", "reference_task", "dp_task", "ddp_task", "profile_task",
-                          "threaded_ddp_task", "health_task"}
+                          "threaded_ddp_task", "health_task", "fsdp_task", "hsdp_task"}
     assert all(n.label != name for name, n in found.items()), found
     assert found["threaded_ddp_task"] == RunName("ddp (simulated)", sized=True, simulated=True)

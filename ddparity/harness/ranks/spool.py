@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
 from ddparity.harness.janitor import remove_when_gone
+from ddparity.harness.ranks.shards import local_part
 
 ALIGN = 64
 PREFIX = "ddparity-spool-"
@@ -359,8 +360,8 @@ class Comparer:
             self.result.steps.append({})
         ref = self._open(stem)
         try:
-            for key, expected in ref.items():
-                got = mine.get(key)
+            for key, whole in ref.items():
+                expected, got = local_part(whole, mine.get(key))  # a shard against its slice
                 self.result.compare(step, key, expected, got)
                 if self.own_values:
                     self.values[(step, key[0], key[1])] = max_abs(got)

@@ -227,9 +227,14 @@ def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
 
 
 def sync_off(wrapped: Any) -> Callable[[], Any] | None:
-    """DDP's ``no_sync`` for ``ctx.no_sync()``; None for anything else."""
+    """DDP's ``no_sync`` (or FSDP2's equivalent) for ``ctx.no_sync()``; None for anything else."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    if isinstance(wrapped, FSDPModule):
+        from ddparity.harness.ranks.modes.fsdp import fsdp_no_sync
+
+        return fsdp_no_sync(wrapped)
     return wrapped.no_sync if isinstance(wrapped, DistributedDataParallel) else None
 
 

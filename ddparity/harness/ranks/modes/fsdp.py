@@ -1,0 +1,121 @@
+"""Modes ``fsdp`` and ``hsdp``: this rank's contiguous shard of every global batch under
+FSDP2 (``torch.distributed.fsdp.fully_shard``), on a 1-D mesh of every rank (``fsdp``) or
+a 2-D (replicate, shard) mesh (``hsdp``: R = W / S replicas of S-way shards).
+
+The model is sharded the way the case says (``Case.fsdp(model, mesh)``: the user's own
+wrapping and policies) or, by default, each direct child that holds parameters, then the
+root. Parameters and their gradients are DTensors: each rank's sink compares its local
+shard with the same slice of the reference (:mod:`ddparity.harness.ranks.shards`). The
+loss compared is the mean of the ranks' losses, as with DDP. Replica fingerprints are not
+published: the ranks' shards differ by design.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.harness.ranks import recorder
+from ddparity.harness.ranks.batches import shard
+from ddparity.harness.ranks.shards import is_sharded
+from ddparity.harness.ranks.stepping import record_step
+from ddparity.harness.ranks.training import Replica, finish_step
+
+_MESHES: dict[tuple[Any, ...], Any] = {}
+"""Meshes made in this rank process, reused by later checks in the same warm world (a 2-D
+mesh makes process groups, each holding sockets)."""
+
+
+@dataclass
+class FSDPMode:
+    steps: int
+    rank: int
+    world_size: int
+    device: str
+    shard_size: int
+    """S: each parameter is split S ways (W for ``fsdp``)."""
+    apply: Any = None
+    """``Case.fsdp``: the user's own ``fully_shard`` calls."""
+    name: str = "fsdp"
+    align_dropout: bool = True
+    watch_draws: bool = False
+    name_draws: bool = False
+
+    def __post_init__(self) -> None:
+        self.recorder = recorder.active()
+        self._step = -1
+        self.unsharded: list[str] = []
+        """The parameters left out of sharding (``ignored_params``), once wrapped."""
+
+    def wrap(self, model: Any) -> Any:
+        self.recorder.set_phase(-1, "fsdp")
+        mesh = device_mesh(self.device, self.world_size, self.shard_size if self.name == "hsdp" else None)
+        if self.apply is not None:
+            returned = self.apply(model, mesh)
+            model = returned if returned is not None else model
+        else:
+            default_wrapping(model, mesh)
+        model.register_forward_hook(self._after_forward)
+        self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
+        return model
+
+    def _after_forward(self, module: Any, args: Any, outputs: Any) -> None:
+        self.recorder.set_phase(self._step, "backward")
+
+    def share(self, batch: Any, size: int | None) -> Any:
+        return shard(batch, self.rank, self.world_size, size)
+
+    def before_optimizer(self, replica: Replica) -> None:
+        self.recorder.set_phase(self._step, "optimizer")
+
+    def step(self, step: int, replica: Replica, batch: Any) -> None:
+        import torch.distributed as dist
+
+        self._step = step
+        loss, stepped = record_step(step, replica, batch)  # FSDP's reduce-scatters end inside backward
+        global_loss = loss.detach().to(self.device, copy=True).float()
+        dist.all_reduce(global_loss)  # the objective data parallelism optimises: the ranks' mean loss
+        self.recorder.set_phase(step, "compare")
+        finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
+
+
+def device_mesh(device: str, world_size: int, shard_size: int | None) -> Any:
+    """A 1-D mesh of every rank, or (``shard_size``) a 2-D (replicate, shard) one."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(device).type
+    shape = (world_size,) if shard_size is None else (world_size // shard_size, shard_size)
+    key = (kind, shape, id(dist.group.WORLD))
+    if key not in _MESHES:
+        names = ("shard",) if shard_size is None else ("replicate", "shard")
+        _MESHES[key] = init_device_mesh(kind, shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def default_wrapping(model: Any, mesh: Any) -> None:
+    """``fully_shard`` on each direct child that holds parameters, then on the root (the
+    usual per-block wrapping of a model whose children are its blocks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def fsdp_no_sync(module: Any) -> Any:
+    """``ctx.no_sync()`` under FSDP2: gradients accumulate unreduced until the context ends
+    (``set_requires_gradient_sync``), as DDP's ``no_sync`` does."""
+
+    @contextmanager
+    def no_sync() -> Any:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    return no_sync
