@@ -291,3 +291,32 @@ def test_after(world):
                                  "*test_after?ws2? PASSED*"])
     result.stdout.fnmatch_lines(["*made no progress for 4 s*"])
     result.stdout.fnmatch_lines(["*made no progress for 2 s*"])
+
+
+def test_parity_checks_fsdp_and_hsdp_as_a_user_writes_it(pytester):
+    """``parity(case, modes=("fsdp", "hsdp"), hsdp_shard=...)``: the user's own FSDP
+    wrapping (``Case.fsdp``) passes; a parameter left out of sharding fails the test with
+    its cause."""
+    pytester.makepyfile(test_sharded=HEADER + '''
+from torch.distributed.fsdp import fully_shard
+
+def wrapped(model, mesh):
+    fully_shard(model.fc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+def left_out(model, mesh):
+    fully_shard(model, mesh=mesh, ignored_params={model.fc.bias})
+
+@pytest.mark.world_size(2)
+def test_sharded_clean(parity):
+    parity(Case(model=Net, data=data, steps=2, fsdp=wrapped), modes=("fsdp", "hsdp"), hsdp_shard=2)
+
+@pytest.mark.world_size(2)
+def test_sharded_bug(parity):
+    parity(Case(model=Net, data=data, steps=2, fsdp=left_out), modes=("fsdp",))
+''')
+    result = run(pytester, "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_sharded_clean*PASSED*", "*test_sharded_bug*FAILED*",
+                                 "*fsdp world_size=2 (gloo): DIVERGED*",
+                                 "*likely cause: fc.bias left out of sharding (ignored_params)*"])
