@@ -151,6 +151,9 @@ class Distances:
     """Why a distance is infinite (a tensor missing, another shape, a NaN), by (step, kind, name)."""
     unsharded: list[str] = field(default_factory=list)
     """Under FSDP: the parameters left out of sharding (compared whole)."""
+    computed_dtype: str | None = None
+    """Under FSDP: a lower precision than the parameters' that the run computed in (its
+    ``MixedPrecisionPolicy``'s ``param_dtype``), e.g. ``"bfloat16"``."""
 
     def compare(self, step: int, key: tuple[str, str], expected: Any, got: Any) -> None:
         """Record ``got``'s distance to the reference's ``expected`` (and why, if infinite)."""

@@ -96,3 +96,21 @@ def test_the_cli_checks_fsdp_and_hsdp_and_writes_their_rows(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ddparity", "check", "--demo", "--hsdp-shard", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--hsdp-shard" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("policy", [sharded.bf16_policy, sharded.bf16_reduce_policy], ids=lambda f: f.__name__)
+def test_a_mixed_precision_policy_is_no_divergence_and_a_summed_loss_still_is(policy):
+    """bf16 parameters in compute, gradients reduced in fp32 or bf16: the policy alone moves
+    gradients by ~0.1-1% and turns AdamW's near-zero gradients into whole-lr updates; the
+    tolerance counts the policy's own noise (the same set-up on one rank against the
+    reference) and its ulps, and a summed loss is still caught at step 0."""
+    import dataclasses
+
+    clean = check(dataclasses.replace(models.transformer_adamw(), fsdp=policy), modes=("fsdp",), world_sizes=(2, 4))
+    assert [r.status for r in clean.runs] == ["pass", "pass"], clean.render()
+    assert "the run's own bfloat16 policy" in clean.runs[0].tolerance
+    summed = check(dataclasses.replace(bugs.summed_loss(), fsdp=policy), modes=("fsdp",), world_sizes=(2, 4))
+    for run in summed.runs:
+        assert run.status == "diverged" and run.first_divergence.step == 0 and run.first_divergence.kind == "loss"
+        assert run.first_divergence.max_abs > 2.5 * run.first_divergence.tolerance  # the margin, read
+        assert any("a loss summed over the batch" in n for n in run.notes)

@@ -114,13 +114,25 @@ class Tolerance:
         return self.table.get((step, kind, name), 0.0)
 
 
-def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Tolerance:
+def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype: str | None = None,
+                   policy_noise: list[dict[tuple[str, str], float]] | None = None) -> Tolerance:
     """Calibrated tolerance for a run of ``world_size`` ranks against ``reference`` (its
     entries carry their twin's distance and summand size; ``dtype``: the parameters';
-    autocast's, when the reference ran in a lower one)."""
+    autocast's, when the reference ran in a lower one). ``run_dtype``: a lower precision
+    the run itself computed and reduced in while the reference did not (FSDP's
+    ``MixedPrecisionPolicy``: bf16 parameters, and gradients reduced in bf16 or fp32) —
+    its ulps, in the computation and in the sum, bound the noise, as a bf16 autocast's do.
+    ``policy_noise``: per step and tensor, the distance of a one-rank run under that same
+    policy to the reference — the policy's own numerics (data-parallel bugs vanish at one
+    rank; a tensor it lacks or gets infinitely wrong is not noise), counted as the twin's
+    noise is."""
     import torch
 
     eps_sum = torch.finfo(dtype).eps  # DDP sums the gradients in their own dtype, the parameters'
+    if run_dtype:
+        low = getattr(torch, run_dtype)
+        eps_sum = max(eps_sum, torch.finfo(low).eps)  # the reduce dtype is not seen: assume the low one
+        dtype = low if torch.finfo(low).eps > torch.finfo(dtype).eps else dtype
     if reference.autocast_dtype:
         low = getattr(torch, reference.autocast_dtype)
         dtype = low if torch.finfo(low).eps > torch.finfo(dtype).eps else dtype
@@ -139,6 +151,9 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
                     table[(step, kind, name)] = 0.0  # integers (counters) and None compare exactly
                     continue
                 noise, value = e.noise, e.value
+                if policy_noise is not None and step < len(policy_noise):
+                    own = policy_noise[step].get((kind, name), 0.0)
+                    noise = max(noise, own if math.isfinite(own) else 0.0)
                 # Each rank computes its partial in the lowest precision (an ulp of it), and
                 # summing W partials rounds by up to ~W ulps of the partials' size in the
                 # gradients' dtype (not of the result's: partial gradients can cancel); the
@@ -159,7 +174,8 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any) -> Toleran
                     uncalibrated = Uncalibrated(step, kind, name, noise, value)
     if imprecise is not None and (uncalibrated is None or imprecise.step < uncalibrated.step):
         uncalibrated = imprecise  # an order-dependent step says more than an imprecise one
-    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype})", table, uncalibrated)
+    policy = f", the run's own {run_dtype} policy" if run_dtype else ""
+    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated)
 
 
 def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:

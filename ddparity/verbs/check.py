@@ -107,6 +107,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                       tolerance="reference",
                       repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
         )
+    policy = _policy_run(case, opts, ref_world, spool) if any(m in opts.modes for m in ("fsdp", "hsdp")) else None
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
     ddp_runs = doing.finished
@@ -117,7 +118,8 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         doing.run = f"{mode} world_size={ws} ({backends[ws]})"
         launched = early if (mode, ws) == first and early is not None else _start_ddp(
             case, opts, backends[ws], (mode, ws), pool, spool)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws), launched, reference, blowup, valid))
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws), launched, reference, blowup, valid,
+                                    policy if mode in ("fsdp", "hsdp") else None))
     doing.run = f"dp world sizes {list(dp_sizes)}"
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, blowup))
@@ -126,6 +128,20 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
                                        f"sample ({reference.dropout_calls} dropout call(s) a step)")
     return report
+
+
+def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Distances | None:
+    """The user's own FSDP set-up (``Case.fsdp``: its ``MixedPrecisionPolicy``) on one rank:
+    its distance to the reference is what the policy alone does to the numbers, the noise
+    floor of the sharded runs that compute in its lower precision. None without a
+    ``Case.fsdp``, or should that one-rank run fail (the sharded runs then report it)."""
+    if case.fsdp is None:
+        return None
+    try:
+        [distances] = world.run(fsdp_task, case, spool.path, timeout=opts.timeout)
+    except WorldFailure:
+        return None
+    return distances if distances.computed_dtype else None
 
 
 def _stop(blowup: NonFinite | None, tol: Any) -> NonFinite | Uncalibrated | None:
@@ -220,7 +236,8 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
 
 def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int],
                 launched: tuple[float, PendingTask | RunResult],
-                reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
+                reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]],
+                policy: Distances | None = None) -> RunResult:
     mode, ws = planned
     started, pending = launched
     if isinstance(pending, RunResult):
@@ -245,15 +262,17 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
     if simulated:
         run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
-    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid)
+    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy)
 
 
 def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],
-              reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]]) -> RunResult:
+              reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]],
+              policy: Distances | None = None) -> RunResult:
     """A DDP run whose every rank finished: its distances to the reference (``runs``, one
     per rank) and what the ranks left in the side channel (``records``) judged."""
     ws = run.world_size
-    tol = _tolerance(case, opts, reference, ws)
+    low = next((r.computed_dtype for r in runs if r.computed_dtype), None)
+    tol = _tolerance(case, opts, reference, ws, low, policy.steps if low and policy is not None else None)
     stop = _stop(blowup, tol)
     found = divergences(reference, runs, tol, until=stop.step if stop else None)
     run.tolerance = tol.description
@@ -270,9 +289,10 @@ def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distanc
     return _compared_up_to(judged, stop)
 
 
-def _tolerance(case: Case, opts: CheckOptions, reference: Reference, ws: int) -> Any:
+def _tolerance(case: Case, opts: CheckOptions, reference: Reference, ws: int, low: str | None = None,
+               policy_noise: list[dict[tuple[str, str], float]] | None = None) -> Any:
     if opts.tolerance == "auto":
-        return auto_tolerance(reference, ws, case.torch_dtype)
+        return auto_tolerance(reference, ws, case.torch_dtype, low, policy_noise)
     return fixed_tolerance(reference, float(opts.tolerance))
 
 

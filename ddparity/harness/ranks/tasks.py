@@ -133,7 +133,7 @@ def _sharded(ctx: RankContext, case: Case, spool: str, name: str, shard_size: in
     sink = Comparer(spool, name, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
     train(case, spool if state is None else state, ctx.device, mode, sink)
     distances = sink.finish()
-    distances.unsharded = mode.unsharded
+    distances.unsharded, distances.computed_dtype = mode.unsharded, mode.computed_dtype
     return distances
 
 

@@ -47,6 +47,9 @@ class FSDPMode:
         self._step = -1
         self.unsharded: list[str] = []
         """The parameters left out of sharding (``ignored_params``), once wrapped."""
+        self.computed_dtype: str | None = None
+        """The lowest floating dtype a layer's parameters had in a forward, where lower than
+        the sharded parameters' own (a ``MixedPrecisionPolicy``'s ``param_dtype``)."""
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "fsdp")
@@ -58,7 +61,19 @@ class FSDPMode:
             default_wrapping(model, mesh)
         model.register_forward_hook(self._after_forward)
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
+        stored = {p.dtype for p in model.parameters()}
+        for module in model.modules():  # after FSDP's own pre-forward hooks: the all-gathered parameters
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(lambda m, args: self._note_precision(m, stored))
         return model
+
+    def _note_precision(self, module: Any, stored: set[Any]) -> None:
+        import torch
+
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype not in stored and (
+                    self.computed_dtype is None or torch.finfo(p.dtype).eps > torch.finfo(getattr(torch, self.computed_dtype)).eps):
+                self.computed_dtype = str(p.dtype).removeprefix("torch.")
 
     def _after_forward(self, module: Any, args: Any, outputs: Any) -> None:
         self.recorder.set_phase(self._step, "backward")
