@@ -114,3 +114,17 @@ def test_a_mixed_precision_policy_is_no_divergence_and_a_summed_loss_still_is(po
         assert run.status == "diverged" and run.first_divergence.step == 0 and run.first_divergence.kind == "loss"
         assert run.first_divergence.max_abs > 2.5 * run.first_divergence.tolerance  # the margin, read
         assert any("a loss summed over the batch" in n for n in run.notes)
+
+
+def test_a_transformers_model_wrapped_block_by_block():
+    """A model nobody here wrote (transformers GPT-2, tiny config, dropout on), sharded
+    block by block as its users do: clean passes; a summed loss is caught at step 0, far
+    beyond the tolerance (BERT and HSDP: ``benchmarks/bench_fsdp.py``)."""
+    pytest.importorskip("transformers")
+    clean = check(sharded.gpt2_clean(), modes=("fsdp",), world_sizes=(2,))
+    assert [r.status for r in clean.runs] == ["pass"], clean.render()
+    summed = check(sharded.gpt2_summed(), modes=("fsdp",), world_sizes=(2,))
+    [run] = summed.runs
+    assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
+    assert run.first_divergence.max_abs > 1e3 * run.first_divergence.tolerance
+    assert any("a loss summed over the batch" in n for n in run.notes)
