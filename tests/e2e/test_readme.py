@@ -56,3 +56,10 @@ def test_the_cluster_sections_torchrun_line_runs_as_written(tmp_path):
         assert kept.strip() in run.stdout, kept
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["status"] for r in report["runs"]] == ["pass", "diverged"]
+
+
+def test_the_readme_fits_in_300_lines():
+    """What it is, the two set-up commands, your model and step, pytest, CLI, torchrun and
+    the API; the rest is in docs/."""
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    assert len(readme.read_text().splitlines()) <= 300
