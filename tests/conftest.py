@@ -68,12 +68,20 @@ def pytest_addoption(parser):
     parser.addoption("--catalogue", action="store_true", default=False,
                      help="run the whole catalogue sweep (tests marked catalogue: every torch.nn layer in every "
                           "mode at world sizes 1, 2, 4 and simulated 16, fp32 and bf16); .ci/run does")
+    parser.addoption("--real-models", action="store_true", default=False,
+                     help="run every real model clean and with every planted bug (tests marked real_models; the "
+                          "default suite runs GPT-2 clean and summed); .ci/run does")
+
+
+SWEEPS = {"catalogue": "the whole catalogue sweep runs with --catalogue (.ci/run runs it)",
+          "real_models": "every real model runs with --real-models (.ci/run runs it)"}
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--catalogue"):
-        return
-    skip = pytest.mark.skip(reason="the whole catalogue sweep runs with --catalogue (.ci/run runs it)")
-    for item in items:
-        if item.get_closest_marker("catalogue") is not None:
-            item.add_marker(skip)
+    for marker, reason in SWEEPS.items():
+        if config.getoption(f"--{marker.replace('_', '-')}"):
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)

@@ -128,3 +128,13 @@ def test_a_transformers_model_wrapped_block_by_block():
     assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
     assert run.first_divergence.max_abs > 1e3 * run.first_divergence.tolerance
     assert any("a loss summed over the batch" in n for n in run.notes)
+
+
+def test_under_torchrun_fsdp_is_refused_not_silently_checked_as_ddp():
+    """Under a launch only ddp is checked so far: asking for fsdp there must not print a
+    ddp verdict as if FSDP had been checked."""
+    from ddparity import UsageError
+    from ddparity.verbs.launched import launch_options
+
+    with pytest.raises(UsageError, match="mode fsdp, hsdp is not checked under torchrun yet.*--modes fsdp,hsdp"):
+        launch_options(("single", "fsdp", "hsdp"), None, "auto", 60.0, "auto", None)

@@ -62,6 +62,10 @@ def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend
     if backend == "threaded":
         raise UsageError("--backend threaded simulates ranks in one process; under torchrun the launched "
                          "processes are the ranks: use auto, gloo or nccl")
+    sharded = [m for m in modes if m in ("fsdp", "hsdp")]
+    if sharded:
+        raise UsageError(f"mode {', '.join(sharded)} is not checked under torchrun yet (only ddp is): run it "
+                         f"locally (ddparity check TARGET --modes {','.join(sharded)} --world-sizes 2,4)")
     return CheckOptions.validated("check", modes=modes, world_sizes=(_world_size(),), backend=backend,
                                   timeout=timeout, tolerance=tolerance, steps=steps)
 

@@ -29,7 +29,12 @@ def _modes(name):
     return ("single", "ddp") if name.startswith("gpt2") else ("single", "dp", "ddp")
 
 
-@pytest.mark.parametrize("name", list(real_models.CLEAN))
+def _sweep(names, default):
+    """Every name; all but ``default`` only with --real-models (the default suite's time)."""
+    return [pytest.param(n, marks=() if n == default else pytest.mark.real_models) for n in names]
+
+
+@pytest.mark.parametrize("name", _sweep(real_models.CLEAN, "gpt2"))
 def test_clean_real_models_pass_with_dropout_on(name):
     case = _case(real_models.CLEAN, name)
     report = check(case, modes=_modes(name), world_sizes=(1, 2, 4))
@@ -46,7 +51,7 @@ step-0 loss by 3.3x (2 ranks) and 6.6x (4 ranks) its tolerance; its gradients, a
 later step, are 1e5x off. The bound asserted is below the measured margin."""
 
 
-@pytest.mark.parametrize("name", list(real_models.BUGS))
+@pytest.mark.parametrize("name", _sweep(real_models.BUGS, "gpt2_summed"))
 def test_planted_bugs_in_real_models_are_reported_at_100x_or_as_a_desync(name):
     report = check(_case(real_models.BUGS, name), world_sizes=(2, 4))
     for run in report.runs[1:]:
