@@ -138,7 +138,7 @@ def _profile(args: argparse.Namespace) -> int:
         case = load_case(args.target)
     try:
         report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout,
-                         steps=args.steps, warmup=args.warmup)
+                         steps=args.steps, warmup=args.warmup, modes=args.modes, hsdp_shard=args.hsdp_shard)
     finally:
         default_pool().close()
     _show(report.render())
@@ -167,7 +167,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     """``check`` or ``profile`` inside a torchrun (or srun) launch: this process is one rank."""
     from ddparity.case import load_case
     from ddparity.errors import WorldStartError
-    from ddparity.verbs import launched
+    from ddparity.verbs import launched, launched_profile
 
     if args.demo or getattr(args, "demo_faults", False):
         raise UsageError(f"under torchrun, {verb} one TARGET; the built-in demos run locally (ddparity {verb} --demo)")
@@ -177,7 +177,8 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
         _check_writable(args.json, "JSON report")
     timeout = settings.TIMEOUT_S if args.timeout is None else args.timeout
     if verb == "check":
-        opts = launched.launch_options(args.modes, args.world_sizes, args.backend, timeout, args.tolerance, args.steps)
+        opts = launched.launch_options(args.modes, args.world_sizes, args.backend, timeout, args.tolerance, args.steps,
+                                         args.hsdp_shard)
     elif args.world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
     case = load_case(args.target)
@@ -198,7 +199,8 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     try:
         if verb == "check":
             launched.check_launched(case, opts, emit)
-        launched.profile_launched(case, args.backend, timeout, args.steps, args.warmup, emit)
+        launched_profile.profile_launched(case, args.backend, timeout, args.steps, args.warmup, emit, args.modes,
+                                  args.hsdp_shard)
     except WorldStartError as exc:
         print(f"ddparity: {exc}", file=sys.stderr)
         return Exit.HANG_OR_CRASH

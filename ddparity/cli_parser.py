@@ -31,6 +31,7 @@ CHECK_EXAMPLES = """examples:
 PROFILE_EXAMPLES = """examples:
   ddparity profile --demo
   ddparity profile my_cases.py:case --world-sizes 1,2,4 --plot profile.png
+  ddparity profile my_cases.py:case --modes ddp,fsdp --world-sizes 2,4   DDP beside FSDP2: time, bytes, state a rank
 """
 
 HEALTH_EXAMPLES = """examples:
@@ -113,11 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g}; "
                           f"{settings.DEMO_FAULTS_TIMEOUT_S:g} with --demo-faults)")
     chk.add_argument("--json", metavar="PATH", help=json_help)
-    prof = _verb(sub, "profile", "time a Case's DDP communication at each world size",
-                 "Time DDP steps of the Case at each world size: compute, communication, exposed communication, "
-                 "bytes and bus bandwidth per step, and scaling against one rank.", PROFILE_EXAMPLES)
+    prof = _verb(sub, "profile", "time a Case's DDP (or FSDP2) communication at each world size",
+                 "Time DDP (or FSDP2) steps of the Case at each world size: compute, communication, exposed "
+                 "communication, each collective's time and bytes, bus bandwidth, scaling against the smallest "
+                 "world size, and the state (parameters, gradients, optimizer) a rank holds.", PROFILE_EXAMPLES)
     prof.add_argument("target", nargs="?", help=target_help)
     prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
+    prof.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=("ddp",),
+                      help="comma-separated, of ddp, fsdp, hsdp (default ddp)")
+    prof.add_argument("--hsdp-shard", type=_text(settings.parse_count, "--hsdp-shard"), default=None, metavar="S",
+                      help=f"mode hsdp's shard size (default: the Case's, else {settings.HSDP_SHARD})")
     prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
                       default=None,
                       help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")

@@ -19,6 +19,8 @@ class BucketTiming:
     start: float
     end: float
     ops: tuple[str, ...] = ("all_reduce",)
+    group_size: int = 0
+    """The ranks of the group it ran in (0: the whole world)."""
 
 
 @dataclass(slots=True)
@@ -38,6 +40,9 @@ class RankProfile:
     device: str
     samples: int  # this rank's samples per step
     steps: list[StepTiming] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank held after the last step: ``params``, ``grads``, ``optimizer`` (its
+    shards only, where sharded); ``peak_allocated`` on a GPU (over the measured steps)."""
 
 
 @dataclass(slots=True)

@@ -32,11 +32,14 @@ def figure(report: Any) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    every = sorted(report.runs, key=lambda r: r.world_size)  # a skipped or failed size keeps its place
+    order = {m: i for i, m in enumerate(dict.fromkeys(r.mode for r in report.runs))}
+    every = sorted(report.runs, key=lambda r: (order[r.mode], r.world_size))  # a skipped or failed size keeps its place
     at = {id(r): i for i, r in enumerate(every)}
     runs = [r for r in every if r.status == "ok"]
     ticks = list(range(len(every)))
-    names = [str(r.world_size) if r.status == "ok" else f"{r.world_size}\n({r.status})" for r in every]
+    modes = len(order) > 1
+    names = [(f"{r.mode} " if modes else "") + (str(r.world_size) if r.status == "ok" else f"{r.world_size}\n({r.status})")
+             for r in every]
     compute = [(r.compute_s or 0.0) * 1e3 for r in runs]
     exposed = [(r.exposed_comm_s or 0.0) * 1e3 for r in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6))
@@ -51,17 +54,19 @@ def figure(report: Any) -> Any:
     right.set_ylim(0, max((r.busbw_gbps for r in with_bw), default=1.0) * 1.15)
     right.set_ylabel("all-reduce bus bandwidth, GB/s")
     twin = right.twinx()
-    twin.plot(xs, [(r.scaling_efficiency or 0.0) * 100 for r in runs], marker="s", color="tab:red",
-              label="scaling efficiency")
+    for i, mode in enumerate(order):  # one line a mode: scaling is against that mode's smallest world
+        mine = [r for r in runs if r.mode == mode]
+        twin.plot([at[id(r)] for r in mine], [(r.scaling_efficiency or 0.0) * 100 for r in mine], marker="s",
+                  color="tab:red", label="scaling efficiency" if i == 0 else "_")
     twin.set_ylabel("scaling efficiency, %")
     twin.set_ylim(0, 110)
     for ax in (left, right):  # the same world sizes, evenly spaced, on both panels
         ax.set_xticks(ticks, names)
         ax.set_xlim(-0.6, len(every) - 0.4)
-        ax.set_xlabel("world size")
+        ax.set_xlabel("mode and world size" if modes else "world size")
     # legends under the panels: nothing drawn is ever hidden behind them
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-    right.legend(handles=right.get_lines() + twin.get_lines(), loc="upper center", bbox_to_anchor=(0.5, -0.2),
+    right.legend(handles=[h for h in right.get_lines() + twin.get_lines() if not h.get_label().startswith("_")], loc="upper center", bbox_to_anchor=(0.5, -0.2),
                  ncol=2, frameon=False)
     backends = sorted({r.backend for r in runs}) or ["-"]
     fig.suptitle(f"ddparity profile: {report.case} ({', '.join(backends)}, {report.cpus} CPUs)")
@@ -77,7 +82,7 @@ def notes_of(runs: list[Any], width: int = 150) -> list[str]:
     out = []
     for r in runs:
         for note in r.notes:
-            line = f"world size {r.world_size}: {note}"
+            line = f"{r.mode} world size {r.world_size}: {note}"
             out.append(line if len(line) <= width else line[:width - 3] + "...")
     return out
 

@@ -215,25 +215,35 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def render_profile(label: str, runs: list[WorldProfile]) -> str:
-    """The table users read, one line per world size, then notes and failures."""
+    """The table users read, one line per mode and world size, then notes and failures."""
     rows = []
     for r in runs:
         if r.status != "ok":
-            rows.append([str(r.world_size), r.backend, r.status.upper()] + ["-"] * 8)
+            rows.append([r.mode, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 9)
             continue
+        state = sum(v for k, v in (r.memory_per_rank or {}).items() if k != "peak_allocated") or None
         rows.append([
-            str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
+            r.mode, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
             _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
-            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"),
+            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"), _size(state),
         ])
-    header = ["world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
-              "overlap", "sent/step", "busbw GB/s", "scaling"]
+    header = ["mode", "world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
+              "overlap", "sent/step", "busbw GB/s", "scaling", "state/rank"]
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
+        where = f"{r.mode} world size {r.world_size}"
+        if r.mode != "ddp" or any(c["op"] != "all_reduce" for c in r.collectives or []):
+            for c in r.collectives or []:
+                bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"
+                lines.append(f"  {where}: {c['op']} x{c['calls']} a step, {_size(c['bytes'])} in "
+                             f"{_ms(c['seconds'])} ms{bw}")
+        if r.memory_per_rank:
+            parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items())
+            lines.append(f"  {where}: state a rank holds (the largest rank): {parts}")
         for note in r.notes:
-            lines.append(f"  world size {r.world_size}: {note}")
+            lines.append(f"  {where}: {note}")
         if r.status != "ok" and r.reason:
-            lines.append(f"  world size {r.world_size} {r.status.upper()}: {r.reason}")
+            lines.append(f"  {where} {r.status.upper()}: {r.reason}")
             if r.repro and r.status in ("hang", "crash", "error"):
                 lines.append(f"  reproduce: {r.repro}")
     return "\n".join(lines).rstrip() + "\n"

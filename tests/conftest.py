@@ -68,13 +68,17 @@ def pytest_addoption(parser):
     parser.addoption("--catalogue", action="store_true", default=False,
                      help="run the whole catalogue sweep (tests marked catalogue: every torch.nn layer in every "
                           "mode at world sizes 1, 2, 4 and simulated 16, fp32 and bf16); .ci/run does")
+    parser.addoption("--docs", action="store_true", default=False,
+                     help="run every code block and transcript of docs/ (tests marked docs; the default suite "
+                          "runs the README's); .ci/run does")
     parser.addoption("--real-models", action="store_true", default=False,
                      help="run every real model clean and with every planted bug (tests marked real_models; the "
                           "default suite runs GPT-2 clean and summed); .ci/run does")
 
 
 SWEEPS = {"catalogue": "the whole catalogue sweep runs with --catalogue (.ci/run runs it)",
-          "real_models": "every real model runs with --real-models (.ci/run runs it)"}
+          "real_models": "every real model runs with --real-models (.ci/run runs it)",
+          "docs": "the blocks of docs/ run with --docs (.ci/run runs them)"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -130,11 +130,59 @@ def test_a_transformers_model_wrapped_block_by_block():
     assert any("a loss summed over the batch" in n for n in run.notes)
 
 
-def test_under_torchrun_fsdp_is_refused_not_silently_checked_as_ddp():
-    """Under a launch only ddp is checked so far: asking for fsdp there must not print a
-    ddp verdict as if FSDP had been checked."""
+def test_under_torchrun_a_bad_hsdp_shard_is_a_usage_error_before_any_work(monkeypatch):
+    """Under a launch the sharded modes run (tests/e2e/test_torchrun.py); their options are
+    checked as a local check's are, before the launch forms."""
     from ddparity import UsageError
     from ddparity.verbs.launched import launch_options
 
-    with pytest.raises(UsageError, match="mode fsdp, hsdp is not checked under torchrun yet.*--modes fsdp,hsdp"):
-        launch_options(("single", "fsdp", "hsdp"), None, "auto", 60.0, "auto", None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    opts = launch_options(("single", "fsdp", "hsdp"), None, "auto", 60.0, "auto", None, 2)
+    assert opts.modes == ("single", "fsdp", "hsdp") and opts.world_sizes == (4,) and opts.hsdp_shard == 2
+    with pytest.raises(UsageError, match="hsdp_shard"):
+        launch_options(("hsdp",), None, "auto", 60.0, "auto", None, 0)
+
+
+
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_fsdps_own_collectives_are_in_the_ledger_so_a_skipped_collective_is_a_desync(culprit):
+    """FSDP2 gathers and reduce-scatters through ``all_gather_single`` and
+    ``reduce_scatter_single`` (torch 2.13's names): recorded like any collective, so a rank
+    that skips the user's all-reduce is a desync naming it (and FSDP's call it made
+    instead), on rank 0 as on rank W-1, not a hang."""
+    from ddparity.fixtures import faults
+
+    report = check(faults.skipped_collective(culprit), modes=("fsdp",), world_sizes=(2,), timeout=30)
+    [run] = report.runs
+    assert run.status == "desync" and run.desync.ranks == [culprit], report.render()
+    assert "all_gather_single" in report.render()
+
+
+def test_profile_times_fsdps_collectives_beside_ddp_with_the_state_a_rank_holds(tmp_path):
+    """``ddparity profile --modes ddp,fsdp,hsdp``: FSDP's all-gathers and reduce-scatters
+    timed op by op, HSDP's all-reduce across replicas in its group of 2, and the state a
+    rank holds (FSDP's parameters: half DDP's at 2 ranks). The user's own
+    ``reshard_after_forward=False`` holds through the profile's compute-alone pass: one
+    all-gather a layer a step, not two."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, "-m", "ddparity", "profile", "ddparity.fixtures.sharded:mlp_kept_unsharded",
+                             "--modes", "ddp,fsdp,hsdp", "--hsdp-shard", "1", "--world-sizes", "2", "--steps", "2",
+                             "--warmup", "1", "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+    assert [runs[m]["status"] for m in ("ddp", "fsdp", "hsdp")] == ["ok", "ok", "ok"]
+    fsdp = {c["op"]: c for c in runs["fsdp"]["collectives"]}
+    layers = sum(isinstance(m, torch.nn.Linear) for m in sharded.mlp_kept_unsharded().model().modules())
+    assert fsdp["all_gather"]["calls"] == layers and fsdp["reduce_scatter"]["calls"] == layers
+    assert fsdp["all_gather"]["bytes"] > 0 and fsdp["all_gather"]["group_size"] == 2
+    hsdp = {c["op"]: c for c in runs["hsdp"]["collectives"]}
+    assert hsdp["all_reduce"]["group_size"] == 2  # 2 replicas x 1 shard: gradients all-reduced across replicas
+    ddp_params, fsdp_params = runs["ddp"]["memory_per_rank"]["params"], runs["fsdp"]["memory_per_rank"]["params"]
+    assert fsdp_params < 0.6 * ddp_params and runs["hsdp"]["memory_per_rank"]["params"] == ddp_params
+    assert "fsdp world size 2: all_gather x" in result.stdout and "state a rank holds" in result.stdout

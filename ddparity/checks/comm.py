@@ -13,7 +13,14 @@ the steps, medians. Definitions, for a world of ``n`` ranks:
 * ``algbw = bytes / comm_s`` and ``busbw = algbw x 2(n-1)/n`` (the all-reduce bus
   bandwidth of nccl-tests: what each link carried; comparable across world sizes);
 * ``scaling_efficiency``: strong scaling of the case's global batch against the smallest
-  world size profiled, ``(T_base x base) / (T_n x n)``; 1.0 is perfect.
+  world size profiled in the same mode, ``(T_base x base) / (T_n x n)``; 1.0 is perfect;
+* ``collectives``: per op (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce
+  across replicas, DDP's bucket all-reduces), calls and bytes a step, busy time, and bus
+  bandwidth in the op's own group of ``g`` ranks: ``2(g-1)/g`` for all-reduce,
+  ``(g-1)/g`` for all-gather and reduce-scatter (nccl-tests' factors);
+* ``memory_per_rank``: what the largest rank held after the last step, in bytes:
+  parameters, gradients and optimizer state (shards only, where sharded), and on a GPU
+  the peak allocated over the measured steps.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class WorldProfile:
 
     world_size: int
     backend: str
+    mode: str = "ddp"
     status: str = "ok"
     reason: str | None = None
     device: str = "cpu"
@@ -49,6 +57,8 @@ class WorldProfile:
     busbw_gbps: float | None = None
     samples_per_s: float | None = None
     scaling_efficiency: float | None = None
+    collectives: list[dict[str, Any]] | None = None
+    memory_per_rank: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
     hang: Hang | None = None
     crash: Crash | None = None
@@ -79,12 +89,40 @@ def busy_seconds(buckets: list[BucketTiming]) -> float:
     return total
 
 
-def bus_factor(world_size: int) -> float:
-    """all-reduce bus bandwidth / algorithm bandwidth (nccl-tests' ``2(n-1)/n``)."""
-    return 2.0 * (world_size - 1) / world_size
+def bus_factor(world_size: int, op: str = "all_reduce") -> float:
+    """Bus bandwidth / algorithm bandwidth of ``op`` in a group of ``world_size`` ranks
+    (nccl-tests': ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter)."""
+    share = (world_size - 1) / world_size
+    return 2.0 * share if op == "all_reduce" else share
 
 
-def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
+def by_op(profiles: list[RankProfile], steps: int) -> list[dict[str, Any]]:
+    """Each collective op's calls, bytes and busy time a step (medians over the steps; the
+    busiest rank's time in each step), its algorithm and bus bandwidth in its own group."""
+    out = []
+    last = profiles[0].steps[steps - 1].buckets
+    for op in sorted({b.ops[0] for b in last if b.ops}):
+        mine = [[[b for b in p.steps[k].buckets if b.ops[:1] == (op,)] for p in profiles] for k in range(steps)]
+        busy = statistics.median(max(busy_seconds(timings) for timings in step) for step in mine)
+        nbytes = int(statistics.median(sum(b.nbytes for b in step[0]) for step in mine))
+        group = max((b.group_size for b in mine[-1][0]), default=0) or len(profiles)
+        row: dict[str, Any] = {"op": op, "calls": len(mine[-1][0]), "bytes": nbytes, "seconds": busy,
+                               "group_size": group, "algbw_gbps": None, "busbw_gbps": None}
+        if busy > 0:
+            row["algbw_gbps"] = nbytes / busy / 1e9
+            if group > 1:
+                row["busbw_gbps"] = row["algbw_gbps"] * bus_factor(group, op)
+        out.append(row)
+    return out
+
+
+def memory_per_rank(profiles: list[RankProfile]) -> dict[str, int] | None:
+    """Each figure's largest value over the ranks (the rank that needs the most sets the need)."""
+    keys = list(dict.fromkeys(k for p in profiles for k in p.memory))  # params, grads, optimizer[, peak]
+    return {k: max(p.memory.get(k, 0) for p in profiles) for k in keys} or None
+
+
+def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> WorldProfile:
     """One world size's figures from every rank's timings."""
     n = len(profiles)
     steps = min(len(p.steps) for p in profiles)
@@ -101,13 +139,14 @@ def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
     comm = statistics.median(busy)
     per_step_bytes = int(statistics.median(nbytes))
     out = WorldProfile(
-        world_size=n, backend=backend, device=profiles[0].device, steps=steps,
+        world_size=n, backend=backend, mode=mode, device=profiles[0].device, steps=steps,
         samples_per_step=sum(p.samples for p in profiles),
         step_s=step_s, compute_s=compute_s, optimizer_s=statistics.median(opt),
         exposed_comm_s=exposed, comm_s=comm,
         bytes_per_step=per_step_bytes, buckets=len(profiles[0].steps[-1].buckets),
     )
     ops = sorted({op for b in profiles[0].steps[-1].buckets for op in b.ops})
+    out.collectives, out.memory_per_rank = by_op(profiles, steps), memory_per_rank(profiles)
     if comm > 0:
         out.overlap = min(1.0, max(0.0, 1.0 - exposed / comm))
         out.algbw_gbps = per_step_bytes / comm / 1e9
@@ -118,7 +157,7 @@ def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
         out.notes.append(f"messages of {per_message / 1e3:.0f} kB on average: at this size latency, not the link, "
                          f"decides a collective's time, so bus bandwidth says little about the interconnect "
                          f"(it means something from about {SMALL_MESSAGE_BYTES / 2**20:g} MiB a message up)")
-    if n > 1 and ops and ops != ["all_reduce"]:
+    if n > 1 and ops and ops != ["all_reduce"] and mode == "ddp":
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
     if step_s > 0:
@@ -127,17 +166,18 @@ def summarize(profiles: list[RankProfile], backend: str) -> WorldProfile:
 
 
 def add_scaling(runs: list[WorldProfile]) -> None:
-    """Fill ``scaling_efficiency`` against the smallest world size that ran."""
-    ran = [r for r in runs if r.status == "ok" and r.step_s]
-    if not ran:
-        return
-    base = min(ran, key=lambda r: r.world_size)
-    assert base.step_s is not None
-    for r in ran:
-        assert r.step_s is not None
-        r.scaling_efficiency = (base.step_s * base.world_size) / (r.step_s * r.world_size)
-        if base.world_size != 1 and r is not base:
-            r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
+    """Fill ``scaling_efficiency`` against the smallest world size that ran, mode by mode."""
+    for mode in dict.fromkeys(r.mode for r in runs):
+        ran = [r for r in runs if r.status == "ok" and r.step_s and r.mode == mode]
+        if not ran:
+            continue
+        base = min(ran, key=lambda r: r.world_size)
+        assert base.step_s is not None
+        for r in ran:
+            assert r.step_s is not None
+            r.scaling_efficiency = (base.step_s * base.world_size) / (r.step_s * r.world_size)
+            if base.world_size != 1 and r is not base:
+                r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "summarize"]
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "memory_per_rank", "summarize"]

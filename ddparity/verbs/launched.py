@@ -15,11 +15,12 @@ For ``check``:
 
 A hang, a crash or a collective mismatch anywhere is found by the processes' watch threads
 (:mod:`ddparity.harness.launch.watch`) and reported the same way, by the lowest rank alive.
-``profile`` times DDP steps on every rank and rank 0 summarises them.
+``profile`` in a launch: :mod:`ddparity.verbs.launched_profile`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -31,19 +32,19 @@ from typing import Any, NoReturn
 from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, first_non_finite
-from ddparity.distances import Reference
+from ddparity.distances import Distances, Reference
 from ddparity.errors import Exit, UsageError, WorldFailure
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
-from ddparity.settings import CheckOptions, needs_newer_torch
+from ddparity.settings import REPLICA_MODES, CheckOptions, needs_newer_torch
 from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
 PROGRAM = "torchrun <the same launch options> -m ddparity"
 
 
-def _world_size() -> int:
+def launch_world_size() -> int:
     text = os.environ.get("WORLD_SIZE", "")
     if not text.isdigit() or int(text) < 1:
         raise UsageError(f"$WORLD_SIZE={text!r} is not a positive integer; is this process started by torchrun?")
@@ -51,7 +52,7 @@ def _world_size() -> int:
 
 
 def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend: str, timeout: float,
-                   tolerance: str | float, steps: int | None) -> CheckOptions:
+                   tolerance: str | float, steps: int | None, hsdp_shard: int | None = None) -> CheckOptions:
     """The check's options under a launch, where torchrun decides the world size."""
     needs_newer_torch("ddparity check under torchrun", "run the check locally (ddparity check TARGET --world-sizes 2,4)")
     if world_sizes is not None:
@@ -62,68 +63,79 @@ def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend
     if backend == "threaded":
         raise UsageError("--backend threaded simulates ranks in one process; under torchrun the launched "
                          "processes are the ranks: use auto, gloo or nccl")
-    sharded = [m for m in modes if m in ("fsdp", "hsdp")]
-    if sharded:
-        raise UsageError(f"mode {', '.join(sharded)} is not checked under torchrun yet (only ddp is): run it "
-                         f"locally (ddparity check TARGET --modes {','.join(sharded)} --world-sizes 2,4)")
-    return CheckOptions.validated("check", modes=modes, world_sizes=(_world_size(),), backend=backend,
-                                  timeout=timeout, tolerance=tolerance, steps=steps)
+    return CheckOptions.validated("check", modes=modes, world_sizes=(launch_world_size(),), backend=backend,
+                                  timeout=timeout, tolerance=tolerance, steps=steps, hsdp_shard=hsdp_shard)
 
 
-def _repro(case: Case, backend: str, opts: CheckOptions) -> str:
+def _repro(case: Case, backend: str, opts: CheckOptions, mode: str = "ddp") -> str:
+    from ddparity.verbs.plan import hsdp_shard
+
     target = case.target or "TARGET"
-    return f"{PROGRAM} check {target} --backend {backend} --steps {case.steps} --tolerance {opts.tolerance}"
+    mesh = f" --hsdp-shard {hsdp_shard(case, opts)}" if mode == "hsdp" else ""
+    return (f"{PROGRAM} check {target} --modes {mode}{mesh} --backend {backend} --steps {case.steps} "
+            f"--tolerance {opts.tolerance}")
 
 
-def _processes(world_size: int) -> str:
+def processes(world_size: int) -> str:
     nodes = os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_NNODES")
     return f"{world_size} processes" + (f" on {nodes} node(s)" if nodes else "")
 
 
 class _LaunchedCheck:
-    """One process's part of a launched check (the state the failure report needs)."""
+    """One process's part of a launched check (the state the failure report needs). Stage 1
+    is rank 0's reference; stage 2 + i every rank's run of the i-th replica mode asked for
+    (ddp, fsdp, hsdp, in that order)."""
 
     def __init__(self, case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> None:
         self.case, self.opts, self._emit_to = case, opts, emit
-        self.world = everyone(opts.backend, opts.timeout, self._report_failure)
+        self.modes = [m for m in REPLICA_MODES if m in opts.modes]
+        self.world = everyone(opts.backend, opts.timeout, self._report_failure, stages=1 + len(self.modes))
         self.launch, self.ctx, self.recorder, self.watch = (self.world.launch, self.world.ctx, self.world.recorder,
                                                             self.world.watch)
         self.started = time.perf_counter()
         self.reference: Reference | None = None
+        self.policy: Distances | None = None
         self.blowup: NonFinite | None = None
         self.ref_seconds = 0.0
         self.go: dict[str, Any] | None = None
         self.valid: dict[str, list[int]] = {}
+        self.spool_path = ""
+        self.state: Any = None
+        self.mode_started: dict[str, float] = {}
 
     # -- rank 0's reference ----------------------------------------------------------
 
     def reference_stage(self) -> dict[str, Any]:
         from ddparity.harness.ranks.rank import released
         from ddparity.harness.ranks.spool import Spool
-        from ddparity.harness.ranks.tasks import prepare_task, reference_task
+        from ddparity.harness.ranks.tasks import fsdp_task, prepare_task, reference_task
         from ddparity.verbs.plan import cannot_run
 
         case, ctx, store = self.case, self.ctx, self.launch.store
         self.recorder.begin_task(1)
         self.spool = Spool(janitor=True)
         self.watch.on_exit.append(self.spool.close)
+        skipped: dict[str, tuple[str, str | None]] = {}
         with torchrun.alone(ctx.backend):
             sizes, self.valid = prepare_task(ctx, case, self.spool.path)
-            unrunnable = cannot_run(case, self.opts, "gloo", ctx.world_size, sizes)  # GPUs: the launch's own
-            if unrunnable is not None:
-                unrunnable.backend, unrunnable.repro = ctx.backend, _repro(case, ctx.backend, self.opts)
-                self.unrunnable = unrunnable
-            else:
+            for mode in self.modes:  # GPUs: the launch's own
+                unrunnable = cannot_run(case, self.opts, "gloo", ctx.world_size, sizes, mode)
+                if unrunnable is not None:
+                    skipped[mode] = (unrunnable.status, unrunnable.reason)
+            if len(skipped) < len(self.modes) or not self.modes:
                 self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,))
                 self.ref_seconds = time.perf_counter() - self.started
                 self.blowup = first_non_finite(self.reference)
+            if case.fsdp is not None and any(m in ("fsdp", "hsdp") and m not in skipped for m in self.modes):
+                released()
+                self.policy = policy_noise(fsdp_task(dataclasses.replace(ctx, world_size=1), case, self.spool.path))
         released()
         self.recorder.end_task()
         nonce = secrets.token_hex(16)
         with open(os.path.join(self.spool.path, NONCE), "w") as f:
             f.write(nonce)
-        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "run": unrunnable is None,
-              "single": self._single_run()}
+        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "skipped": skipped,
+              "run": [m for m in self.modes if m not in skipped], "single": self._single_run()}
         store.set("go", json.dumps(go))
         self.go = go
         return go
@@ -135,32 +147,56 @@ class _LaunchedCheck:
         self.go = json.loads(store.get("go"))
         return self.go
 
-    # -- every rank's DDP replica ------------------------------------------------------
+    # -- every rank's replicas ---------------------------------------------------------
 
-    def ddp_stage(self, go: dict[str, Any]) -> Any:
+    def join(self, go: dict[str, Any]) -> Any:
+        """Every rank: the launch's process group, and the reference's way here (rank 0's
+        spool in place on its node, else its initial state fetched over the network)."""
         from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
         from ddparity.harness.ranks.spool import Spool, load_state
-        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, ddp_task
+        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S
 
         ctx, launch = self.ctx, self.launch
         self.watch.stage = 2
         torchrun.form_world(launch, self.opts.timeout)
+        self.spool_path = go["spool"]
+        self.served = ctx.rank != 0 and not self._reads_rank0_spool(go)
+        if ctx.rank != 0 and not self.served:  # should rank 0 die (a gloo abort), its spool is ours to remove
+            self.watch.on_exit.append(lambda: self._remove_if_gone(go["spool"]))
+        if ctx.rank == 0:  # each peer asks for the state or says bye: no thread of it is left to take later asks
+            ReferenceServer(launch.serve, self.spool_path, list(range(1, ctx.world_size)), WAIT_LIMIT_S)
+        else:
+            remote = RemoteReference(launch.serve)
+            if self.served:
+                with Spool() as own:  # the state, loaded (mapped) then unlinked: nothing left should this rank die
+                    remote.fetch_state(own.path)
+                    self.state = load_state(own.path)
+            remote.close()
+        launch.store.set(f"N{ctx.rank}", "served" if self.served else "spool")
+
+    def replica_stage(self, index: int, mode: str) -> Any:
+        """Every rank's run of ``mode``, compared step by step with the reference."""
+        from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
+        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, ddp_task, fsdp_task, hsdp_task
+        from ddparity.verbs.plan import hsdp_shard
+
+        ctx = self.ctx
+        self.watch.stage = 2 + index
+        self.mode_started[mode] = time.perf_counter()
         if ctx.rank == 0:
-            self.server = ReferenceServer(launch.serve, go["spool"], list(range(1, ctx.world_size)), WAIT_LIMIT_S)
-        remote = None if ctx.rank == 0 else RemoteReference(launch.serve)
-        spool_path, state = go["spool"], None
-        if remote is not None and self._reads_rank0_spool(go):
+            ReferenceServer(self.launch.serve, self.spool_path, list(range(1, ctx.world_size)), WAIT_LIMIT_S)
+        remote = RemoteReference(self.launch.serve) if ctx.rank != 0 else None
+        if remote is not None and not self.served:
             remote.close()  # on rank 0's node: the spool in place
             remote = None
-            # should rank 0 die (a gloo abort), its spool is ours to remove
-            self.watch.on_exit.append(lambda: self._remove_if_gone(go["spool"]))
-        elif remote is not None:
-            with Spool() as own:  # the state, loaded (mapped) then unlinked: nothing left should this rank die
-                remote.fetch_state(own.path)
-                state = load_state(own.path)
-        launch.store.set(f"N{ctx.rank}", "served" if remote is not None else "spool")
-        self.recorder.begin_task(2)
-        distances = ddp_task(ctx, self.case, spool_path, open_step=remote.open_step if remote else None, state=state)
+        self.recorder.begin_task(2 + index)
+        open_step = remote.open_step if remote else None
+        if mode == "ddp":
+            distances = ddp_task(ctx, self.case, self.spool_path, open_step=open_step, state=self.state)
+        else:
+            task = fsdp_task if mode == "fsdp" else hsdp_task
+            distances = task(ctx, self.case, self.spool_path, hsdp_shard(self.case, self.opts), open_step=open_step,
+                             state=self.state)
         self.recorder.end_task()
         if remote is not None:
             remote.close()
@@ -182,28 +218,34 @@ class _LaunchedCheck:
     # -- rank 0's report ----------------------------------------------------------------
 
     def report_completed(self) -> int:
-        """Rank 0, once every rank published its distances (the others wait for the verdict)."""
+        """Rank 0, once every rank published its distances of the last mode (the others
+        wait for the verdict)."""
         from ddparity.harness.sidechannel import TaskChannel
         from ddparity.verbs.check import judge_ddp
 
         store, n = self.launch.store, self.ctx.world_size
-        runs = self.world.gather()
-        records = TaskChannel(store, "", 2, n).read()
-        report = self._report()
-        run = self._ddp_run("pass")
-        served = [r for r in range(n) if store.get(f"N{r}") == b"served"]
-        if served:
-            run.notes.append(f"rank(s) {served} (not on rank 0's node) compared against the reference served by "
-                             f"rank 0 over the network")
-        assert self.reference is not None
-        report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
-                                     self.valid))
-        return self._emit(report)
-
-    def report_unrunnable(self) -> int:
-        if not self.watch.claim():
+        ran = self.go["run"] if self.go else []
+        if ran:
+            self.world.gather()
+        elif not self.watch.claim():
             self.watch.idle()
-        report = Report(self.case.label, [self.unrunnable])
+        report = self._report()
+        served = [r for r in range(n) if store.get(f"N{r}") == b"served"] if ran else []
+        assert self.reference is not None or not ran
+        for mode in self.modes:
+            if mode not in ran:
+                report.runs.append(self._skipped(mode))
+                continue
+            stage = 2 + self.modes.index(mode)
+            runs = self.world.collect(stage)
+            records = TaskChannel(store, "", stage, n).read()
+            run = self._replica_run(mode, "pass")
+            if served:
+                run.notes.append(f"rank(s) {served} (not on rank 0's node) compared against the reference served "
+                                 f"by rank 0 over the network")
+            assert self.reference is not None
+            report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
+                                         self.valid, self.policy if mode in ("fsdp", "hsdp") else None))
         return self._emit(report)
 
     def _single_run(self) -> dict[str, Any] | None:
@@ -222,12 +264,24 @@ class _LaunchedCheck:
                                          **single))
         return report
 
-    def _ddp_run(self, status: str) -> RunResult:
+    def _skipped(self, mode: str) -> RunResult:
+        assert self.go is not None
+        status, reason = self.go["skipped"].get(mode) or (
+            "skipped", "not run: the launch ended at an earlier mode's failure")
+        return RunResult(mode=mode, world_size=self.ctx.world_size, backend=self.ctx.backend, status=status,
+                         reason=reason, repro=_repro(self.case, self.ctx.backend, self.opts, mode))
+
+    def _replica_run(self, mode: str, status: str) -> RunResult:
         ctx = self.ctx
-        run = RunResult(mode="ddp", world_size=ctx.world_size, backend=ctx.backend, status=status,
-                        seconds=time.perf_counter() - self.started,
-                        repro=_repro(self.case, ctx.backend, self.opts))
-        run.notes.append(f"launched: {_processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
+        run = RunResult(mode=mode, world_size=ctx.world_size, backend=ctx.backend, status=status,
+                        seconds=time.perf_counter() - self.mode_started.get(mode, self.started),
+                        repro=_repro(self.case, ctx.backend, self.opts, mode))
+        run.notes.append(f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
+        if mode == "hsdp":
+            from ddparity.verbs.plan import hsdp_shard
+
+            shard = hsdp_shard(self.case, self.opts)
+            run.notes.append(f"hsdp mesh: {ctx.world_size // shard} replica(s) x {shard} shard(s)")
         return run
 
     def _report_failure(self, exc: WorldFailure, stage: int) -> int:
@@ -238,15 +292,32 @@ class _LaunchedCheck:
         if stage == 1:
             case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
             for run in report.runs:
-                run.repro = _repro(self.case, self.ctx.backend, self.opts)
-        else:
-            report = self._report()
-            report.runs.append(self._ddp_run("error").failed(failure(exc)))
+                run.repro = _repro(self.case, self.ctx.backend, self.opts, run.mode)
+            return self._emit(report)
+        report = self._report()
+        failed = self.modes[stage - 2]
+        for mode in self.modes:
+            if mode == failed:
+                report.runs.append(self._replica_run(mode, "error").failed(failure(exc)))
+            elif self.go is not None and mode in self.go["skipped"]:
+                report.runs.append(self._skipped(mode))
+            else:  # judged only once every mode ran: an earlier mode's verdict is not this report's to give
+                run = self._skipped(mode)
+                run.reason = (f"not judged: the launch stopped at the {failed} run's failure" if
+                              self.modes.index(mode) < self.modes.index(failed) else
+                              f"not run: the launch stopped at the {failed} run's failure")
+                report.runs.append(run)
         return self._emit(report)
 
     def _emit(self, report: Report) -> int:
         self._emit_to(report)
         return report.exit_code
+
+
+def policy_noise(distances: Distances) -> Distances | None:
+    """The user's FSDP set-up on one rank against the reference: the noise of its
+    ``MixedPrecisionPolicy`` alone, where it computes in a lower precision (else None)."""
+    return distances if distances.computed_dtype else None
 
 
 def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> NoReturn:
@@ -258,64 +329,24 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     rank = me.ctx.rank
     try:
         go = me.reference_stage() if rank == 0 else me.wait_for_reference()
-        if not go["run"]:
-            if rank == 0:
-                me.watch.finish(me.report_unrunnable())
-            me.watch.idle()
-        me.world.publish(me.ddp_stage(go))
+        if go["run"]:
+            me.join(go)
+        for index, mode in enumerate(me.modes):
+            if mode in go["run"]:
+                me.world.publish(me.replica_stage(index, mode))
     except KeyboardInterrupt:
         os._exit(Exit.INTERRUPTED)
     except BaseException as exc:
         me.watch.fail(exc)
+    if rank != 0:
+        me.watch.idle()
     me.watch.finish(me.report_completed())
 
 
-def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
-                     emit: Callable[[Any], None]) -> NoReturn:
-    """This process's part of ``profile`` in a launch: rank 0 times the case on its own
-    first (world size 1, in a process group of its own: the baseline of the scaling
-    figure), then every rank times DDP steps; rank 0 summarises both and reports; every
-    process exits with the report's code."""
-    from ddparity.checks.comm import add_scaling, summarize
-    from ddparity.harness.ranks.tasks import profile_task
-    from ddparity.harness.ranks.training import initial_state
-    from ddparity.report import ProfileReport
-    from ddparity.verbs.profile import failed_run
-
-    if backend == "threaded":
-        raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
-    needs_newer_torch("ddparity profile under torchrun", "profile locally (ddparity profile TARGET)")
-    case = case.validate()
-    started = time.perf_counter()
-    runs: list[Any] = []
-
-    def failed(exc: WorldFailure, stage: int) -> int:
-        ws = 1 if stage == 1 else me.ctx.world_size
-        report = ProfileReport(case.label, [*runs, failed_run(ws, me.ctx.backend, exc, time.perf_counter() - started)])
-        emit(report)
-        return report.exit_code
-
-    def baseline() -> None:
-        one = summarize([me.alone(profile_task, case, initial_state(case), steps, warmup)], me.ctx.backend)
-        one.notes.append("rank 0 alone: the baseline of the scaling figure")
-        runs.append(one)
-
-    me = everyone(backend, timeout, failed)
-    # every rank builds the initial state from the seed; DDP broadcasts rank 0's anyway
-    profiles = me.run(baseline, lambda ctx: profile_task(ctx, case, initial_state(case), steps, warmup))
-    run = summarize(profiles, me.ctx.backend)
-    run.seconds = time.perf_counter() - started
-    run.notes.append(f"launched: {_processes(me.ctx.world_size)}; bus bandwidth over the launch's own interconnect")
-    report = ProfileReport(case.label, [*runs, run])
-    add_scaling(report.runs)
-    emit(report)
-    me.watch.finish(report.exit_code)
+def everyone(backend: str, timeout: float, failed: Callable[[WorldFailure, int], int], stages: int = 2) -> Everyone:
+    """A launch in which every rank runs one task (or one a stage), watched for collective
+    mismatches too (see :class:`~ddparity.harness.launch.everyone.Everyone`)."""
+    return Everyone(backend, timeout, failed, LiveWatch(), stages)
 
 
-def everyone(backend: str, timeout: float, failed: Callable[[WorldFailure, int], int]) -> Everyone:
-    """A launch in which every rank runs one task, watched for collective mismatches too
-    (see :class:`~ddparity.harness.launch.everyone.Everyone`)."""
-    return Everyone(backend, timeout, failed, LiveWatch())
-
-
-__all__ = ["check_launched", "everyone", "launch_options", "profile_launched"]
+__all__ = ["check_launched", "everyone", "launch_options"]

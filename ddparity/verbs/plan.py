@@ -160,11 +160,14 @@ def hsdp_shard(case: Case, opts: CheckOptions) -> int:
     return opts.hsdp_shard or case.hsdp_shard or HSDP_SHARD
 
 
-def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float) -> str:
+def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float, mode: str = "ddp",
+                  shard: int = 0) -> str:
     if case.target:
-        return (f"ddparity profile {case.target} --world-sizes {ws} --backend {backend} --steps {steps} "
+        modes = f" --modes {mode}" + (f" --hsdp-shard {shard}" if mode == "hsdp" and shard else "") if mode != "ddp" else ""
+        return (f"ddparity profile {case.target}{modes} --world-sizes {ws} --backend {backend} --steps {steps} "
                 f"--warmup {warmup} --timeout {timeout:g}")
-    return (f"ddparity.profile(case, world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
+    modes = f"modes=({mode!r},), " + (f"hsdp_shard={shard}, " if mode == "hsdp" and shard else "") if mode != "ddp" else ""
+    return (f"ddparity.profile(case, {modes}world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
             f"steps={steps}, warmup={warmup})  # seed={case.seed}")
 
 

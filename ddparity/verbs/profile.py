@@ -1,4 +1,4 @@
-"""``profile``: a case's DDP communication at each world size (``ddparity profile``).
+"""``profile``: a case's DDP (or FSDP2) communication at each world size (``ddparity profile``).
 
 Runs in the same warm worlds as :func:`ddparity.check`, with the same hang and crash
 detection; the rank side is :mod:`ddparity.harness.ranks.modes.timed`, the figures
@@ -24,11 +24,12 @@ from ddparity.settings import (
     PROFILE_WARMUP,
     PROFILE_WORLD_SIZES,
     REAL_RANKS_LIMIT,
+    REPLICA_MODES,
     TIMEOUT_S,
     CheckOptions,
     validate_count,
 )
-from ddparity.verbs.plan import cannot_run, choose_backend, failure, profile_repro
+from ddparity.verbs.plan import cannot_run, choose_backend, failure, hsdp_shard, profile_repro
 
 
 def profile(
@@ -40,9 +41,12 @@ def profile(
     steps: int = PROFILE_STEPS,
     warmup: int = PROFILE_WARMUP,
     pool: WorldPool | None = None,
+    modes: tuple[str, ...] | list[str] = ("ddp",),
+    hsdp_shard: int | None = None,
 ) -> ProfileReport:
-    """Time ``case`` under DDP at every world size: step, compute, exposed and total
-    communication, bytes, bus bandwidth, overlap and scaling efficiency."""
+    """Time ``case`` under DDP (and/or ``modes`` ``fsdp``, ``hsdp``: FSDP2) at every world
+    size: step, compute, exposed and total communication, each collective op's time and
+    bytes, bus bandwidth, overlap, scaling efficiency and the state a rank holds."""
     if not isinstance(case, Case):
         raise UsageError(f"profile() needs a ddparity.Case, got {type(case).__name__}")
     if backend == "threaded":
@@ -50,8 +54,12 @@ def profile(
                          "and their timings mean nothing; use --backend auto, gloo or nccl")
     validate_count(steps, "steps", "profile()")
     validate_count(warmup, "warmup", "profile()", least=0)
-    opts = CheckOptions.validated("profile()", modes=("ddp",), world_sizes=world_sizes, backend=backend,
-                                  timeout=timeout)
+    opts = CheckOptions.validated("profile()", modes=modes, world_sizes=world_sizes, backend=backend,
+                                  timeout=timeout, hsdp_shard=hsdp_shard)
+    unprofiled = [m for m in opts.modes if m not in REPLICA_MODES]
+    if unprofiled:
+        raise UsageError(f"profile() times ddp, fsdp and hsdp; not {', '.join(unprofiled)} (single and dp have no "
+                         f"communication of their own to time)")
     case = case.validate()
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
@@ -62,51 +70,73 @@ def profile(
             [(batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, spool.path,
                                                                            timeout=opts.timeout)
         except WorldFailure as exc:
-            report.runs = [failed_run(ws, chosen, exc, time.perf_counter() - started) for ws in opts.world_sizes]
+            report.runs = [failed_run(ws, chosen, exc, time.perf_counter() - started, mode)
+                           for mode in opts.modes for ws in opts.world_sizes]
             for run in report.runs:
-                run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout)
+                run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout, run.mode,
+                                          shard(case, opts))
             return report
-        for ws in opts.world_sizes:
-            run = _profile_one(case, opts, chosen, ws, spool.path, batch_sizes, steps, warmup, pool)
-            run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout)
-            report.runs.append(run)
+        for mode in opts.modes:
+            for ws in opts.world_sizes:
+                run = _profile_one(case, opts, chosen, (mode, ws), spool.path, batch_sizes, steps, warmup, pool)
+                run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout, mode, shard(case, opts))
+                report.runs.append(run)
     add_scaling(report.runs)
     return report
 
 
-def _profile_one(case: Case, opts: CheckOptions, backend: str, ws: int, state: Any, batch_sizes: list[int],
-                 steps: int, warmup: int, pool: WorldPool) -> WorldProfile:
+def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int], state: Any,
+                 batch_sizes: list[int], steps: int, warmup: int, pool: WorldPool) -> WorldProfile:
+    mode, ws = planned
     started = time.perf_counter()
     if opts.backend == "auto" and backend == "gloo" and ws > REAL_RANKS_LIMIT:
-        return WorldProfile(world_size=ws, backend=backend, status="skipped",
+        return WorldProfile(world_size=ws, backend=backend, mode=mode, status="skipped",
                             reason=f"{ws} ranks exceed this machine's limit for real processes ({REAL_RANKS_LIMIT}, "
                                    f"2 x CPUs); profiling needs real ones. Force it with --backend gloo "
                                    f"(oversubscribed: the figures will say more about the CPUs than the network)")
-    unrunnable = cannot_run(case, opts, backend, ws, batch_sizes)
+    unrunnable = cannot_run(case, opts, backend, ws, batch_sizes, mode)
     if unrunnable is not None:
-        return WorldProfile(world_size=ws, backend=backend, status=unrunnable.status, reason=unrunnable.reason)
+        return WorldProfile(world_size=ws, backend=backend, mode=mode, status=unrunnable.status,
+                            reason=unrunnable.reason)
     try:
-        outcomes = pool.get(ws, backend).run(profile_task, case, state, steps, warmup, timeout=opts.timeout)
+        outcomes = pool.get(ws, backend).run(profile_task, case, state, steps, warmup, mode, shard(case, opts),
+                                             timeout=opts.timeout)
     except WorldStartError as exc:
-        return WorldProfile(world_size=ws, backend=backend, status="error", reason=str(exc),
+        return WorldProfile(world_size=ws, backend=backend, mode=mode, status="error", reason=str(exc),
                             seconds=time.perf_counter() - started)
     except WorldFailure as exc:
-        return failed_run(ws, backend, exc, time.perf_counter() - started)
-    run = summarize(outcomes, backend)
+        return failed_run(ws, backend, exc, time.perf_counter() - started, mode)
+    run = summarize(outcomes, backend, mode)
     run.seconds = time.perf_counter() - started
     cpus = os.cpu_count() or 1
     if backend == "gloo" and ws > cpus:
         run.notes.append(f"oversubscribed: {ws} ranks on {cpus} CPUs; communication waits for descheduled ranks")
     if ws == 1:
-        run.notes.append("one rank: no bus bandwidth; its exposed time is DDP's own synchronisation work "
-                         "(bucket copies, the comm hook, a local all-reduce), the floor for larger worlds")
+        run.notes.append(one_rank_note(mode))
+    if mode == "hsdp":
+        s = shard(case, opts)
+        run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
     return run
 
 
-def failed_run(ws: int, backend: str, exc: WorldFailure, seconds: float) -> WorldProfile:
+def one_rank_note(mode: str) -> str:
+    """What a one-rank profile's exposed time is."""
+    if mode == "ddp":
+        return ("one rank: no bus bandwidth; its exposed time is DDP's own synchronisation work (bucket copies, the "
+                "comm hook, a local all-reduce), the floor for larger worlds")
+    return ("one rank: no bus bandwidth; its exposed time is FSDP's own work around its collectives (copies in and "
+            "out of the all-gather and reduce-scatter buffers, local collectives), the floor for larger worlds")
+
+
+def shard(case: Case, opts: CheckOptions) -> int:
+    """Mode hsdp's shard size (0 where no hsdp run is asked for)."""
+    return hsdp_shard(case, opts) if "hsdp" in opts.modes else 0
+
+
+def failed_run(ws: int, backend: str, exc: WorldFailure, seconds: float, mode: str = "ddp") -> WorldProfile:
     """A hang, crash or error while profiling, with the evidence ``check`` would give."""
     ended = failure(exc)
-    return WorldProfile(world_size=ws, backend=backend, status=ended.status, reason=render_failure(ended),
+    return WorldProfile(world_size=ws, backend=backend, mode=mode, status=ended.status, reason=render_failure(ended),
                         hang=ended.hang, crash=ended.crash, seconds=seconds)
 
 

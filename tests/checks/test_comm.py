@@ -69,7 +69,7 @@ def test_the_profile_picture_carries_the_tables_notes(tmp_path):
                          notes=["oversubscribed: 2 ranks on 1 CPUs; communication waits for descheduled ranks"])]
     fig = figure(ProfileReport("case", runs, cpus=1))
     drawn = [t.get_text() for t in fig.texts]
-    assert notes_of(runs) == ["world size 2: oversubscribed: 2 ranks on 1 CPUs; communication waits for "
+    assert notes_of(runs) == ["ddp world size 2: oversubscribed: 2 ranks on 1 CPUs; communication waits for "
                               "descheduled ranks"]
     assert notes_of(runs)[0] in drawn, drawn
 
@@ -96,3 +96,27 @@ def test_scaling_efficiency_against_the_smallest_world_that_ran():
     assert later[1].notes == ["scaling efficiency relative to world size 2"]
     text = render("case", runs)
     assert "world size 8 SKIPPED: too many" in text and "100%" in text and "50%" in text
+
+
+def test_each_op_is_summed_in_its_own_group_with_its_own_bus_factor():
+    """FSDP's all-gathers and reduce-scatters and HSDP's all-reduce across replicas: each
+    op's calls, bytes and busy time a step, and its bus bandwidth in the group it ran in
+    ((g-1)/g for gathers and scatters, 2(g-1)/g for all-reduce)."""
+    assert [bus_factor(n, "all_gather") for n in (2, 4)] == [0.5, 0.75]
+    timings = [b(0.000, 0.002, 4000, ("all_gather",)), b(0.001, 0.003, 4000, ("all_gather",)),
+               b(0.004, 0.005, 2000, ("reduce_scatter",)), b(0.005, 0.006, 1000, ("all_reduce",))]
+    timings[3].group_size = 2  # across 2 replicas of a 4-rank world
+    steps = [StepTiming(sync=0.010, no_sync=0.004, optimizer=0.001, buckets=timings) for _ in range(3)]
+    profiles = [RankProfile(r, 4, "cpu", 8, steps, {"params": 100 * (r + 1), "grads": 100, "optimizer": 200})
+                for r in range(4)]
+    out = summarize(profiles, "gloo", "hsdp")
+    ops = {c["op"]: c for c in out.collectives}
+    assert ops["all_gather"]["calls"] == 2 and ops["all_gather"]["bytes"] == 8000
+    assert ops["all_gather"]["seconds"] == pytest.approx(0.003)  # in flight together: counted once
+    assert ops["all_gather"]["busbw_gbps"] == pytest.approx(8000 / 0.003 / 1e9 * 0.75)
+    assert ops["all_reduce"]["group_size"] == 2
+    assert ops["all_reduce"]["busbw_gbps"] == pytest.approx(1000 / 0.001 / 1e9 * 1.0)
+    assert out.busbw_gbps is None  # no one figure for a mix of ops
+    assert out.memory_per_rank == {"params": 400, "grads": 100, "optimizer": 200}  # the largest rank's
+    text = render("c", [out])
+    assert "hsdp world size 4: all_gather x2 a step, 8.0 kB" in text and "state a rank holds" in text

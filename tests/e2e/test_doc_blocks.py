@@ -3,7 +3,8 @@ file, run as a script, or (a block that defines tests) under pytest with the plu
 summary must be the one the text shows next; a ``$ ddparity ...`` transcript run beside the
 README's my_cases.py, with the exit code and the lines it shows. A block that is
 deliberately not run says so and why in a ``<!-- block: ... -->`` line just above it (the
-set-up's shell lines are .ci/run's; multi-node launches need the nodes)."""
+set-up's shell lines are .ci/run's; multi-node launches need the nodes). The README's blocks
+run in the default suite; those of docs/ with ``--docs`` (.ci/run runs them)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ def _blocks() -> list:
             marks = [pytest.mark.skip(reason=f"deliberately not run here: {note}")] if note else []
             if m.group("lang") == "bash" and not note:
                 marks = [pytest.mark.skip(reason="a shell block without a note")]  # fails the next test
-            found.append(pytest.param(m.group("code"), text[m.end():], id=name, marks=marks))
+            found.append(pytest.param(m.group("code"), text[m.end():], id=name, marks=[*marks, *_sweep(doc)]))
     return found
+
+
+def _sweep(doc: Path) -> list:
+    """docs/ pages' blocks run with --docs (.ci/run does); the README's always."""
+    return [] if doc == ROOT / "README.md" else [pytest.mark.docs]
 
 
 @pytest.mark.parametrize("code, after", _blocks())
@@ -75,7 +81,8 @@ def _transcripts() -> list:
         text = doc.read_text()
         for m in TRANSCRIPT.finditer(text):
             line = text.count("\n", 0, m.start())
-            found.append(pytest.param(m.group("command"), m.group("shown"), id=f"{doc.relative_to(ROOT)}:{line}"))
+            found.append(pytest.param(m.group("command"), m.group("shown"), id=f"{doc.relative_to(ROOT)}:{line}",
+                                      marks=_sweep(doc)))
     return found
 
 

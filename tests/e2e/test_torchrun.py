@@ -104,6 +104,21 @@ def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_
     assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
 
 
+def test_sharded_modes_run_after_ddp_in_one_launch_each_judged_with_its_cause(tmp_path):
+    """--modes ddp,fsdp,hsdp: one launch, one stage a mode, each judged against the same
+    reference; a parameter left out of sharding is FSDP's bug only (ddp passes), caught
+    in fsdp and in an hsdp mesh of 2 replicas x 1 shard, cause named."""
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.sharded:ignored_param", "--modes",
+                               "single,ddp,fsdp,hsdp", "--hsdp-shard", "1", "--steps", "2")
+    assert [(r["mode"], r["status"]) for r in data["runs"]] == [
+        ("single", "pass"), ("ddp", "pass"), ("fsdp", "diverged"), ("hsdp", "diverged")], result.stdout
+    for run in data["runs"][2:]:
+        assert run["first_divergence"]["step"] == 0
+        assert any("left out of sharding" in n for n in run["notes"])
+    assert "--modes hsdp --hsdp-shard 1" in data["runs"][3]["repro"]
+    assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
+
+
 def test_a_stuck_rank_is_a_hang_naming_it_and_ends_every_rank_in_time(tmp_path):
     result, seconds, data = torchrun(tmp_path, "check", "ddparity.fixtures.faults:stuck_rank", "--timeout", "5")
     run = ddp_run(data)
@@ -170,12 +185,16 @@ def test_a_fault_on_rank_0_the_reporting_rank_is_reported_and_blamed_on_it(tmp_p
     assert (result.returncode == 0) == (fault == "straggler")
 
 
-def test_profile_times_rank_0_alone_then_the_launch(tmp_path):
-    result, _, data = torchrun(tmp_path, "profile", "ddparity.fixtures.models:profile_demo", "--steps", "3",
-                               "--warmup", "1")
+def test_profile_times_rank_0_alone_then_the_launch_in_ddp_and_fsdp(tmp_path):
+    result, _, data = torchrun(tmp_path, "profile", "ddparity.fixtures.models:profile_demo", "--modes", "ddp,fsdp",
+                               "--steps", "3", "--warmup", "1")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [(r["world_size"], r["status"]) for r in data["runs"]] == [(1, "ok"), (2, "ok")]
+    assert [(r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
+        ("ddp", 1, "ok"), ("ddp", 2, "ok"), ("fsdp", 1, "ok"), ("fsdp", 2, "ok")]
     assert data["runs"][1]["busbw_gbps"] > 0
+    fsdp = data["runs"][3]
+    assert {c["op"] for c in fsdp["collectives"]} == {"all_gather", "reduce_scatter"}
+    assert fsdp["memory_per_rank"]["params"] < data["runs"][1]["memory_per_rank"]["params"]
 
 
 def test_options_torchrun_decides_are_usage_errors_on_every_rank(tmp_path):
@@ -213,6 +232,18 @@ def test_two_nodes_on_loopback_compare_the_remote_rank_against_the_served_refere
     clean, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.models:mlp_sgd", "--steps", "2")
     assert data["ok"] and [a.returncode for a in clean] == [0, 0]
     assert any("compared against the reference served by rank 0" in n for n in ddp_run(data)["notes"])
+
+
+def test_two_nodes_fsdp_under_a_bf16_policy_compares_served_shards_without_a_false_alarm(tmp_path):
+    """FSDP2 with bf16 parameters across two agents: the remote rank compares its shards
+    with slices of the reference served by rank 0 (every one: one left out is an infinite
+    distance), within the tolerance of the policy's own noise, measured on rank 0 alone."""
+    agents, data = _two_nodes(tmp_path, "check", "ddparity.fixtures.sharded:transformer_bf16", "--modes", "fsdp",
+                              "--steps", "2")
+    [run] = data["runs"]
+    assert run["status"] == "pass" and [a.returncode for a in agents] == [0, 0], agents[0].stdout
+    assert "bfloat16 policy" in run["tolerance"]
+    assert any("compared against the reference served by rank 0" in n for n in run["notes"])
 
 
 def test_a_rank_dead_on_another_node_is_found_by_its_silence(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 from ddparity.errors import Exit, WorldFailure
 from ddparity.harness.launch import torchrun
-from ddparity.harness.launch.watch import LaunchWatch
+from ddparity.harness.launch.watch import LaunchWatch, result_key
 from ddparity.harness.ranks.recorder import install_recorder
 from ddparity.harness.sidechannel import RankChannel
 
@@ -22,9 +22,9 @@ class Everyone:
     measurements); rank 0 may first run one alone (stage 1)."""
 
     def __init__(self, backend: str, timeout: float, failed: Callable[[WorldFailure, int], int],
-                 live: Any) -> None:
+                 live: Any, stages: int = 2) -> None:
         self.timeout = timeout
-        self.launch = torchrun.connect(backend, timeout, tasks=(1, 2))
+        self.launch = torchrun.connect(backend, timeout, tasks=tuple(range(1, stages + 1)))
         self.ctx, self.store = self.launch.ctx, self.launch.store
         self.recorder = install_recorder(RankChannel(self.store, "", self.ctx.rank))
         self.watch = LaunchWatch(self.store, self.ctx.rank, self.ctx.world_size, timeout, failed, live)
@@ -63,21 +63,26 @@ class Everyone:
         return self.gather()
 
     def publish(self, value: Any) -> None:
-        """This rank's result of the every-rank task."""
+        """This rank's result of the every-rank task of the stage it is in."""
         import cloudpickle
 
-        self.store.set(f"R{self.ctx.rank}", cloudpickle.dumps(value))
+        self.store.set(result_key(self.watch.stage, self.ctx.rank), cloudpickle.dumps(value))
 
     def gather(self) -> list[Any]:
-        """Rank 0: every rank's published result, once it holds the right to report; the
-        others, and rank 0 without that right, wait here for the verdict (and exit with it)."""
-        import cloudpickle
-
-        n = self.ctx.world_size
+        """Rank 0: every rank's published result of the stage they are in, once it holds
+        the right to report; the others, and rank 0 without that right, wait here for the
+        verdict (and exit with it). Earlier stages' results: :meth:`collect`."""
+        n, stage = self.ctx.world_size, self.watch.stage
         if self.ctx.rank != 0:
             self.watch.idle()
-        while not self.store.check([f"R{r}" for r in range(n)]):  # one round trip: all there?
+        while not self.store.check([result_key(stage, r) for r in range(n)]):  # one round trip: all there?
             time.sleep(0.05)
         if not self.watch.claim():
             self.watch.idle()
-        return [cloudpickle.loads(self.store.get(f"R{r}")) for r in range(n)]
+        return self.collect(stage)
+
+    def collect(self, stage: int) -> list[Any]:
+        """Every rank's result of ``stage``, published before the stage in progress began."""
+        import cloudpickle
+
+        return [cloudpickle.loads(self.store.get(result_key(stage, r))) for r in range(self.ctx.world_size)]

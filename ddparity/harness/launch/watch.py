@@ -75,6 +75,11 @@ def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
     return "\n".join(parts)
 
 
+def result_key(stage: int, rank: int) -> str:
+    """Where ``rank`` publishes its result of the every-rank task of ``stage``."""
+    return f"R{stage}/{rank}"
+
+
 def prepare_keys(store: Any, rank: int, tasks: tuple[int, ...], node: str) -> None:
     """This rank's keys, created before any process reads them (a TCPStore get of a
     missing key blocks); ``I<r>`` says where it runs (node, pid)."""
@@ -95,8 +100,9 @@ def _comm_error(exc: BaseException) -> bool:
 class LaunchWatch:
     """This process's watch thread (see the module docstring). ``report(exc, stage)``
     renders a failure and returns the exit code; ``stage`` is the task the ranks were in
-    (1: rank 0 builds and trains the reference, 2: every rank trains). ``live`` judges
-    the ranks' progress records while every rank trains (a reason to stop, or None)."""
+    (1: rank 0 builds and trains the reference; 2 and up: every rank trains, one stage a
+    mode). ``live`` judges the ranks' progress records while every rank trains (a reason
+    to stop, or None)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
                  report: Callable[[WorldFailure, int], int], live: Callable[[list[str]], str | None]) -> None:
@@ -209,7 +215,7 @@ class LaunchWatch:
             sys.stderr.write(f"ddparity: rank {self.rank}: {lost}. This rank's stacks:\n{own_stacks()}\n")
             self._exit(Exit.HANG_OR_CRASH)
         ranks = self._participants()
-        reason = self._live(self._progress) if self.stage == 2 else None
+        reason = self._live(self._progress) if self.stage >= 2 else None
         elsewhere = [r for r in ranks if self._where[r][0] != mine] or [r for r in ranks if r != self.rank] or [0]
         failure: WorldFailure = (TaskStopped(f"the run was stopped: {reason}", reason, ranks) if reason else
                                  RankCrashed(f"rank {elsewhere[0]}'s node is gone or unreachable: {lost} "
@@ -308,7 +314,7 @@ class LaunchWatch:
         if progress != self._seen:
             self._seen = progress
             self._clock.progressed(now)
-            if self.stage == 2:
+            if self.stage >= 2:
                 reason = self._live(progress)
                 if reason:
                     failure = TaskStopped(f"the run was stopped: {reason}", reason, ranks)
@@ -324,7 +330,7 @@ class LaunchWatch:
         elif ending is Ending.FAILED:
             failure = self._task_failed(raised, ranks)
         elif ending is Ending.TIMED_OUT:
-            pending = [r for r in ranks if not self.store.check([f"R{r}"])]
+            pending = [r for r in ranks if not self.store.check([result_key(self.stage, r)])]
             failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending)
         elif ending is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
             failure = TaskStopped("the launcher stopped every rank (SIGTERM) before the check ended",
@@ -342,7 +348,7 @@ class LaunchWatch:
         outcomes += [RankOutcome(r, False, error=StillRunning(f"rank {r} was still running {ERROR_GRACE_S:g} s "
                                                               f"after rank(s) {sorted(raised)} failed (most likely "
                                                               f"waiting for them in a collective)"))
-                     for r in ranks if r not in raised and not self.store.check([f"R{r}"])]
+                     for r in ranks if r not in raised and not self.store.check([result_key(self.stage, r)])]
         head = outcomes[0]
         return TaskFailed(f"task failed on rank(s) {', '.join(map(str, sorted(raised)))}: "
                           f"{type(head.error).__name__}: {head.error}\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}", outcomes)

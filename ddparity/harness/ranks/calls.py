@@ -15,9 +15,12 @@ from typing import Any
 
 from ddparity.frames import PACKAGE
 
-EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-         "reduce_scatter_tensor", "barrier", "monitored_barrier")
-"""Collectives whose every argument (shapes, dtypes, reduce op, root) must agree on all ranks."""
+EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+         "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier", "monitored_barrier")
+"""Collectives whose every argument (shapes, dtypes, reduce op, root) must agree on all ranks.
+``all_gather_single`` and ``reduce_scatter_single`` (torch 2.13's names, FSDP2's calls) are
+what ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` call there: the outer call is
+recorded, the nested one not."""
 ROOTED = ("gather", "scatter")  # only the root passes the list: compare the own tensor
 SPLIT = ("all_to_all", "all_to_all_single")  # per-rank split sizes may differ: compare dtypes
 OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")

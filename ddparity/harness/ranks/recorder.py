@@ -286,11 +286,43 @@ def set_thread_recorder(own: StepRecorder | None) -> None:
     _thread.recorder = own
 
 
+class CollectiveTimer(Protocol):
+    """Times every collective this process issues (``ddparity profile``'s sharded modes):
+    ``call(op, bound arguments, run)`` runs the collective and returns what it returns."""
+
+    def call(self, op: str, arguments: dict[str, Any], run: Callable[[], Any]) -> Any: ...
+
+
+_timer: CollectiveTimer | None = None
+
+
+def set_collective_timer(timer: CollectiveTimer | None) -> None:
+    """While set, every collective of this process, from any thread (a GPU's backward runs
+    on the autograd engine's own), goes through ``timer`` (the outer call only:
+    ``all_gather_into_tensor`` calling ``all_gather_single`` is timed once)."""
+    global _timer
+    _timer = timer
+
+
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
+        timer = _timer
+        if timer is not None and not getattr(_thread, "timed", False):
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                return fn(*args, **kwargs)  # let torch raise its own error for bad arguments
+            _thread.timed = True
+            try:
+                return timer.call(op, arguments, lambda: _record(*args, **kwargs))
+            finally:
+                _thread.timed = False
+        return _record(*args, **kwargs)
+
+    def _record(*args: Any, **kwargs: Any) -> Any:
         simulated = getattr(_thread, "recorder", None)
         if simulated is not None:
             return simulated.call(op, signature, fn, args, kwargs)

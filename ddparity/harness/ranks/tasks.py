@@ -10,7 +10,7 @@ writes the reference's tensors to the check's spool or compares a run's with the
   ``single``), writing every step, then as the calibration twin
   (:mod:`ddparity.harness.ranks.modes.twin`), compared step by step;
 * :func:`dp_task` and :func:`ddp_task` train as DataParallel and under DDP, compared;
-* :func:`profile_task` times DDP steps (:mod:`ddparity.harness.ranks.modes.timed`).
+* :func:`profile_task` times DDP or FSDP2 steps (:mod:`ddparity.harness.ranks.modes.timed`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.fsdp import FSDPMode
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.modes.timed import TimedMode
+from ddparity.harness.ranks.modes.timed_sharded import TimedShardedMode
 from ddparity.harness.ranks.modes.twin import TwinMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
@@ -138,9 +139,16 @@ def _sharded(ctx: RankContext, case: Case, spool: str, name: str, shard_size: in
 
 
 @names_run("profile", sized=True)
-def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: int) -> RankProfile:
-    """Time ``warmup + steps`` iterations of the case under DDP; keep the last ``steps``."""
-    mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,
-                     case.ddp_options)
+def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: int, name: str = "ddp",
+                 shard_size: int = 0) -> RankProfile:
+    """Time ``warmup + steps`` iterations of the case under DDP (or ``name`` ``fsdp``,
+    ``hsdp`` with ``shard_size``: FSDP2, :mod:`ddparity.harness.ranks.modes.timed_sharded`);
+    keep the last ``steps``."""
+    if name == "ddp":
+        mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,
+                         case.ddp_options)
+    else:
+        mode = TimedShardedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, name=name,
+                                shard_size=shard_size, apply=case.fsdp)
     train(case, state, ctx.device, mode)
     return mode.profile

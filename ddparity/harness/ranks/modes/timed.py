@@ -86,6 +86,25 @@ def _timed_hook(timer: _BucketTimer, bucket):  # noqa: ANN001, ANN202 - DDP chec
     return fut.then(done)
 
 
+def state_bytes(replica: Replica) -> dict[str, int]:
+    """What this rank holds of the model's state, in bytes: parameters, gradients and
+    optimizer state (a sharded tensor's local shard only)."""
+    from ddparity.harness.ranks.shards import is_sharded
+
+    def nbytes(t: Any) -> int:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            return 0
+        local: Any = t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]  # a DTensor
+        return int(local.numel() * local.element_size())
+
+    params = list(replica.model.parameters())
+    optimizer = sum(nbytes(v) for state in replica.optimizer.state.values() for v in state.values())
+    return {"params": sum(nbytes(p) for p in params), "grads": sum(nbytes(p.grad) for p in params),
+            "optimizer": optimizer}
+
+
 def _bucket(mark: list[Any], origin: Any, clock: _Clock) -> BucketTiming:
     index, start, end, sent, buffer_bytes = mark
     if sent is None:  # outside a rank nothing is counted: the bucket as DDP's default hook sends it
@@ -117,6 +136,7 @@ class TimedMode:
         self.recorder.pause()  # no ledger store writes inside the timed steps; phases keep hang detection informed
         self.steps = self.warmup + self.measured
         self.clock = _Clock(self.device)
+        self._torch = self.clock._torch
         self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
 
     def wrap(self, model: Any) -> Any:
@@ -124,6 +144,30 @@ class TimedMode:
         self.timer = _BucketTimer(self.comm_hook, copy.deepcopy(self.comm_hook_state), self.clock, self.recorder)
         ddp.register_comm_hook(self.timer, _timed_hook)
         return ddp
+
+    # what a sharded mode times otherwise (:mod:`.timed_sharded`)
+
+    def no_comm(self, wrapped: Any) -> Any:
+        """The context in which forward and backward communicate nothing."""
+        return wrapped.no_sync()
+
+    def clear_comm(self) -> None:
+        self.timer.marks.clear()
+
+    def comm_timings(self, origin: Any) -> list[BucketTiming]:
+        """This iteration's communication, from ``origin`` (the start of its forward)."""
+        return [_bucket(mark, origin, self.clock) for mark in self.timer.marks if mark[2] is not None]
+
+    def _measured(self, step: int, replica: Replica, timing: StepTiming) -> None:
+        if step < self.warmup:
+            return
+        if step == self.warmup and self.clock.cuda:
+            self._torch.cuda.reset_peak_memory_stats()
+        self.profile.steps.append(timing)
+        if step == self.steps - 1:
+            self.profile.memory = state_bytes(replica)
+            if self.clock.cuda:
+                self.profile.memory["peak_allocated"] = int(self._torch.cuda.max_memory_allocated())
 
     def share(self, batch: Any, size: int | None) -> Any:
         return shard(batch, self.rank, self.world_size, size)
@@ -158,7 +202,7 @@ class TimedMode:
         ``optimizer.step()``), then as it is (up to ``optimizer.step()``: forward, backward
         and the communication it did not hide; then the optimizer step), the optimizer's
         hooks marking where it starts and ends."""
-        ddp, clock, timer, ctx = replica.wrapped, self.clock, self.timer, replica.ctx
+        ddp, clock, ctx = replica.wrapped, self.clock, replica.ctx
         ctx.step = step
 
         def run() -> None:
@@ -170,22 +214,20 @@ class TimedMode:
 
         self.recorder.set_phase(step, "profile no_sync")
         self._optimizer_marks.clear()
-        with ddp.no_sync():
+        with self.no_comm(ddp):
             total, origin, _ = self._timed(run)
         no_sync = until_optimizer(total, origin)
         self.recorder.set_phase(step, "profile forward")
-        timer.marks.clear()
+        self.clear_comm()
         self._optimizer_marks.clear()
         total, origin, _ = self._timed(run)
         marks = self._optimizer_marks
         sync = until_optimizer(total, origin)
         opt = clock.seconds(marks[0], marks[1]) if len(marks) >= 2 else 0.0
-        if step >= self.warmup:
-            buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
-            self.profile.steps.append(StepTiming(sync, no_sync, opt, buckets))
+        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin)))
 
     def _own_step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> None:
-        rec, ddp, clock, timer = self.recorder, replica.wrapped, self.clock, self.timer
+        rec, ddp = self.recorder, replica.wrapped
 
         def forward_backward(phase_step: int = -1) -> None:
             replica.optimizer.zero_grad(set_to_none=True)
@@ -195,15 +237,13 @@ class TimedMode:
             loss.backward()
 
         rec.set_phase(step, "profile no_sync")
-        with ddp.no_sync():
+        with self.no_comm(ddp):
             no_sync, _, _ = self._timed(forward_backward)
         rec.set_phase(step, "profile forward")
-        timer.marks.clear()
+        self.clear_comm()
         sync, origin, _ = self._timed(forward_backward, step)
         rec.set_phase(step, "profile optimizer")
         replica.watch.begin()
         opt, _, _ = self._timed(replica.optimizer.step)
         self._optimizer_marks.clear()
-        if step >= self.warmup:
-            buckets = [_bucket(mark, origin, clock) for mark in timer.marks if mark[2] is not None]
-            self.profile.steps.append(StepTiming(sync, no_sync, opt, buckets))
+        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin)))

@@ -1,0 +1,93 @@
+"""``profile`` inside a torchrun (or Slurm) launch: the launched processes are the world
+(``torchrun ... -m ddparity profile TARGET [--modes ddp,fsdp,hsdp]``). Rank 0 times the case
+alone first (the baseline of the scaling figure), then every rank times its steps, mode
+after mode; rank 0 summarises them (:mod:`ddparity.checks.comm`) and reports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from ddparity.case import Case
+from ddparity.checks.comm import WorldProfile
+from ddparity.errors import UsageError, WorldFailure
+from ddparity.settings import REPLICA_MODES, CheckOptions, needs_newer_torch
+from ddparity.verbs.launched import everyone, launch_world_size, processes
+
+
+def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
+                     emit: Callable[[Any], None], modes: tuple[str, ...] | list[str] = ("ddp",),
+                     hsdp_shard: int | None = None) -> NoReturn:
+    """This process's part of ``profile`` in a launch: rank 0 times the case on its own
+    first (world size 1, in a process group of its own: the baseline of the scaling
+    figure), then every rank times its steps, mode after mode (ddp, fsdp, hsdp); rank 0
+    summarises them and reports; every process exits with the report's code."""
+    from ddparity.checks.comm import add_scaling, summarize
+    from ddparity.harness.ranks.tasks import profile_task
+    from ddparity.harness.ranks.training import initial_state
+    from ddparity.report import ProfileReport
+    from ddparity.verbs.plan import hsdp_shard as shard_size
+    from ddparity.verbs.profile import failed_run, one_rank_note
+
+    if backend == "threaded":
+        raise UsageError("profiling needs real rank processes: use --backend auto, gloo or nccl")
+    needs_newer_torch("ddparity profile under torchrun", "profile locally (ddparity profile TARGET)")
+    opts = CheckOptions.validated("profile", modes=modes, world_sizes=(launch_world_size(),), timeout=timeout,
+                                  hsdp_shard=hsdp_shard)
+    if any(m not in REPLICA_MODES for m in opts.modes):
+        raise UsageError("profile times ddp, fsdp and hsdp (--modes); single and dp have no communication to time")
+    case = case.validate()
+    shard = shard_size(case, opts)
+    ran = [m for m in opts.modes if m != "hsdp" or opts.world_sizes[0] % shard == 0]
+    started = time.perf_counter()
+    runs: list[Any] = []
+    timing = [ran[0] if ran else "ddp"]  # the mode being timed, for a failure's report
+
+    def failed(exc: WorldFailure, stage: int) -> int:
+        ws = 1 if stage == 1 else me.ctx.world_size
+        report = ProfileReport(case.label, [*runs, failed_run(ws, me.ctx.backend, exc, time.perf_counter() - started,
+                                                              timing[0])])
+        emit(report)
+        return report.exit_code
+
+    def baseline() -> None:
+        for mode in ran:
+            if mode == "hsdp" and shard != 1:
+                continue  # no (replicate, shard) mesh of one rank but the degenerate one
+            timing[0] = mode
+            one = summarize([me.alone(profile_task, case, initial_state(case), steps, warmup, mode, shard)],
+                            me.ctx.backend, mode)
+            one.notes += [one_rank_note(mode), "rank 0 alone: the baseline of the scaling figure"]
+            runs.append(one)
+
+    def every_mode(ctx: Any) -> list[Any]:
+        profiles = []
+        for mode in ran:
+            timing[0] = mode
+            profiles.append(profile_task(ctx, case, initial_state(case), steps, warmup, mode, shard))
+        return profiles
+
+    me = everyone(backend, timeout, failed)
+    # every rank builds the initial state from the seed; DDP broadcasts rank 0's anyway
+    by_rank = me.run(baseline, every_mode)
+    for i, mode in enumerate(ran):
+        run = summarize([profiles[i] for profiles in by_rank], me.ctx.backend, mode)
+        run.seconds = time.perf_counter() - started
+        run.notes.append(f"launched: {processes(me.ctx.world_size)}; bus bandwidth over the launch's own "
+                         f"interconnect")
+        if mode == "hsdp":
+            run.notes.append(f"hsdp mesh: {me.ctx.world_size // shard} replica(s) x {shard} shard(s)")
+        runs.append(run)
+    for mode in opts.modes:
+        if mode not in ran:
+            runs.append(WorldProfile(world_size=me.ctx.world_size, backend=me.ctx.backend, mode=mode,
+                                     status="skipped", reason=f"hsdp's (replicate, shard) mesh needs a world size "
+                                                              f"divisible by the shard size {shard}"))
+    report = ProfileReport(case.label, sorted(runs, key=lambda r: REPLICA_MODES.index(r.mode)))
+    add_scaling(report.runs)
+    emit(report)
+    me.watch.finish(report.exit_code)
+
+
+__all__ = ["profile_launched"]
