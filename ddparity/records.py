@@ -152,6 +152,11 @@ def parse_progress(text: str) -> Position | None:
 # -- a replica's fingerprints after a step ---------------------------------------------
 
 
+SHARD_TAG = " [shard "
+"""In a fingerprint's name (``param w [shard 1]``): the tensor is one shard of an HSDP
+replica, compared only among the ranks that hold the same shard."""
+
+
 def encode_fingerprints(step: int, values: dict[str, int]) -> str:
     return json.dumps({"step": step, "fp": values}, separators=(",", ":"))
 

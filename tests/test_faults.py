@@ -44,6 +44,9 @@ def _left_behind(before: set[str], settle_s: float = 5.0) -> set[str]:
 
 @pytest.fixture(scope="module")
 def pool():
+    from ddparity.harness.world.pool import default_pool
+
+    default_pool().close()  # warm worlds an earlier test module left: not this module's strays
     pool = WorldPool()
     yield pool
     pool.close()

@@ -186,3 +186,28 @@ def test_profile_times_fsdps_collectives_beside_ddp_with_the_state_a_rank_holds(
     ddp_params, fsdp_params = runs["ddp"]["memory_per_rank"]["params"], runs["fsdp"]["memory_per_rank"]["params"]
     assert fsdp_params < 0.6 * ddp_params and runs["hsdp"]["memory_per_rank"]["params"] == ddp_params
     assert "fsdp world size 2: all_gather x" in result.stdout and "state a rank holds" in result.stdout
+
+
+@pytest.mark.parametrize("culprit", [0, 3])
+def test_hsdp_replicas_of_a_shard_are_compared_with_each_other(culprit):
+    """2 replicas x 2 shards: one rank's shard nudged after each step is a desync naming it
+    and the rank holding the same shard in the other replica (rank 0 and rank W-1); under
+    fsdp (no replicas) the same bug diverges from the reference on that rank."""
+    report = check(sharded.drifting_shard(culprit), modes=("fsdp", "hsdp"), world_sizes=(4,), hsdp_shard=2)
+    fsdp, hsdp = report.runs
+    assert fsdp.status == "diverged" and fsdp.first_divergence.rank == culprit, report.render()
+    assert hsdp.status == "desync" and hsdp.desync.ranks == [culprit], report.render()
+    assert hsdp.desync.agreeing_ranks == [(culprit + 2) % 4] and hsdp.desync.step == 0
+    assert hsdp.desync.differs == [f"param net.0.weight [shard {culprit % 2}]"]
+
+
+def test_hsdp_all_reduce_across_replicas_left_off_is_caught_and_clean_replicas_agree():
+    """``set_requires_all_reduce(False)`` never turned back on: no gradient reaches the
+    optimizer in any HSDP mesh, its cause named; a no-op under fsdp (it passes); the clean
+    step at 2 replicas x 2 shards passes, its replicas' fingerprints agreeing every step."""
+    report = check(sharded.replicas_not_reduced(), modes=("fsdp", "hsdp"), world_sizes=(4,), hsdp_shard=2)
+    fsdp, hsdp = report.runs
+    assert fsdp.status == "pass" and hsdp.status == "diverged", report.render()
+    assert any("set_requires_all_reduce(False)" in n for n in hsdp.notes)
+    clean = check(sharded.plain_step(), modes=("hsdp",), world_sizes=(4,), hsdp_shard=2)
+    assert [r.status for r in clean.runs] == ["pass"], clean.render()

@@ -104,10 +104,12 @@ def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], 
                 f"gradients yourself and divide by the world size (a post-accumulate-grad hook), or shard them")
     missing = {d.name for d in grads if d.mismatch and d.mismatch.startswith("missing")}
     if first.step == 0 and missing and len(missing) >= MISSED_SYNC_SHARE * max(params, 1):
+        replicas = (" or, in HSDP, its all-reduce across replicas (set_requires_all_reduce(False): FSDP2 then keeps "
+                    "the partial gradient for a later all-reduce)") if mode == "hsdp" else ""
         return (f"likely cause: no gradient reached the optimizer ({len(missing)} of {params} missing at step 0): "
-                f"{mode.upper()}'s gradient sync was off (set_requires_gradient_sync(False), ctx.no_sync()) through "
-                f"the last backward, so no gradient was reduce-scattered into the sharded parameters; turn the sync "
-                f"back on before the last micro-batch's backward")
+                f"{mode.upper()}'s gradient sync was off (set_requires_gradient_sync(False), ctx.no_sync()){replicas} "
+                f"through the last backward, so no gradient reached the sharded parameters; turn it back on before "
+                f"the last micro-batch's backward")
     return None
 
 

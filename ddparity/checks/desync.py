@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ddparity.checks.collectives import minority
+from ddparity.records import SHARD_TAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,9 @@ class ReplicaDrift:
 
 def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
                  prefer_wrong: tuple[int, ...] = ()) -> ReplicaDrift | None:
-    """The first step where ranks' fingerprints differ (only steps every rank reported).
+    """The first step where ranks' fingerprints differ (only steps every rank reported); a
+    name is compared among the ranks that publish it (every rank's, or under HSDP each
+    shard's replicas').
 
     ``prefer_wrong``: ranks known to diverge from the single-device reference, which
     break a tie (world size 2) in favour of the rank that matches the reference.
@@ -42,19 +45,19 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
     for step in sorted(common):
         prints = {r: per_rank[r][step] for r in per_rank}
         names = list(dict.fromkeys(n for p in prints.values() for n in p))
-        differing = []
-        votes: dict[str, list[int]] = {}
-        for name in names:
-            values = {r: p.get(name) for r, p in prints.items()}
-            if len(set(values.values())) > 1:
-                differing.append(name)
+        every = frozenset(prints)  # a name a rank lacks differs there; a shard's is only its replicas'
+        held = {n: frozenset(r for r, p in prints.items() if n in p) if SHARD_TAG in n else every for n in names}
+        differing = [n for n in names if len({prints[r].get(n) for r in held[n]}) > 1]
         if not differing:
             continue
-        for r, p in sorted(prints.items()):
-            signature = json.dumps([p.get(n) for n in differing])
+        among = held[differing[0]]  # the ranks that hold the first differing name (HSDP: one shard's replicas)
+        differing = [n for n in differing if held[n] == among]
+        votes: dict[str, list[int]] = {}
+        for r in sorted(among):
+            signature = json.dumps([prints[r].get(n) for n in differing])
             votes.setdefault(signature, []).append(r)
         ranks = minority(votes, prefer_wrong)
-        agreeing = sorted(r for r in prints if r not in ranks)
+        agreeing = sorted(r for r in among if r not in ranks)
         return ReplicaDrift(step, _order(differing), ranks, agreeing)
     return None
 

@@ -113,6 +113,22 @@ def test_first_desync_names_the_step_tensors_and_ranks():
     assert first_desync({r: {0: dict(same)} for r in range(2)}) is None
 
 
+def test_hsdp_shards_are_compared_among_their_replicas_only():
+    """Under HSDP (2 replicas x 2 shards: ranks 0, 2 hold shard 0; 1, 3 shard 1) each shard's
+    fingerprints are compared among the ranks holding it: different shards never differ
+    "across ranks"; one replica's shard that drifts is a desync naming its rank; a name
+    every rank publishes that one rank lacks still differs there."""
+    prints = {r: {0: {f"param w [shard {r % 2}]": 10 + r % 2}} for r in range(4)}
+    assert first_desync(prints) is None
+    prints[3][0]["param w [shard 1]"] = 99
+    assert first_desync(prints).ranks == [1, 3]  # two replicas: either may be the odd one
+    found = first_desync(prints, prefer_wrong=(3,))  # rank 3 diverges from the reference: the tie broken
+    assert (found.ranks, found.agreeing, found.names) == ([3], [1], ["param w [shard 1]"])
+    every = {r: {0: {"rng cpu": 5}} for r in range(3)}
+    del every[2][0]["rng cpu"]
+    assert first_desync(every).ranks == [2]
+
+
 def test_fingerprints_change_with_any_single_bit_and_only_then():
     model = torch.nn.Linear(64, 32)
     opt = torch.optim.Adam(model.parameters())

@@ -94,3 +94,28 @@ def fingerprint(model: Any, optimizer: Any = None, buffers: bool = True, part: i
             out[f"rng cuda:{i}"] = zlib.crc32(state.numpy().tobytes())
     return out
 
+
+
+def shard_fingerprint(model: Any, optimizer: Any, shard: int, part: int | None = None) -> dict[str, int]:
+    """Fingerprints of this rank's shards (a DTensor's local part) of every sharded
+    parameter and of its optimizer state, each named with the shard it is (``param w
+    [shard 1]``): under HSDP the ranks of one shard, one in each replica, must agree; ranks
+    of other shards publish other names (:func:`ddparity.checks.desync.first_desync`
+    compares a name among the ranks that have it)."""
+    import torch
+
+    from ddparity.harness.ranks.shards import is_sharded
+    from ddparity.records import SHARD_TAG
+
+    names: list[str] = []
+    tensors: list[Any] = []
+    for name, p in model.named_parameters():
+        if not is_sharded(p):
+            continue  # left out of sharding: compared with the reference, whole
+        names.append(f"param {name}{SHARD_TAG}{shard}]")
+        tensors.append(p.to_local())  # type: ignore[attr-defined]  # a DTensor
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and is_sharded(value):
+                names.append(f"optimizer {name}.{key}{SHARD_TAG}{shard}]")
+                tensors.append(value.to_local())  # type: ignore[attr-defined]  # a DTensor
+    return dict(zip(names, _bit_sums(tensors, part))) if tensors else {}

@@ -6,8 +6,10 @@ The model is sharded the way the case says (``Case.fsdp(model, mesh)``: the user
 wrapping and policies) or, by default, each direct child that holds parameters, then the
 root. Parameters and their gradients are DTensors: each rank's sink compares its local
 shard with the same slice of the reference (:mod:`ddparity.harness.ranks.shards`). The
-loss compared is the mean of the ranks' losses, as with DDP. Replica fingerprints are not
-published: the ranks' shards differ by design.
+loss compared is the mean of the ranks' losses, as with DDP. Under HSDP with more than one
+replica, each rank publishes fingerprints of its shards after every step, named with the
+shard: the replicas of one shard must hold the same bits (a desync otherwise); under
+``fsdp`` every rank holds a different shard, and nothing is compared across ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ddparity.harness.ranks import recorder
 from ddparity.harness.ranks.batches import shard
+from ddparity.harness.ranks.fingerprint import shard_fingerprint
 from ddparity.harness.ranks.shards import is_sharded
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_step
@@ -45,6 +48,8 @@ class FSDPMode:
     def __post_init__(self) -> None:
         self.recorder = recorder.active()
         self._step = -1
+        self.shard_index: int | None = None
+        """This rank's shard (HSDP with replicas: its fingerprints are compared with theirs)."""
         self.unsharded: list[str] = []
         """The parameters left out of sharding (``ignored_params``), once wrapped."""
         self.computed_dtype: str | None = None
@@ -61,6 +66,7 @@ class FSDPMode:
             default_wrapping(model, mesh)
         model.register_forward_hook(self._after_forward)
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
+        self.shard_index = mesh.get_local_rank("shard") if self.name == "hsdp" and mesh.size(0) > 1 else None
         stored = {p.dtype for p in model.parameters()}
         for module in model.modules():  # after FSDP's own pre-forward hooks: the all-gathered parameters
             if any(True for _ in module.parameters(recurse=False)):
@@ -93,6 +99,11 @@ class FSDPMode:
         dist.all_reduce(global_loss)  # the objective data parallelism optimises: the ranks' mean loss
         self.recorder.set_phase(step, "compare")
         finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
+        if self.shard_index is not None:  # the replicas of each shard: the same bits
+            self.recorder.set_phase(step, "fingerprint")
+            part = None if step == self.steps - 1 else step  # everything at the last step
+            self.recorder.fingerprints(step, shard_fingerprint(replica.model, replica.optimizer, self.shard_index,
+                                                               part))
 
 
 def device_mesh(device: str, world_size: int, shard_size: int | None) -> Any:
