@@ -21,9 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-RECORD_KINDS = ("loss", "grad", "param", "buffer")
+RECORD_KINDS = ("loss", "grad", "param", "optimizer", "buffer")
 """The order in which one step's records are compared: the first that differs names the
-kind of divergence (a wrong loss explains wrong gradients, which explain wrong params)."""
+kind of divergence (a wrong loss explains wrong gradients, which explain wrong params).
+``optimizer``: each tensor of the optimizer's per-parameter state after the step
+(``net.0.weight.exp_avg``), a sharded parameter's state sharded alike."""
 
 CHUNK = 1 << 22
 """Elements measured at once: a 40 M-element embedding is compared without a second copy."""
@@ -154,6 +156,14 @@ class Distances:
     computed_dtype: str | None = None
     """Under FSDP: a lower precision than the parameters' that the run computed in (its
     ``MixedPrecisionPolicy``'s ``param_dtype``), e.g. ``"bfloat16"``."""
+
+    def not_held(self, step: int, key: tuple[str, str]) -> None:
+        """Optimizer state this rank does not hold (a ``ZeroRedundancyOptimizer``'s other
+        partitions, a parameter it never stepped): nothing to compare, and no divergence
+        (what it would have done shows in the parameters)."""
+        while len(self.steps) <= step:
+            self.steps.append({})
+        self.steps[step][key] = 0.0
 
     def compare(self, step: int, key: tuple[str, str], expected: Any, got: Any) -> None:
         """Record ``got``'s distance to the reference's ``expected`` (and why, if infinite)."""

@@ -211,3 +211,19 @@ def test_hsdp_all_reduce_across_replicas_left_off_is_caught_and_clean_replicas_a
     assert any("set_requires_all_reduce(False)" in n for n in hsdp.notes)
     clean = check(sharded.plain_step(), modes=("hsdp",), world_sizes=(4,), hsdp_shard=2)
     assert [r.status for r in clean.runs] == ["pass"], clean.render()
+
+
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_the_optimizer_state_is_compared_shard_against_slice(culprit):
+    """After each step every rank's shard of every optimizer state tensor (SGD's momentum
+    here) is compared with the same slice of the reference's: one rank's state reset after
+    step 0 is caught at step 0, before any parameter differs, on rank 0 as on rank W-1,
+    with its cause; the clean twin (state kept) passes in every mode."""
+    report = check(sharded.momentum_reset(culprit), modes=("fsdp",), world_sizes=(2,))
+    [run] = report.runs
+    first = run.first_divergence
+    assert run.status == "diverged" and (first.step, first.kind, first.rank) == (0, "optimizer", culprit)
+    assert first.name.endswith(".momentum_buffer"), report.render()
+    assert any("the optimizer's state differs" in n for n in run.notes)
+    clean = check(sharded.momentum_kept(), modes=("ddp", "fsdp", "hsdp"), world_sizes=(2, 4))
+    assert {r.status for r in clean.runs} == {"pass"}, clean.render()

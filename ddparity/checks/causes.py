@@ -54,6 +54,11 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
     sharded = _sharded_cause(first, grads, names, params, mode, unsharded or [])
     if sharded or world_size < 2:
         return sharded
+    if first.kind == "optimizer":
+        ranks = sorted({d.rank for d in found if d.step == first.step and d.kind == "optimizer"})
+        return (f"likely cause: the optimizer's state differs on rank(s) {ranks} while the loss, gradients and "
+                f"parameters of step {first.step} match: state lost or reset there (a resume that restored the "
+                f"weights but not the optimizer), or an optimizer stepping other tensors than the model's")
     off_by = 1 - 1 / world_size
     types = layer_types or {}
     layers = [f"{name} ({types[name]})" if name in types else name

@@ -37,7 +37,8 @@ def first_non_finite(reference: Reference) -> NonFinite | None:
 def divergences(reference: Reference, runs: list[Distances], tolerance: Tolerance,
                 until: int | None = None) -> list[Divergence]:
     """Every (step, kind, tensor, rank) whose distance to the reference exceeds its tolerance,
-    in the order they happened: step, then loss < grad < param < buffer, then model order.
+    in the order they happened: step, then loss < grad < param < optimizer < buffer, then
+    model order.
     ``until``: compare only the steps before it."""
     found: list[Divergence] = []
     for step, entries in enumerate(reference.steps[:until]):

@@ -26,3 +26,16 @@ def local_part(expected: Any, got: Any) -> tuple[Any, Any]:
         return expected, local
     shape, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
     return expected[tuple(slice(o, o + s) for o, s in zip(offset, shape))], local
+
+
+def optimizer_state(model: Any, optimizer: Any) -> list[tuple[str, Any]]:
+    """Each tensor of ``optimizer``'s per-parameter state, named ``<parameter>.<key>``
+    (``net.0.weight.exp_avg``), in model order; under FSDP a sharded parameter's state is
+    sharded alike (compared shard against slice, as the parameter)."""
+    import torch
+
+    if optimizer is None:
+        return []
+    state = optimizer.state
+    return [(f"{name}.{key}", value) for name, p in model.named_parameters() if p in state
+            for key, value in state[p].items() if isinstance(value, torch.Tensor)]

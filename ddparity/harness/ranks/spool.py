@@ -7,11 +7,10 @@ ends). In it:
 * ``state.pt``: the initial state every replica loads (memory-mapped: never pickled to
   the controller or through a pipe);
 * per step of the reference, ``g<step>`` (the gradients as its optimizer saw them) and
-  ``a<step>`` (its loss, then its parameters and buffers after the step): a ``.bin`` of
-  raw tensor bytes and a ``.json`` manifest written after it (its presence says the step
-  is complete). A frozen parameter or a buffer whose values did not change since the
-  last step (compared with the bytes written: a version counter misses ``p.data``
-  updates) points to the bytes already written instead of writing them again.
+  ``a<step>`` (its loss, parameters, optimizer state and buffers after the step): a
+  ``.bin`` of raw tensor bytes and a ``.json`` manifest written after it (its presence
+  says the step is complete). A tensor whose bytes did not change since the last step (a
+  version counter misses ``p.data`` updates) points to the bytes already written.
 
 The reference's :class:`Writer` writes them as it trains and keeps only scalars (each
 tensor's largest magnitude, the first non-finite value). Every other run trains with a
@@ -20,7 +19,7 @@ when it reaches that step — waiting for it if the reference is behind — and 
 distance per tensor. The controller receives those numbers only
 (:class:`~ddparity.distances.Reference`, :class:`~ddparity.distances.Distances`).
 
-Disk: ``4 B x (2 x parameters + buffers) x steps`` in float32, in ``$TMPDIR``.
+Disk: ``4 B x (2 x parameters + optimizer state + buffers) x steps`` in float32, in ``$TMPDIR``.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any, NamedTuple
 
 from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
 from ddparity.harness.janitor import remove_when_gone
-from ddparity.harness.ranks.shards import local_part
+from ddparity.harness.ranks.shards import local_part, optimizer_state
 
 ALIGN = 64
 PREFIX = "ddparity-spool-"
@@ -73,8 +72,7 @@ class Spool:
     should this process die without removing it)."""
 
     def __init__(self, parent: str | None = None, janitor: bool = False) -> None:
-        # 0700: this user only; named by the controller's pid, so leftovers can be told apart
-        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)  # 0700; the pid tells leftovers apart
         if janitor:
             remove_when_gone(self.path)
 
@@ -180,11 +178,12 @@ class Writer:
         self._write(f"g{step}", step, [(("grad", n), gradient(p), False) for n, p in model.named_parameters()], True)
         self._grads_done = step
 
-    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
         if self._grads_done != step:
             self._write(f"g{step}", step, [], stepped)
         tensors = [(("loss", "loss"), loss, False)]
         tensors += [(("param", n), p, True) for n, p in model.named_parameters()]
+        tensors += [(("optimizer", n), t, True) for n, t in optimizer_state(model, optimizer)]
         tensors += [(("buffer", n), b, True) for n, b in model.named_buffers()]
         self._write(f"a{step}", step, tensors, stepped)
         self.reference.stepped.append(stepped)
@@ -347,11 +346,12 @@ class Comparer:
         self._compare(step, f"g{step}", {("grad", n): gradient(p) for n, p in model.named_parameters()})
         self._grads_done = step
 
-    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
         if self._grads_done != step:  # this run did not step: every gradient the reference has is missing
             self._compare(step, f"g{step}", {})
         mine = {("loss", "loss"): loss}
         mine.update({("param", n): p for n, p in model.named_parameters()})
+        mine.update({("optimizer", n): t for n, t in optimizer_state(model, optimizer)})
         mine.update({("buffer", n): b for n, b in model.named_buffers()})
         self._compare(step, f"a{step}", mine)
 
@@ -361,6 +361,9 @@ class Comparer:
         ref = self._open(stem)
         try:
             for key, whole in ref.items():
+                if key[0] == "optimizer" and key not in mine:
+                    self.result.not_held(step, key)
+                    continue
                 expected, got = local_part(whole, mine.get(key))  # a shard against its slice
                 self.result.compare(step, key, expected, got)
                 if self.own_values:
@@ -378,7 +381,7 @@ class NoSink:
     def grads(self, step: int, model: Any) -> None:
         pass
 
-    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
+    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
         pass
 
 

@@ -54,8 +54,8 @@ class Sink(Protocol):
     def grads(self, step: int, model: Any) -> None:
         """The gradients as the optimizer sees them (at ``optimizer.step()``)."""
 
-    def after(self, step: int, loss: Any, stepped: bool, model: Any) -> None:
-        """The loss, parameters and buffers as the step left them."""
+    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
+        """The loss, parameters, optimizer state and buffers as the step left them."""
 
 
 @dataclass(slots=True, eq=False)
@@ -198,8 +198,9 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
 
 
 def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
-    """The step's loss, parameters and buffers to the replica's sink, as the step left them."""
-    replica.sink.after(step, loss, stepped, replica.model)
+    """The step's loss, parameters, optimizer state and buffers to the replica's sink, as
+    the step left them."""
+    replica.sink.after(step, loss, stepped, replica.model, replica.optimizer)
 
 
 def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
