@@ -68,6 +68,13 @@ run is too imprecise to judge at that world size and says so (:class:`Uncalibrat
 CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
 
+OPTIMIZER_SHARE = 1e-2
+"""The least tolerance of an optimizer state tensor, as a share of its largest value. The
+state follows the gradients compared before it (Adam's second moment squares their
+rounding: a correct 3-rank run came 1.07x over the calibrated tolerance, 4e-5 of the
+value, in the random search of tests/test_check.py); what comparing it is for is state
+lost, reset or another parameter's, off by the order of the state itself."""
+
 UNCALIBRATED_SHARE = 0.5
 """A twin this far from the reference, relative to the value, is not rounding."""
 ABOVE_ROUNDING = 1e4
@@ -161,6 +168,8 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
                 scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
                 floor = max(max(eps, world_size * eps_sum) * max(scale, value), tiny)
                 tolerance = headroom * max(noise, floor)
+                if kind == "optimizer":
+                    tolerance = max(tolerance, OPTIMIZER_SHARE * value)
                 if (step == 0 and kind in ("loss", "grad") and value > negligible and value >= (1 - 1e-3) * scale
                         and tolerance > SHARE_CAP * value):
                     tolerance = SHARE_CAP * value
