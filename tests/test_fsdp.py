@@ -62,10 +62,18 @@ def test_the_degenerate_hsdp_meshes_still_sync_and_still_catch(shard, no_leftove
     assert f"--hsdp-shard {shard}" in summed.runs[0].repro or f"hsdp_shard={shard}" in summed.runs[0].repro
 
 
-def test_fsdp_is_refused_on_simulated_ranks_with_the_way_out():
-    report = check(models.mlp_sgd(), modes=("fsdp",), world_sizes=(2,), backend="threaded")
-    [run] = report.runs
-    assert run.status == "skipped" and run.simulated and "use --backend gloo" in run.reason
+def test_simulated_world_sizes_run_fsdp2_on_the_threaded_process_group():
+    """FSDP2 runs on torch's threaded process group (meshes, all-gathers, reduce-scatters):
+    at a simulated 8 the clean step passes in both modes, a parameter left out of sharding
+    is caught with its cause, and under HSDP (4 replicas x 2 shards) the last rank's shard
+    drifting from its replicas is a desync naming it; every run is labelled simulated."""
+    clean = check(sharded.plain_step(), modes=("fsdp", "hsdp"), world_sizes=(8,), backend="threaded")
+    assert [(r.status, r.simulated) for r in clean.runs] == [("pass", True), ("pass", True)], clean.render()
+    assert any("simulated: 8 HSDP ranks as threads" in n for n in clean.runs[1].notes)
+    [ignored] = check(sharded.ignored_param(), modes=("fsdp",), world_sizes=(8,), backend="threaded").runs
+    assert ignored.status == "diverged" and any("left out of sharding" in n for n in ignored.notes)
+    [drift] = check(sharded.drifting_shard(7), modes=("hsdp",), world_sizes=(8,), backend="threaded").runs
+    assert drift.status == "desync" and drift.desync.ranks == [7] and drift.simulated
 
 
 def test_a_bad_case_fsdp_or_hsdp_shard_is_refused_before_any_work():
@@ -227,3 +235,14 @@ def test_the_optimizer_state_is_compared_shard_against_slice(culprit):
     assert any("the optimizer's state differs" in n for n in run.notes)
     clean = check(sharded.momentum_kept(), modes=("ddp", "fsdp", "hsdp"), world_sizes=(2, 4))
     assert {r.status for r in clean.runs} == {"pass"}, clean.render()
+
+
+def test_cpu_offload_passes_clean_and_a_summed_loss_under_it_is_caught():
+    """``CPUOffloadPolicy`` through ``Case.fsdp`` (its code paths run on a CPU run, the
+    copies being no-ops): the MLP with AdamW passes in both modes; a summed loss is caught
+    at step 0 with its cause."""
+    clean = check(sharded.offloaded(), modes=("fsdp", "hsdp"), world_sizes=(2,))
+    assert [r.status for r in clean.runs] == ["pass", "pass"], clean.render()
+    [summed] = check(sharded.offloaded_summed(), modes=("fsdp",), world_sizes=(2,)).runs
+    assert summed.status == "diverged" and summed.first_divergence.step == 0
+    assert any("a loss summed over the batch" in n for n in summed.notes)

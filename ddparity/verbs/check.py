@@ -21,7 +21,7 @@ from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import ddp_task, dp_task, fsdp_task, hsdp_task, prepare_task, reference_task
-from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task
+from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task, threaded_fsdp_task, threaded_hsdp_task
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
@@ -220,6 +220,10 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
     try:
         if backend == "threaded":
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
+            if mode in ("fsdp", "hsdp"):
+                simulated = threaded_fsdp_task if mode == "fsdp" else threaded_hsdp_task
+                return started, host.submit(simulated, case, spool.path, ws, hsdp_shard(case, opts),
+                                            timeout=opts.timeout)
             return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
         if mode in ("fsdp", "hsdp"):
@@ -260,7 +264,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
         s = hsdp_shard(case, opts)
         run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
     if simulated:
-        run.notes.append(f"simulated: {ws} DDP ranks as threads in one process (torch's threaded process "
+        run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
     return judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy)
 

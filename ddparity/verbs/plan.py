@@ -51,10 +51,6 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
     the world size does not fit); None when it can run."""
     shard = hsdp_shard(case, opts)
     repro = check_repro(case, mode, ws, backend, opts.tolerance, shard)
-    if mode in ("fsdp", "hsdp") and backend == "threaded":
-        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, simulated=True,
-                         reason=f"{mode} runs on real rank processes only (FSDP2 on simulated ranks is not "
-                                f"supported yet); use --backend gloo or world sizes up to {REAL_RANKS_LIMIT}")
     if mode == "hsdp" and ws % shard:
         return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro,
                          reason=f"hsdp's (replicate, shard) mesh needs a world size divisible by the shard size "

@@ -113,24 +113,26 @@ def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
 
 @names_run("fsdp", sized=True)
 def fsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int = 0,
-              open_step: Any = None, state: Any = None) -> Distances:
+              open_step: Any = None, state: Any = None, settle: Any = None) -> Distances:
     """Mode ``fsdp``: this rank's shard of every global batch under FSDP2 on a 1-D mesh of
     every rank (``shard_size`` is hsdp's, unused here); each local shard compared with the
-    same slice of the reference (:mod:`ddparity.harness.ranks.modes.fsdp`)."""
-    return _sharded(ctx, case, spool, "fsdp", ctx.world_size, open_step, state)
+    same slice of the reference (:mod:`ddparity.harness.ranks.modes.fsdp`; ``settle``:
+    called once the model is sharded, before training)."""
+    return _sharded(ctx, case, spool, "fsdp", ctx.world_size, open_step, state, settle)
 
 
 @names_run("hsdp", sized=True)
 def hsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int,
-              open_step: Any = None, state: Any = None) -> Distances:
+              open_step: Any = None, state: Any = None, settle: Any = None) -> Distances:
     """Mode ``hsdp``: as :func:`fsdp_task` on a (W / ``shard_size`` replicas, ``shard_size``
     shards) mesh."""
-    return _sharded(ctx, case, spool, "hsdp", shard_size, open_step, state)
+    return _sharded(ctx, case, spool, "hsdp", shard_size, open_step, state, settle)
 
 
 def _sharded(ctx: RankContext, case: Case, spool: str, name: str, shard_size: int, open_step: Any,
-             state: Any) -> Distances:
-    mode = FSDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=name)
+             state: Any, settle: Any = None) -> Distances:
+    mode = FSDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=name,
+                    settle=settle)
     sink = Comparer(spool, name, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
     train(case, spool if state is None else state, ctx.device, mode, sink)
     distances = sink.finish()

@@ -1,4 +1,4 @@
-"""Simulated world sizes: DDP ranks as threads in one process (``--backend threaded``).
+"""Simulated world sizes: DDP (or FSDP2) ranks as threads in one process (``--backend threaded``).
 
 The ranks run on PyTorch's threaded process group, a private API
 (``torch.testing._internal.distributed.multi_threaded_pg``, used by PyTorch's own
@@ -173,12 +173,31 @@ class ThreadRecorder:
 def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int) -> tuple[list[Any], dict[int, Any]]:
     """Mode ``ddp`` at ``world_size`` simulated ranks: their distances to the reference and
     their records (progress, ledger, fingerprints), by rank."""
+    return _threaded(case, spool, world_size, "ddp", 0)
+
+
+@names_run("fsdp (simulated)", sized=True, simulated=True)
+def threaded_fsdp_task(ctx: RankContext, case: Case, spool: str, world_size: int,
+                       shard_size: int = 0) -> tuple[list[Any], dict[int, Any]]:
+    """Mode ``fsdp`` at ``world_size`` simulated ranks (FSDP2 runs on the threaded process
+    group: its meshes, all-gathers and reduce-scatters), as :func:`threaded_ddp_task`."""
+    return _threaded(case, spool, world_size, "fsdp", shard_size)
+
+
+@names_run("hsdp (simulated)", sized=True, simulated=True)
+def threaded_hsdp_task(ctx: RankContext, case: Case, spool: str, world_size: int,
+                       shard_size: int = 0) -> tuple[list[Any], dict[int, Any]]:
+    """Mode ``hsdp`` at ``world_size`` simulated ranks, a (W / ``shard_size``, ``shard_size``) mesh."""
+    return _threaded(case, spool, world_size, "hsdp", shard_size)
+
+
+def _threaded(case: Case, spool: str, world_size: int, mode: str, shard_size: int) -> tuple[list[Any], dict[int, Any]]:
     import torch
     import torch.distributed as dist
 
     from ddparity.case import make_optimizer
     from ddparity.harness.ranks import recorder
-    from ddparity.harness.ranks.tasks import ddp_task
+    from ddparity.harness.ranks.tasks import ddp_task, fsdp_task, hsdp_task
     from ddparity.harness.ranks.training import build_model
 
     module = threaded_pg()
@@ -210,7 +229,12 @@ def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int)
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                runs[rank] = ddp_task(RankContext(rank, world_size, "threaded", "cpu"), case, spool, settle=built.wait)
+                ctx = RankContext(rank, world_size, "threaded", "cpu")
+                if mode == "ddp":
+                    runs[rank] = ddp_task(ctx, case, spool, settle=built.wait)
+                else:
+                    task = fsdp_task if mode == "fsdp" else hsdp_task
+                    runs[rank] = task(ctx, case, spool, shard_size, settle=built.wait)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:

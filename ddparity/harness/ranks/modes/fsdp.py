@@ -41,6 +41,8 @@ class FSDPMode:
     apply: Any = None
     """``Case.fsdp``: the user's own ``fully_shard`` calls."""
     name: str = "fsdp"
+    settle: Any = None
+    """Called once the model is sharded (simulated ranks: no thread trains while another shards)."""
     align_dropout: bool = True
     watch_draws: bool = False
     name_draws: bool = False
@@ -71,6 +73,8 @@ class FSDPMode:
         for module in model.modules():  # after FSDP's own pre-forward hooks: the all-gathered parameters
             if any(True for _ in module.parameters(recurse=False)):
                 module.register_forward_pre_hook(lambda m, args: self._note_precision(m, stored))
+        if self.settle is not None:
+            self.settle()
         return model
 
     def _note_precision(self, module: Any, stored: set[Any]) -> None:
@@ -114,9 +118,11 @@ def device_mesh(device: str, world_size: int, shard_size: int | None) -> Any:
 
     kind = torch.device(device).type
     shape = (world_size,) if shard_size is None else (world_size // shard_size, shard_size)
+    names = ("shard",) if shard_size is None else ("replicate", "shard")
+    if dist.get_backend() == "threaded":  # a simulated rank: its process group ends with the run
+        return init_device_mesh(kind, shape, mesh_dim_names=names)
     key = (kind, shape, id(dist.group.WORLD))
     if key not in _MESHES:
-        names = ("shard",) if shard_size is None else ("replicate", "shard")
         _MESHES[key] = init_device_mesh(kind, shape, mesh_dim_names=names)
     return _MESHES[key]
 
