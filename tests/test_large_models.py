@@ -35,8 +35,9 @@ def test_what_crosses_to_the_controller_is_numbers_not_tensors():
     sent, disk = _sent_and_spooled(large.mlp_case(4, steps=2))
     copy = 4e6 * 4
     assert sent < 20_000, sent
-    # the initial state, then per step the gradients, the parameters and AdamW's two moments (x 2 steps)
-    assert 9 * copy * 0.95 < disk < 9 * copy * 1.05, disk
+    # the initial state, then per step the gradients and the parameters (x 2 steps); the
+    # optimizer's state only where a sharded mode is checked
+    assert 5 * copy * 0.95 < disk < 5 * copy * 1.05, disk
 
 
 def test_what_crosses_grows_with_steps_by_numbers_only():

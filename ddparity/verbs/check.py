@@ -80,7 +80,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         [(batch_sizes, valid)] = ref_world.run(prepare_task, case, spool.path, timeout=opts.timeout)
         doing.run = "the single-device reference"
         ref_pending = ref_world.submit(reference_task, case, spool.path, tuple(ddp_sizes) + tuple(dp_sizes),
-                                       timeout=opts.timeout)
+                                       sharded(opts), timeout=opts.timeout)
     except WorldFailure as exc:
         return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     # The first runnable DDP run trains alongside the reference (comparing each step as the
@@ -107,7 +107,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                       tolerance="reference",
                       repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
         )
-    policy = _policy_run(case, opts, ref_world, spool) if any(m in opts.modes for m in ("fsdp", "hsdp")) else None
+    policy = _policy_run(case, opts, ref_world, spool) if sharded(opts) else None
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
     ddp_runs = doing.finished
@@ -128,6 +128,12 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
                                        f"sample ({reference.dropout_calls} dropout call(s) a step)")
     return report
+
+
+def sharded(opts: CheckOptions) -> bool:
+    """Whether a sharded mode is checked: the reference then writes its optimizer's state,
+    which they compare (DDP's ranks publish theirs as fingerprints, compared across ranks)."""
+    return any(m in ("fsdp", "hsdp") for m in opts.modes)
 
 
 def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Distances | None:

@@ -109,6 +109,7 @@ class _LaunchedCheck:
         from ddparity.harness.ranks.rank import released
         from ddparity.harness.ranks.spool import Spool
         from ddparity.harness.ranks.tasks import fsdp_task, prepare_task, reference_task
+        from ddparity.verbs.check import sharded
         from ddparity.verbs.plan import cannot_run
 
         case, ctx, store = self.case, self.ctx, self.launch.store
@@ -123,7 +124,7 @@ class _LaunchedCheck:
                 if unrunnable is not None:
                     skipped[mode] = (unrunnable.status, unrunnable.reason)
             if len(skipped) < len(self.modes) or not self.modes:
-                self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,))
+                self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,), sharded(self.opts))
                 self.ref_seconds = time.perf_counter() - self.started
                 self.blowup = first_non_finite(self.reference)
             if case.fsdp is not None and any(m in ("fsdp", "hsdp") and m not in skipped for m in self.modes):

@@ -34,7 +34,7 @@ def optimizer_state(model: Any, optimizer: Any) -> list[tuple[str, Any]]:
     sharded alike (compared shard against slice, as the parameter)."""
     import torch
 
-    if optimizer is None:
+    if not optimizer:  # None, or False: not asked for
         return []
     state = optimizer.state
     return [(f"{name}.{key}", value) for name, p in model.named_parameters() if p in state

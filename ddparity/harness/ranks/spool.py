@@ -19,7 +19,7 @@ when it reaches that step — waiting for it if the reference is behind — and 
 distance per tensor. The controller receives those numbers only
 (:class:`~ddparity.distances.Reference`, :class:`~ddparity.distances.Distances`).
 
-Disk: ``4 B x (2 x parameters + optimizer state + buffers) x steps`` in float32, in ``$TMPDIR``.
+Disk: ``4 B x (2 x parameters + buffers [+ optimizer state: sharded modes]) x steps``, in ``$TMPDIR``.
 """
 
 from __future__ import annotations
@@ -164,10 +164,11 @@ def _dtype_name(t: Any) -> str:
 
 
 class Writer:
-    """The reference's sink: writes every step to the spool, keeps scalars."""
+    """The reference's sink: writes every step to the spool (with ``optimizer_state``, the
+    optimizer's: the sharded modes compare it), keeps scalars."""
 
-    def __init__(self, spool: str) -> None:
-        self.spool = spool
+    def __init__(self, spool: str, optimizer_state: bool = False) -> None:
+        self.spool, self.optimizer_state = spool, optimizer_state
         self.reference = Reference()
         self._grads_done = -1
         self._same: dict[tuple[str, str], Stored] = {}  # key -> where its bytes were last written
@@ -183,7 +184,7 @@ class Writer:
             self._write(f"g{step}", step, [], stepped)
         tensors = [(("loss", "loss"), loss, False)]
         tensors += [(("param", n), p, True) for n, p in model.named_parameters()]
-        tensors += [(("optimizer", n), t, True) for n, t in optimizer_state(model, optimizer)]
+        tensors += [(("optimizer", n), t, True) for n, t in optimizer_state(model, self.optimizer_state and optimizer)]
         tensors += [(("buffer", n), b, True) for n, b in model.named_buffers()]
         self._write(f"a{step}", step, tensors, stepped)
         self.reference.stepped.append(stepped)
@@ -356,8 +357,7 @@ class Comparer:
         self._compare(step, f"a{step}", mine)
 
     def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
-        while len(self.result.steps) <= step:
-            self.result.steps.append({})
+        self.result.steps.extend({} for _ in range(step + 1 - len(self.result.steps)))
         ref = self._open(stem)
         try:
             for key, whole in ref.items():
@@ -379,10 +379,10 @@ class NoSink:
     """Records nothing (the profile's timed passes, a re-run that names random draws)."""
 
     def grads(self, step: int, model: Any) -> None:
-        pass
+        """Nothing."""
 
     def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
-        pass
+        """Nothing."""
 
 
 def calibrated(reference: Reference, twin: Comparer) -> Reference:

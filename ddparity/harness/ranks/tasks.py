@@ -66,10 +66,12 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
 
 
 @names_run("the reference (one device)")
-def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[int, ...] = ()) -> Reference:
+def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[int, ...] = (),
+                   optimizer_state: bool = False) -> Reference:
     """The single-device reference, written to the spool step by step, calibrated by its
-    twin for the largest world size to be compared."""
-    writer = Writer(spool)
+    twin for the largest world size to be compared (``optimizer_state``: the optimizer's
+    state too, which the sharded modes compare)."""
+    writer = Writer(spool, optimizer_state)
     trained = train(case, spool, ctx.device, SingleMode(case.steps), writer)
     reference = writer.finish()
     reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
