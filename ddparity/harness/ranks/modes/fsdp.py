@@ -60,12 +60,8 @@ class FSDPMode:
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "fsdp")
-        mesh = device_mesh(self.device, self.world_size, self.shard_size if self.name == "hsdp" else None)
-        if self.apply is not None:
-            returned = self.apply(model, mesh)
-            model = returned if returned is not None else model
-        else:
-            default_wrapping(model, mesh)
+        model, mesh = sharded(model, self.device, self.world_size, self.shard_size if self.name == "hsdp" else None,
+                              self.apply)
         model.register_forward_hook(self._after_forward)
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
         self.shard_index = mesh.get_local_rank("shard") if self.name == "hsdp" and mesh.size(0) > 1 else None
@@ -125,6 +121,17 @@ def device_mesh(device: str, world_size: int, shard_size: int | None) -> Any:
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(kind, shape, mesh_dim_names=names)
     return _MESHES[key]
+
+
+def sharded(model: Any, device: str, world_size: int, shard_size: int | None, apply: Any) -> tuple[Any, Any]:
+    """``model`` sharded on its mesh (:func:`device_mesh`) the case's way (``apply``:
+    ``Case.fsdp``), else :func:`default_wrapping`; and the mesh."""
+    mesh = device_mesh(device, world_size, shard_size)
+    if apply is None:
+        default_wrapping(model, mesh)
+        return model, mesh
+    returned = apply(model, mesh)
+    return (model if returned is None else returned), mesh
 
 
 def default_wrapping(model: Any, mesh: Any) -> None:

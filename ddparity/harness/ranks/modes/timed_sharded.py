@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks.modes.fsdp import default_wrapping, device_mesh
+from ddparity.harness.ranks.modes.fsdp import sharded
 from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.ranks.recorder import set_collective_timer
 from ddparity.measurements import BucketTiming
@@ -80,12 +80,8 @@ class TimedShardedMode(TimedMode):
     """``Case.fsdp``: the user's own ``fully_shard`` calls."""
 
     def wrap(self, model: Any) -> Any:
-        mesh = device_mesh(self.device, self.world_size, self.shard_size if self.name == "hsdp" else None)
-        if self.apply is not None:
-            returned = self.apply(model, mesh)
-            model = returned if returned is not None else model
-        else:
-            default_wrapping(model, mesh)
+        model, _ = sharded(model, self.device, self.world_size, self.shard_size if self.name == "hsdp" else None,
+                           self.apply)
         self.times = CollectiveTimes(self.clock)
         set_collective_timer(self.times)  # this rank process runs the profile and nothing else meanwhile
         return model
