@@ -48,7 +48,7 @@ def _show(text: str = "") -> None:
 
 
 _GOOD, _BAD, _RESET = "\x1b[1;32m", "\x1b[1;31m", "\x1b[0m"
-_HEADING = re.compile(r"^(\S+ world_size=\d+ \([^)]*\): )(DIVERGED|DESYNC|HANG|CRASH|ERROR)$", re.M)
+_HEADING = re.compile(r"^(\S+(?: \([^)]*\))? world_size=\d+ \([^)]*\): )(DIVERGED|DESYNC|HANG|CRASH|ERROR)$", re.M)
 _VERDICT = re.compile(r"^(OK|HEALTHY|FAILED|UNHEALTHY|INTERRUPTED):", re.M)
 
 
@@ -178,7 +178,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     timeout = settings.TIMEOUT_S if args.timeout is None else args.timeout
     if verb == "check":
         opts = launched.launch_options(args.modes, args.world_sizes, args.backend, timeout, args.tolerance, args.steps,
-                                         args.hsdp_shard)
+                                         args.hsdp_shard, args.compile, args.compile_ddp)
     elif args.world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
     case = load_case(args.target)
@@ -242,7 +242,7 @@ def _check(args: argparse.Namespace) -> int:
         for case in cases:
             report = check(case, modes=args.modes, world_sizes=args.world_sizes, backend=args.backend,
                            timeout=args.timeout, tolerance=args.tolerance, steps=args.steps,
-                           hsdp_shard=args.hsdp_shard)
+                           hsdp_shard=args.hsdp_shard, compile=args.compile, compile_ddp=args.compile_ddp)
             reports.append(report)
             if len(cases) == 1 or not _Out.quiet:  # quiet, several cases: the overall line alone
                 _show(report.render())

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddparity import settings
+from ddparity.compile_spec import COMPILE_DDP
 from ddparity.errors import UsageError
 
 EXIT_CODES = """exit codes:
@@ -25,6 +26,7 @@ CHECK_EXAMPLES = """examples:
   ddparity check my_cases.py:case                       your Case at world sizes 1, 2 and 4
   ddparity check my_cases.py:case --world-sizes 2,8 --backend threaded
   ddparity check my_cases.py:case --json - | python -m json.tool     the JSON on stdout
+  ddparity check my_cases.py:case --modes single,ddp --compile inductor   eager beside torch.compile'd
   torchrun --nproc-per-node 4 -m ddparity check my_cases.py:case     the launch is the world
 """
 
@@ -100,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--hsdp-shard", type=_text(settings.parse_count, "--hsdp-shard"), default=None, metavar="S",
                      help=f"mode hsdp's shard size: a (W/S replicas, S shards) mesh (default: the Case's, else "
                           f"{settings.HSDP_SHARD})")
+    chk.add_argument("--compile", default=None, metavar="BACKEND",
+                     help="also run every mode torch.compile'd with this backend (inductor, aot_eager, ...), judged "
+                          "against the same eager reference; compile's own numerics measured on one device")
+    chk.add_argument("--compile-ddp", default=None, choices=COMPILE_DDP, metavar="MODE",
+                     help="Dynamo's DDP path for the compiled ddp runs: ddp_optimizer (the default: the graph split "
+                          "at bucket boundaries) or python_reducer (all-reduces traced by compiled autograd)")
     chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
                      help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
                           f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")

@@ -156,6 +156,8 @@ class Distances:
     computed_dtype: str | None = None
     """Under FSDP: a lower precision than the parameters' that the run computed in (its
     ``MixedPrecisionPolicy``'s ``param_dtype``), e.g. ``"bfloat16"``."""
+    compiled: Any = None
+    """A compiled run: what compiling did (a :class:`~ddparity.compile_spec.CompileSummary`)."""
 
     def not_held(self, step: int, key: tuple[str, str]) -> None:
         """Optimizer state this rank does not hold (a ``ZeroRedundancyOptimizer``'s other

@@ -233,10 +233,10 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
         _record(request, report)
         if not report.ok:
             pytest.fail(_failure_text(request, report), pytrace=False)
-        compared = [r for r in report.runs if r.mode != "single"]
+        compared = [r for r in report.runs if r.mode != "single" or r.compile]
         if compared and all(r.status == "skipped" for r in compared):
             # nothing was compared here (e.g. nccl with fewer GPUs than the world size)
-            pytest.skip("ddparity: " + "; ".join(sorted({f"{r.mode} ws{r.world_size}: {r.reason}" for r in compared})))
+            pytest.skip("ddparity: " + "; ".join(sorted({f"{r.name} ws{r.world_size}: {r.reason}" for r in compared})))
         return report
 
     return run
@@ -249,9 +249,9 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
         runs.append(dict(run.to_json(), case=report.case, test=request.node.nodeid))
     props = request.node.user_properties
     for run in report.runs:
-        if run.mode == "single":
+        if run.mode == "single" and not run.compile:
             continue
-        tag = f"ddparity[{run.mode} ws{run.world_size}]"
+        tag = f"ddparity[{run.name} ws{run.world_size}]"
         props.append((f"{tag} status", run.status))
         props.append((f"{tag} world_size", run.world_size))
         if run.first_divergence is not None:

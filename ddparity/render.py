@@ -112,7 +112,7 @@ def table(rows: Sequence[Sequence[str]], rule: bool = True) -> list[str]:
 
 def render_notes(run: RunResult) -> list[str]:
     """Notes that do not fail a run: late ranks, DataParallel pitfalls."""
-    return [f"  {run.mode} world_size={run.world_size}: {note}" for note in run.notes] + [
+    return [f"  {run.name} world_size={run.world_size}: {note}" for note in run.notes] + [
         f"  straggler: rank {s.rank} arrived last at {s.last_count} of {s.collectives} collectives, "
         f"{round(s.mean_late_s, 4):.3g} s after the first rank on average"
         for s in run.stragglers
@@ -139,7 +139,7 @@ def _how_it_ended(crash: Crash | None, hang: Hang | None, reason: str | None, de
 def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None = None) -> list[str]:
     """A failed run's section of the report. ``told``: the endings (a traceback, a hang's
     stacks) already printed for earlier runs of the report, each printed once."""
-    head = f"{run.mode} world_size={run.world_size} ({run.backend}{', simulated' if run.simulated else ''}): {run.status.upper()}"
+    head = f"{run.name} world_size={run.world_size} ({run.backend}{', simulated' if run.simulated else ''}): {run.status.upper()}"
     lines = [head]
     if run.desync:
         lines.extend(_render_desync(run.desync))
@@ -165,7 +165,7 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
     else:
         lines.extend(ended)
         if told is not None:
-            told[ended] = f"{run.mode} world_size={run.world_size}"
+            told[ended] = f"{run.name} world_size={run.world_size}"
     lines.extend(render_notes(run))
     if run.repro:
         lines.append(f"  reproduce: {run.repro}")
@@ -177,7 +177,7 @@ def render_report(case: str, runs: list[RunResult]) -> str:
     rows = [("mode", "world", "backend", "status", "seconds")]
     for r in runs:
         backend = r.backend + (" (simulated)" if r.simulated else "")
-        rows.append((r.mode, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
+        rows.append((r.name, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
     out = [f"ddparity check: {case}", *table(rows)]
     failures = [r for r in runs if not r.ok]
     told: dict[tuple[str, ...], str] = {}

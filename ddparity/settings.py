@@ -317,6 +317,8 @@ class CheckOptions:
     """Overrides the Case's own number of steps."""
     hsdp_shard: int | None = None
     """Overrides the Case's ``hsdp_shard`` (mode hsdp's shard size)."""
+    compile: Any = None
+    """A :class:`~ddparity.compile_spec.CompileSpec`: each mode also runs compiled."""
 
     @classmethod
     def validated(cls, where: str, **values: Any) -> CheckOptions:
@@ -336,6 +338,10 @@ class CheckOptions:
             out["steps"] = validate_count(values["steps"], "steps", where)
         if values.get("hsdp_shard") is not None:
             out["hsdp_shard"] = validate_count(values["hsdp_shard"], "hsdp_shard", where)
+        if values.get("compile") is not None or values.get("compile_ddp") is not None:
+            from ddparity.compile_spec import validate_compile
+
+            out["compile"] = validate_compile(values.get("compile"), values.get("compile_ddp"), where)
         return cls(**out)
 
 

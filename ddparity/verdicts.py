@@ -235,6 +235,15 @@ class RunResult:
     seconds: float = 0.0
     tolerance: str = ""
     repro: str = ""
+    compile: dict[str, Any] | None = None
+    """A compiled run's ``{"backend": str, "ddp": str | None}``; None for an eager one."""
+    label: str = ""
+    """What the table adds to the mode (``compiled inductor``)."""
+
+    @property
+    def name(self) -> str:
+        """The mode as reports name it: ``ddp``, ``ddp (compiled inductor)``."""
+        return f"{self.mode} ({self.label})" if self.label else self.mode
 
     @property
     def ok(self) -> bool:
@@ -264,6 +273,7 @@ class RunResult:
             "worst": [d.to_json() for d in self.worst],
             "tolerance": self.tolerance,
             "repro": self.repro,
+            "compile": self.compile,
         }
 
 

@@ -17,6 +17,7 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
+from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.spool import Spool
@@ -26,6 +27,7 @@ from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, REPLICA_MODES, TIMEOUT_S, CheckOptions
+from ddparity.verbs.compiled import DP_NOT_COMPILED, compiled_single, dropout_drawn, mark, refused_run, summary_notes
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
 
@@ -40,14 +42,19 @@ def check(
     *,
     steps: int | None = None,
     hsdp_shard: int | None = None,
+    compile: str | None = None,  # noqa: A002 - SPEC's name: check(case, compile="inductor")
+    compile_ddp: str | None = None,
     pool: WorldPool | None = None,
 ) -> Report:
     """Run ``case`` in every mode and world size; compare each run to the reference
-    (``hsdp_shard``: mode hsdp's shard size, overriding the Case's)."""
+    (``hsdp_shard``: mode hsdp's shard size, overriding the Case's; ``compile``: a
+    ``torch.compile`` backend, every mode then also runs compiled, ``compile_ddp`` choosing
+    Dynamo's DDP path, see :mod:`ddparity.verbs.compiled`)."""
     if not isinstance(case, Case):
         raise UsageError(f"check() needs a ddparity.Case, got {type(case).__name__}")
     opts = CheckOptions.validated("check()", modes=modes, world_sizes=world_sizes, backend=backend,
-                                  timeout=timeout, tolerance=tolerance, steps=steps, hsdp_shard=hsdp_shard)
+                                  timeout=timeout, tolerance=tolerance, steps=steps, hsdp_shard=hsdp_shard,
+                                  compile=compile, compile_ddp=compile_ddp)
     case = case.with_steps(opts.steps).validate()
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
@@ -72,8 +79,10 @@ class _Doing:
 def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool,
            doing: _Doing) -> Report:
     started = time.perf_counter()
-    replicas = [(mode, ws) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes]
-    ddp_sizes = tuple(sorted({ws for _, ws in replicas}))
+    compiles = (None, opts.compile) if opts.compile is not None else (None,)
+    replicas = [(mode, ws, spec) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes
+                for spec in compiles]
+    ddp_sizes = tuple(sorted({ws for _, ws, _ in replicas}))
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
@@ -86,8 +95,9 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     # The first runnable DDP run trains alongside the reference (comparing each step as the
     # reference writes it); the others follow.
     backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
-    plan = {(mode, ws): cannot_run(case, opts, backends[ws], ws, batch_sizes, mode) for mode, ws in replicas}
-    first = next((run for run, reason in plan.items() if reason is None), None)
+    plan = {(mode, ws, spec): cannot_run(case, opts, backends[ws], ws, batch_sizes, mode, spec)
+            for mode, ws, spec in replicas}
+    first = next((run for run, reason in plan.items() if reason is None and run[2] is None), None)
     early = _start_ddp(case, opts, backends[first[1]], first, pool, spool) if first is not None else None
     try:
         [reference] = [o.value for o in ref_pending.result()]
@@ -108,21 +118,36 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                       repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
         )
     policy = _policy_run(case, opts, ref_world, spool) if sharded(opts) else None
+    noise = None
+    if opts.compile is not None:  # what compiling alone does: the compiled runs' noise floor
+        refused = dropout_drawn(reference)
+        if refused is None:
+            single, noise = compiled_single(case, opts, opts.compile, ref_world, spool, reference, blowup, _tolerance)
+        else:
+            single = refused_run(case, opts, opts.compile, "single", 1, chosen, refused)
+            plan.update({(mode, ws, spec): refused_run(case, opts, spec, mode, ws, backends[ws], refused)
+                         for (mode, ws, spec), reason in plan.items() if spec is not None and reason is None})
+        if "single" in opts.modes:
+            report.runs.append(single)
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
     ddp_runs = doing.finished
-    for (mode, ws), unrunnable in plan.items():
+    for (mode, ws, spec), unrunnable in plan.items():
         if unrunnable is not None:
-            ddp_runs.append(unrunnable)
+            ddp_runs.append(mark(unrunnable, spec) if spec is not None else unrunnable)
             continue
-        doing.run = f"{mode} world_size={ws} ({backends[ws]})"
-        launched = early if (mode, ws) == first and early is not None else _start_ddp(
-            case, opts, backends[ws], (mode, ws), pool, spool)
-        ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws), launched, reference, blowup, valid,
-                                    policy if mode in ("fsdp", "hsdp") else None))
+        doing.run = f"{mode} world_size={ws} ({backends[ws]}{', ' + spec.label(mode) if spec else ''})"
+        launched = early if (mode, ws, spec) == first and early is not None else _start_ddp(
+            case, opts, backends[ws], (mode, ws, spec), pool, spool)
+        floor = policy if mode in ("fsdp", "hsdp") else None
+        ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws, spec), launched, reference, blowup, valid,
+                                    floor, noise if spec is not None else None))
     doing.run = f"dp world sizes {list(dp_sizes)}"
     if dp_pending is not None:
         report.runs.extend(_finish_dp(case, opts, chosen, dp_sizes, dp_pending, dp_started, reference, blowup))
+        if opts.compile is not None:
+            report.runs.extend(mark(RunResult(mode="dp", world_size=ws, backend=chosen, status="skipped",
+                                              reason=DP_NOT_COMPILED), opts.compile) for ws in dp_sizes)
     report.runs.extend(ddp_runs)
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
@@ -218,10 +243,10 @@ def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
     return plan
 
 
-def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int], pool: WorldPool,
-               spool: Spool) -> tuple[float, PendingTask | RunResult]:
-    """Start one run of a replica mode (``run``: mode and world size) in a warm world."""
-    mode, ws = run
+def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int, CompileSpec | None],
+               pool: WorldPool, spool: Spool) -> tuple[float, PendingTask | RunResult]:
+    """Start one run of a replica mode (``run``: mode, world size, compiled or not) in a warm world."""
+    mode, ws, spec = run
     started = time.perf_counter()
     try:
         if backend == "threaded":
@@ -234,25 +259,27 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
         world = pool.get(ws, backend)
         if mode in ("fsdp", "hsdp"):
             task = fsdp_task if mode == "fsdp" else hsdp_task
-            return started, world.submit(task, case, spool.path, hsdp_shard(case, opts), timeout=opts.timeout,
-                                         watch=LiveWatch())
-        return started, world.submit(ddp_task, case, spool.path, timeout=opts.timeout, watch=LiveWatch())
+            return started, world.submit(task, case, spool.path, hsdp_shard(case, opts), compiled=spec,
+                                         timeout=opts.timeout, watch=LiveWatch())
+        return started, world.submit(ddp_task, case, spool.path, compiled=spec, timeout=opts.timeout,
+                                     watch=LiveWatch())
     except WorldStartError as exc:
         return started, RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=str(exc),
                                   simulated=backend == "threaded",
                                   seconds=time.perf_counter() - started,
-                                  repro=check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts)))
+                                  repro=check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts),
+                                                    spec))
 
 
-def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int],
+def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int, CompileSpec | None],
                 launched: tuple[float, PendingTask | RunResult],
                 reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]],
-                policy: Distances | None = None) -> RunResult:
-    mode, ws = planned
+                policy: Distances | None = None, compile_noise: Distances | None = None) -> RunResult:
+    mode, ws, spec = planned
     started, pending = launched
     if isinstance(pending, RunResult):
-        return pending
-    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts))
+        return mark(pending, spec) if spec is not None else pending
+    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts), spec)
     try:
         outcomes = pending.result()
     except WorldFailure as exc:
@@ -260,29 +287,36 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
             exc = as_simulated(exc)
         failed = failure_run(mode, ws, backend, exc, time.perf_counter() - started, repro)
         failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
-        return failed
+        return mark(failed, spec) if spec is not None else failed
     simulated = backend == "threaded"
     runs, records = outcomes[0].value if simulated else ([o.value for o in outcomes],
                                                           {o.rank: o.records for o in outcomes if o.records is not None})
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
+    if spec is not None:
+        mark(run, spec).notes += summary_notes([r.compiled for r in runs])
+        if compile_noise is None:
+            compile_noise = Distances("single", 0, 1)  # the compiled single run failed: eager's noise alone
     if mode == "hsdp":
         s = hsdp_shard(case, opts)
         run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
     if simulated:
         run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
-    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy)
+    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy, compile_noise)
 
 
 def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],
               reference: Reference, blowup: NonFinite | None, valid: dict[str, list[int]],
-              policy: Distances | None = None) -> RunResult:
+              policy: Distances | None = None, compile_noise: Distances | None = None) -> RunResult:
     """A DDP run whose every rank finished: its distances to the reference (``runs``, one
-    per rank) and what the ranks left in the side channel (``records``) judged."""
+    per rank) and what the ranks left in the side channel (``records``) judged (``policy``,
+    ``compile_noise``: one-device runs under the same MixedPrecisionPolicy, or compiled,
+    whose distances to the reference are this run's noise too)."""
     ws = run.world_size
     low = next((r.computed_dtype for r in runs if r.computed_dtype), None)
-    tol = _tolerance(case, opts, reference, ws, low, policy.steps if low and policy is not None else None)
+    floors = [d.steps for d in (policy if low else None, compile_noise) if d is not None]
+    tol = _tolerance(case, opts, reference, ws, low, _larger(floors) if floors else None)
     stop = _stop(blowup, tol)
     found = divergences(reference, runs, tol, until=stop.step if stop else None)
     run.tolerance = tol.description
@@ -297,6 +331,18 @@ def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distanc
     if cause:
         judged.notes.append(cause)
     return _compared_up_to(judged, stop)
+
+
+def _larger(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple[str, str], float]]:
+    """Per step and tensor, the larger of the noise floors' distances."""
+    out: list[dict[tuple[str, str], float]] = []
+    for steps in floors:
+        for step, distances in enumerate(steps):
+            if step == len(out):
+                out.append({})
+            for key, far in distances.items():
+                out[step][key] = max(out[step].get(key, 0.0), far)
+    return out
 
 
 def _tolerance(case: Case, opts: CheckOptions, reference: Reference, ws: int, low: str | None = None,

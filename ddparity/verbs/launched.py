@@ -52,9 +52,13 @@ def launch_world_size() -> int:
 
 
 def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend: str, timeout: float,
-                   tolerance: str | float, steps: int | None, hsdp_shard: int | None = None) -> CheckOptions:
+                   tolerance: str | float, steps: int | None, hsdp_shard: int | None = None,
+                   compile: str | None = None, compile_ddp: str | None = None) -> CheckOptions:  # noqa: A002
     """The check's options under a launch, where torchrun decides the world size."""
     needs_newer_torch("ddparity check under torchrun", "run the check locally (ddparity check TARGET --world-sizes 2,4)")
+    if compile is not None or compile_ddp is not None:
+        raise UsageError("--compile is not supported under torchrun yet: check compiled training locally, on one "
+                         "machine (ddparity check TARGET --modes single,ddp --compile BACKEND --world-sizes 2,4)")
     if world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
     if "dp" in modes:

@@ -45,12 +45,18 @@ def run_backend(opts: CheckOptions, chosen: str, ws: int) -> str:
 
 
 def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: list[int],
-               mode: str = "ddp") -> RunResult | None:
-    """The ``error`` or ``skipped`` run that stands for a run of ``mode`` (ddp, fsdp, hsdp)
-    at ``ws`` which cannot happen here (a batch that cannot be sharded, too few GPUs, a mesh
-    the world size does not fit); None when it can run."""
+               mode: str = "ddp", compiled: Any = None) -> RunResult | None:
+    """The ``error`` or ``skipped`` run that stands for a run of ``mode`` (ddp, fsdp, hsdp;
+    ``compiled``: its CompileSpec) at ``ws`` which cannot happen here (a batch that cannot
+    be sharded, too few GPUs, a mesh the world size does not fit, simulated ranks compiled);
+    None when it can run."""
     shard = hsdp_shard(case, opts)
-    repro = check_repro(case, mode, ws, backend, opts.tolerance, shard)
+    repro = check_repro(case, mode, ws, backend, opts.tolerance, shard, compiled)
+    if compiled is not None and backend == "threaded":
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, simulated=True,
+                         reason=f"compiled runs need real rank processes: Dynamo's caches and compiled autograd are "
+                                f"per process, and simulated ranks are threads of one; check compiled at world "
+                                f"sizes up to {REAL_RANKS_LIMIT} (real processes)")
     if mode == "hsdp" and ws % shard:
         return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro,
                          reason=f"hsdp's (replicate, shard) mesh needs a world size divisible by the shard size "
@@ -136,15 +142,19 @@ def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: f
 # -- reproduce lines ---------------------------------------------------------------------
 
 
-def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any, shard: int | None = None) -> str:
-    """The command (or call) that runs this one run again (``shard``: hsdp's shard size)."""
+def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any, shard: int | None = None,
+                compiled: Any = None) -> str:
+    """The command (or call) that runs this one run again (``shard``: hsdp's shard size;
+    ``compiled``: the CompileSpec of a compiled run)."""
     if case.target:
         mesh = f" --hsdp-shard {shard}" if mode == "hsdp" and shard else ""
         return (
             f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
-            f"--steps {case.steps} --tolerance {tolerance}{mesh}"
+            f"--steps {case.steps} --tolerance {tolerance}{mesh}{compiled.flags() if compiled else ''}"
         )
     mesh = f", hsdp_shard={shard}" if mode == "hsdp" and shard else ""
+    if compiled:
+        mesh += f", compile={compiled.backend!r}" + (f", compile_ddp={compiled.ddp!r}" if mode == "ddp" else "")
     return (
         f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
         f"tolerance={tolerance!r}{mesh})  # seed={case.seed}, steps={case.steps}"

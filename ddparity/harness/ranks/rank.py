@@ -185,6 +185,9 @@ def rank_main(
             pass
     _route_output(output)
     _allow_stack_dumps(spec.controller_pid)
+    # torch.compile's kernels cached in the controller's private folder (warm across its
+    # checks, gone with it), not in a /tmp folder any local user could have made first
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(spec.side_dir), "compiled"))
     started = time.perf_counter()
     try:
         client = _join_process_group(spec)

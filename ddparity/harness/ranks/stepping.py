@@ -115,7 +115,7 @@ class Ticks:
 
         rec = recorder.active()
         self._handles: list[Any] = []
-        if rec is recorder.DISABLED:
+        if rec is recorder.DISABLED or model is None:  # None: a compiled run ticks as it compiles
             return
         tick = rec.tick
         self._handles = [m.register_forward_hook(lambda *_: tick()) for m in model.modules()]

@@ -18,9 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.case import Case
+from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import batch_size, valid_counts
+from ddparity.harness.ranks.compiling import Compiled
 from ddparity.harness.ranks.modes.ddp import DDPMode
 from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.fsdp import FSDPMode
@@ -82,6 +84,27 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     return calibrated(reference, twin)
 
 
+@names_run("the single-device run, compiled")
+def compiled_single_task(ctx: RankContext, case: Case, spool: str, spec: CompileSpec) -> Distances:
+    """Mode ``single`` with the model the step calls compiled (``spec``): its distance to
+    the eager reference is what compiling alone does to the numbers (data-parallel bugs
+    vanish on one device), the compiled runs' noise floor."""
+    return _compiled_distances(Comparer(spool, "single", 0, 1, WAIT_LIMIT_S),
+                               lambda sink, compiled: train(case, spool, ctx.device,
+                                                            SingleMode(case.steps, watch_draws=False),
+                                                            sink, compiled),
+                               spec, "single")
+
+
+def _compiled_distances(sink: Comparer, run: Any, spec: CompileSpec | None, mode: str) -> Distances:
+    """``run(sink, compiled)`` trains; the distances, with what compiling did (if ``spec``)."""
+    compiled = Compiled(spec, mode) if spec is not None else None
+    run(sink, compiled)
+    distances = sink.finish()
+    distances.compiled = compiled.summary if compiled is not None else None
+    return distances
+
+
 @names_run("dp")
 def dp_task(ctx: RankContext, case: Case, spool: str,
             world_sizes: tuple[int, ...]) -> dict[int, tuple[Distances, dict[str, str], bool]]:
@@ -100,44 +123,48 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
 
 @names_run("ddp", sized=True)
 def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
-             open_step: Any = None, state: Any = None) -> Distances:
+             open_step: Any = None, state: Any = None, compiled: CompileSpec | None = None) -> Distances:
     """Mode ``ddp``: this rank's shard of every global batch under DDP (with phases, the
     bucket ledger and fingerprints, see :mod:`ddparity.harness.ranks.modes.ddp`; ``settle``: called once the replica is built, before training); its distance to the
     reference, compared step by step as it trains (``open_step``, ``state``: the
     reference's steps and the initial state from elsewhere than ``spool``, see
-    :mod:`ddparity.harness.launch.refserve`)."""
+    :mod:`ddparity.harness.launch.refserve`; ``compiled``: the step calls ``torch.compile``
+    of the DDP module)."""
     mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
                    case.ddp_options, settle=settle)
     sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
-    train(case, spool if state is None else state, ctx.device, mode, sink)
-    return sink.finish()
+    return _compiled_distances(sink, lambda s, c: train(case, spool if state is None else state, ctx.device, mode,
+                                                         s, c), compiled, "ddp")
 
 
 @names_run("fsdp", sized=True)
 def fsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int = 0,
-              open_step: Any = None, state: Any = None, settle: Any = None) -> Distances:
+              open_step: Any = None, state: Any = None, settle: Any = None,
+              compiled: CompileSpec | None = None) -> Distances:
     """Mode ``fsdp``: this rank's shard of every global batch under FSDP2 on a 1-D mesh of
     every rank (``shard_size`` is hsdp's, unused here); each local shard compared with the
     same slice of the reference (:mod:`ddparity.harness.ranks.modes.fsdp`; ``settle``:
-    called once the model is sharded, before training)."""
-    return _sharded(ctx, case, spool, "fsdp", ctx.world_size, open_step, state, settle)
+    called once the model is sharded, before training; ``compiled``: the step calls
+    ``torch.compile`` of the sharded root)."""
+    return _sharded(ctx, case, spool, "fsdp", ctx.world_size, open_step, state, settle, compiled)
 
 
 @names_run("hsdp", sized=True)
 def hsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int,
-              open_step: Any = None, state: Any = None, settle: Any = None) -> Distances:
+              open_step: Any = None, state: Any = None, settle: Any = None,
+              compiled: CompileSpec | None = None) -> Distances:
     """Mode ``hsdp``: as :func:`fsdp_task` on a (W / ``shard_size`` replicas, ``shard_size``
     shards) mesh."""
-    return _sharded(ctx, case, spool, "hsdp", shard_size, open_step, state, settle)
+    return _sharded(ctx, case, spool, "hsdp", shard_size, open_step, state, settle, compiled)
 
 
 def _sharded(ctx: RankContext, case: Case, spool: str, name: str, shard_size: int, open_step: Any,
-             state: Any, settle: Any = None) -> Distances:
+             state: Any, settle: Any = None, compiled: CompileSpec | None = None) -> Distances:
     mode = FSDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=name,
                     settle=settle)
     sink = Comparer(spool, name, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
-    train(case, spool if state is None else state, ctx.device, mode, sink)
-    distances = sink.finish()
+    distances = _compiled_distances(sink, lambda s, c: train(case, spool if state is None else state, ctx.device,
+                                                              mode, s, c), compiled, name)
     distances.unsharded, distances.computed_dtype = mode.unsharded, mode.computed_dtype
     return distances
 

@@ -26,6 +26,7 @@ emulated or real), ``ddp`` (also each simulated rank of the threaded backend) an
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -132,10 +133,19 @@ class Trained:
     """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
 
 
-def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None) -> Trained:
+def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
+          compiled: Any = None) -> Trained:
     """Train one replica of ``case`` from ``state`` as ``mode`` says; its tensors go to
     ``sink`` as they are made (:mod:`ddparity.harness.ranks.spool`: the reference's are written,
-    a run's compared with them), nothing is kept here."""
+    a run's compared with them), nothing is kept here. ``compiled``: a
+    :class:`~ddparity.harness.ranks.compiling.Compiled`, when the step is to call
+    ``torch.compile`` of what the mode wrapped."""
+    with compiled if compiled is not None else contextlib.nullcontext():
+        return _train(case, state, device, mode, sink, compiled)
+
+
+def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None,
+           compiled: Any) -> Trained:
     import torch
 
     from ddparity.harness.ranks.spool import NoSink
@@ -145,19 +155,22 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
     model = prepared(case, state, device)
     wrapped = mode.wrap(model)
     ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=sync_off(wrapped))
-    replica = Replica(case, model, wrapped, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
+    called = compiled.wrap(wrapped) if compiled is not None else wrapped
+    replica = Replica(case, model, called, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
                       device, ctx, sink=sink if sink is not None else NoSink())
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
                                    lambda: replica.sink.grads(ctx.step, model))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
-    replica.precision = AutocastWatch(model, device) if mode.name == "single" else None
+    replica.precision = AutocastWatch(model, device) if mode.name == "single" and compiled is None else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes: list[int] = []
     drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
-    dropout = AlignedDropout(model, case.seed, enabled=mode.align_dropout)
-    ticks = Ticks(model)
+    # compiled: torch's own dropout (a model that draws masks is not compared compiled, see
+    # ddparity.verbs.compiled), so that Dynamo sees the model's own code, no hook of ours
+    dropout = AlignedDropout(model, case.seed, enabled=mode.align_dropout and compiled is None)
+    ticks = Ticks(model if compiled is None else None)  # a hook on every module: Dynamo would trace them all
     try:
         for step in range(mode.steps):
             rec.set_phase(step, "forward")

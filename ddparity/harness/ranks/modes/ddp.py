@@ -41,11 +41,12 @@ class DDPMode:
     def __post_init__(self) -> None:
         self.recorder = recorder.active()  # a simulated rank's own (a thread's)
         self._buckets: ddp_buckets.BucketLayout | None = None
+        self._ddp: Any = None
         self._step = -1
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
-        ddp = distributed(model, self.device, self.ddp_options)
+        ddp = self._ddp = distributed(model, self.device, self.ddp_options)
         # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
         # share one process and would otherwise share one state).
         hook_state = copy.deepcopy(self.comm_hook_state)
@@ -84,7 +85,7 @@ class DDPMode:
         finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
         self.recorder.set_phase(step, "fingerprint")
         part = None if step == self.steps - 1 else step  # everything at the last step
-        rec_buffers = not replica.wrapped.broadcast_buffers
+        rec_buffers = not self._ddp.broadcast_buffers
         self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
                                                      part=part))
 

@@ -1,0 +1,180 @@
+"""A compiled run inside a rank: what the step calls is ``torch.compile`` of what the mode
+wrapped (the DDP or FSDP module itself, as PyTorch advises), and what the compile did is
+read as it happens: the graph breaks (where, and why), the seconds spent compiling, and
+under DDP how Dynamo's DDPOptimizer split the graph against the buckets.
+
+Every compiled run starts from ``torch._dynamo.reset()``: code compiled for an earlier run
+(another model, another ``optimize_ddp``) is never reused, and its graph breaks are seen
+again. Inductor's own on-disk caches (in the controller's private folder, see
+:func:`ddparity.harness.ranks.rank.rank_main`) stay, so a warm
+world compiles the same model faster the second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ddparity.compile_spec import CompileSpec, CompileSummary
+
+GRAPH_BREAK_LOGGERS = tuple(f"torch._dynamo.{m}.__graph_breaks" for m in ("symbolic_convert", "exc", "convert_frame"))
+"""Dynamo's ``graph_breaks`` artifact loggers: each break, with the user's file and line."""
+COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")
+"""Dynamo's own timers of a frame's compile and of the lazily compiled backward."""
+COMPILE_TICK_S = 1.0
+_WHERE = re.compile(r"in user code at (?P<file>[^\n]+?):(?P<line>\d+)\nGraph Break Reason: (?P<why>.*)", re.S)
+
+
+class Compiled:
+    """One compiled run: ``wrap`` what the step calls; train inside ``with compiled:``."""
+
+    def __init__(self, spec: CompileSpec, mode: str) -> None:
+        self.spec, self.mode = spec, mode
+        self.summary = CompileSummary(spec.backend, spec.ddp if mode == "ddp" else None, mode)
+        self._stack = contextlib.ExitStack()
+
+    def wrap(self, wrapped: Any) -> Any:
+        import torch
+
+        return torch.compile(wrapped, backend=self.spec.backend)
+
+    def __enter__(self) -> Compiled:
+        import torch._dynamo
+        from torch._dynamo.utils import compilation_time_metrics
+
+        torch._dynamo.reset()
+        self._before = {k: sum(compilation_time_metrics.get(k, ())) for k in COMPILE_METRICS}
+        self._stats = _stats()
+        self._stack.enter_context(_graph_breaks(self.summary))
+        self._stack.enter_context(_ticking_while_compiling())
+        if self.mode == "ddp":
+            self._stack.enter_context(torch._dynamo.config.patch(optimize_ddp=self.spec.ddp))
+            self._stack.enter_context(_ddp_split(self.summary))
+            if self.spec.ddp == "python_reducer":
+                from torch._dynamo import compiled_autograd
+
+                self._stack.enter_context(compiled_autograd._enable(torch.compile(backend=self.spec.backend)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        self._stack.close()
+        self.summary.seconds = sum(sum(compilation_time_metrics.get(k, ())) - self._before[k]
+                                   for k in COMPILE_METRICS)
+        after = _stats()
+        self.summary.graphs = after["unique_graphs"] - self._stats["unique_graphs"]
+        self.summary.ops = after["calls_captured"] - self._stats["calls_captured"]
+
+
+def _stats() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: int(counters["stats"][k]) for k in ("unique_graphs", "calls_captured")}
+
+
+@contextlib.contextmanager
+def _graph_breaks(summary: CompileSummary) -> Iterator[None]:
+    """Dynamo's graph-break log, caught (not printed) while the run compiles."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddparity/harness: its recording
+
+    class Breaks(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found = _WHERE.search(record.getMessage())
+            if found is None:
+                return
+            where = f"{found['file']}:{found['line']}"
+            if found["file"].startswith(torch_dir) or "DistributedDataParallel." in found["why"]:
+                summary.torch_breaks += 1
+                return
+            if found["file"].startswith(own_dir + os.sep):
+                summary.own_breaks += 1
+                return
+            reason = next((line.strip() for line in found["why"].splitlines()[1:] if line.strip()), "")
+            if not reason or reason.startswith("Explanation"):
+                reason = found["why"].splitlines()[0].strip()
+            text = f"{where}: {reason}"
+            if text not in summary.graph_breaks:
+                summary.graph_breaks.append(text)
+
+    handler = Breaks(logging.DEBUG)
+    saved = []
+    for name in GRAPH_BREAK_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level, logger.propagate))
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, level, propagate in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _ticking_while_compiling() -> Iterator[None]:
+    """A compile (inductor's can take minutes) is progress, not a hang: the rank's recorder
+    ticks every :data:`COMPILE_TICK_S` while Dynamo compiles."""
+    import torch._dynamo.callback as callback
+
+    from ddparity.harness.ranks import recorder
+
+    rec = recorder.active()
+    compiling = threading.Event()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(COMPILE_TICK_S):
+            if compiling.is_set():
+                rec.tick()
+
+    def start(*_: Any) -> None:
+        compiling.set()
+
+    def end(*_: Any) -> None:
+        compiling.clear()
+        rec.tick()
+
+    handler = callback.callback_handler
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+    ticker = threading.Thread(target=tick, name="ddparity-compile-ticks", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        handler.remove_start_callback(start)
+        handler.remove_end_callback(end)
+        ticker.join(timeout=COMPILE_TICK_S * 2)
+
+
+@contextlib.contextmanager
+def _ddp_split(summary: CompileSummary) -> Iterator[None]:
+    """DDPOptimizer's bucket assignment as it splits a graph (it only logs it): read by
+    wrapping the function it reports through, which computes nothing."""
+    from torch._dynamo.backends import distributed
+
+    report = distributed.pretty_print_buckets
+
+    def read(buckets: list[Any], bucket_bytes_cap: int) -> None:
+        summary.ddp_split.append([int(b.size) for b in reversed(buckets) if b.params])
+        summary.ddp_cap = int(bucket_bytes_cap)
+        report(buckets, bucket_bytes_cap)
+
+    distributed.pretty_print_buckets = read
+    try:
+        yield
+    finally:
+        distributed.pretty_print_buckets = report

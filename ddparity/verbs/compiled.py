@@ -1,0 +1,121 @@
+"""``check --compile``: the compiled single-device run, judged against the eager reference,
+whose distances are the noise floor of every compiled replica run (what compiling alone
+does to the numbers); what each compile did, said in the run's notes.
+
+Every selected mode runs eager and compiled; a compiled row carries ``compile`` in its JSON
+(``{"backend", "ddp"}``) and says so in the table.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.checks.equivalence import NonFinite, divergences, worst
+from ddparity.compile_spec import CompileSpec, CompileSummary
+from ddparity.distances import Distances, Reference
+from ddparity.errors import WorldFailure
+from ddparity.harness.ranks.tasks import compiled_single_task
+from ddparity.settings import CheckOptions
+from ddparity.verbs.plan import check_repro, failure_run, hsdp_shard
+from ddparity.verdicts import RunResult
+
+DP_NOT_COMPILED = ("not compiled: DataParallel replicates the module on every forward, which torch.compile does "
+                   "not support; PyTorch advises DDP (check --modes ddp --compile ...)")
+SPLIT_SHOWN = 8
+"""Bucket sizes listed in a note before ``...``."""
+
+
+def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: Any, spool: Any,
+                    reference: Reference, blowup: NonFinite | None, tolerance: Any) -> tuple[RunResult, Distances | None]:
+    """The compiled single-device run's row, and its distances when they can be the compiled
+    runs' noise floor (None when it failed or diverged: compiling itself then changes the
+    training, and the compiled replica runs are judged against eager's noise alone)."""
+    started = time.perf_counter()
+    repro = check_repro(case, "single", 1, world.backend, opts.tolerance, compiled=spec)
+    try:
+        [distances] = world.run(compiled_single_task, case, spool.path, spec, timeout=opts.timeout)
+    except WorldFailure as exc:
+        return mark(failure_run("single", 1, world.backend, exc, time.perf_counter() - started, repro), spec), None
+    tol = tolerance(case, opts, reference, 1)
+    stop = blowup.step if blowup is not None else None
+    found = divergences(reference, [distances], tol, until=stop)
+    run = mark(RunResult(mode="single", world_size=1, backend=world.backend,
+                         status="diverged" if found else "pass", seconds=time.perf_counter() - started,
+                         tolerance=tol.description, repro=repro), spec)
+    run.notes += summary_notes([distances.compiled])
+    if found:
+        run.first_divergence, run.worst = found[0], worst(found)
+        run.notes.append("compiling changes the training on one device, before any data parallelism: a compiler "
+                         "bug or a model that computes differently when traced (torch.compiler.is_compiling(), "
+                         "Python side effects in forward); the compiled data-parallel runs are judged against "
+                         "eager's noise alone")
+        return run, None
+    return run, distances
+
+
+def dropout_drawn(reference: Reference) -> str | None:
+    """Why the compiled runs of this case cannot be compared: its model draws dropout masks,
+    which ddparity aligns across modes by replacing torch's dropouts in eager runs only
+    (traced, the replacement would be baked into the graph); None when it draws none."""
+    if not reference.dropout_calls:
+        return None
+    return (f"not compared compiled: the model draws dropout masks in training ({reference.dropout_calls} dropout "
+            f"call(s) a step), and a compiled run's masks cannot be the eager reference's; check compiled with "
+            f"dropout off (p=0, e.g. a config's dropout set to 0.0), eager runs compare it with dropout on")
+
+
+def refused_run(case: Case, opts: CheckOptions, spec: CompileSpec, mode: str, ws: int, backend: str,
+                reason: str) -> RunResult:
+    """A compiled run that cannot be compared (``reason``): an ``error`` naming the fix."""
+    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts), spec)
+    return mark(RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=reason, repro=repro),
+                spec)
+
+
+def mark(run: RunResult, spec: CompileSpec) -> RunResult:
+    """``run`` as a compiled one."""
+    run.compile = spec.for_mode(run.mode)
+    run.label = spec.label(run.mode)
+    return run
+
+
+def summary_notes(summaries: list[CompileSummary | None]) -> list[str]:
+    """What compiling did, from rank 0's summary (every rank compiles the same code)."""
+    summary = next((s for s in summaries if s is not None), None)
+    if summary is None:
+        return []
+    notes = [f"compiled with {summary.backend}{' (' + summary.ddp + ')' if summary.ddp else ''}: "
+             f"{summary.graphs} graph(s), {summary.ops} op(s) captured, {summary.seconds:.2f} s compiling "
+             f"(counted apart from the steps)"]
+    if not summary.ops:
+        notes.append("torch.compile captured nothing of the model: every op ran eagerly, so this run says nothing "
+                     "about compiled training (Dynamo does not trace a forward that is torch's own code, e.g. a "
+                     "bare nn.Sequential as the module DDP wraps; wrap it in a module of your own)")
+    if summary.graph_breaks:
+        notes.append(f"{len(summary.graph_breaks)} graph break(s) in your code: " + "; ".join(summary.graph_breaks))
+    else:
+        notes.append("no graph break in your code")
+    if summary.torch_breaks or summary.own_breaks:
+        wrapper = {"ddp": "DDP's forward", "fsdp": "FSDP's hooks", "hsdp": "FSDP's hooks"}.get(summary.mode)
+        eager = {"ddp": "runs", "fsdp": "run", "hsdp": "run"}.get(summary.mode, "")
+        own = f"{summary.own_breaks} at ddparity's recording" if summary.own_breaks else ""
+        theirs = f"{summary.torch_breaks} in {wrapper or 'torch'}" if summary.torch_breaks else ""
+        notes.append(f"{summary.torch_breaks + summary.own_breaks} graph break(s) outside the model's own code "
+                     f"({', '.join(t for t in (theirs, own) if t)}), at the edges of the graphs Dynamo compiles "
+                     f"of it{': ' + wrapper + ' ' + eager + ' eagerly by design' if wrapper else ''}")
+    if summary.ddp_split:
+        pieces = [len(split) for split in summary.ddp_split]
+        largest = max(summary.ddp_split, key=len)
+        sizes = ", ".join(_size(b) for b in largest[:SPLIT_SHOWN]) + (", ..." if len(largest) > SPLIT_SHOWN else "")
+        notes.append(f"DDPOptimizer split {len(pieces)} graph(s) at DDP's bucket boundaries (cap "
+                     f"{_size(summary.ddp_cap)}) into {', '.join(map(str, pieces))} piece(s); the largest "
+                     f"split: {sizes}")
+    elif summary.ddp == "ddp_optimizer" and summary.ops:
+        notes.append("DDPOptimizer split no graph: the compiled graphs hold no parameters of DDP's buckets")
+    return notes
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
