@@ -68,6 +68,9 @@ run is too imprecise to judge at that world size and says so (:class:`Uncalibrat
 CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
 
+COMPILE_SHARE = 1e-3
+"""The least tolerance of a compiled single-device run against the eager reference, as a share
+of each tensor's largest value (see :func:`compiled_tolerance`)."""
 OPTIMIZER_SHARE = 1e-2
 """The least tolerance of an optimizer state tensor, as a share of its largest value. The
 state follows the gradients compared before it (Adam's second moment squares their
@@ -185,6 +188,29 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
         uncalibrated = imprecise  # an order-dependent step says more than an imprecise one
     policy = f", the run's own {run_dtype} policy" if run_dtype else ""
     return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated)
+
+
+def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any) -> Tolerance:
+    """``tol`` for a compiled single-device run against the eager reference: at least
+    :data:`COMPILE_SHARE` (or 16 ulps of ``dtype``, if more) of each tensor's largest value.
+    A compiler reorders and fuses floating-point math inside ops (matmul blocking, fused
+    softmax, an embedding's gradient summed in another order) where the eager twin only
+    reorders the batch: inductor's GPT-2 differs from eager by 2e-4 of a gradient at step 0
+    in float32, 20x the twin's noise (measured). A compile that changes the math (a wrong
+    decomposition) moves values by far more."""
+    import torch
+
+    eps = torch.finfo(dtype).eps
+    if reference.autocast_dtype:
+        eps = max(eps, torch.finfo(getattr(torch, reference.autocast_dtype)).eps)
+    share = max(COMPILE_SHARE, 16 * eps)
+    table = dict(tol.table)
+    for step in range(len(reference.steps)):
+        for kind in RECORD_KINDS:
+            for name, e in reference.entries(step, kind):
+                if e.floating and (step, kind, name) in table:
+                    table[(step, kind, name)] = max(table[(step, kind, name)], share * e.value)
+    return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor", table, tol.uncalibrated)
 
 
 def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:

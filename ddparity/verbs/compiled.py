@@ -13,6 +13,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.equivalence import NonFinite, divergences, worst
+from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
@@ -39,6 +40,8 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
     except WorldFailure as exc:
         return mark(failure_run("single", 1, world.backend, exc, time.perf_counter() - started, repro), spec), None
     tol = tolerance(case, opts, reference, 1)
+    if opts.tolerance == "auto":
+        tol = compiled_tolerance(tol, reference, case.torch_dtype)
     stop = blowup.step if blowup is not None else None
     found = divergences(reference, [distances], tol, until=stop)
     run = mark(RunResult(mode="single", world_size=1, backend=world.backend,

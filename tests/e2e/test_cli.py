@@ -89,9 +89,31 @@ def test_demo_passes_and_prints_a_table():
     assert "transformer block" in result.stdout
     assert result.stdout.count("OK:") == 4
     assert result.stdout.rstrip().endswith("OK: 3 of 3 cases equivalent to the reference in every run")
-    quiet = ddparity("check", "--demo", "--world-sizes", "1,2", "-q")
+    quiet = ddparity("check", "--demo", "--world-sizes", "2", "--modes", "ddp", "-q")
     assert quiet.returncode == 0 and quiet.stdout.splitlines() == [
         "OK: 3 of 3 cases equivalent to the reference in every run"], quiet.stdout
+
+
+def test_compile_through_the_cli_adds_compiled_rows_and_catches_the_bug(tmp_path):
+    out = tmp_path / "report.json"
+    result = ddparity("check", "ddparity.fixtures.compiled:graph_break_summed", "--modes", "single,ddp",
+                      "--world-sizes", "2", "--compile", "aot_eager", "--compile-ddp", "python_reducer",
+                      "--json", str(out))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ddp (compiled aot_eager, python_reducer)  2" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    runs = {(r["mode"], json.dumps(r["compile"])): r for r in report["runs"]}
+    compiled_ddp = runs[("ddp", json.dumps({"backend": "aot_eager", "ddp": "python_reducer"}))]
+    assert compiled_ddp["status"] == "diverged" and compiled_ddp["first_divergence"]["step"] == 0
+    assert compiled_ddp["repro"].endswith("--compile aot_eager --compile-ddp python_reducer")
+    assert any("graph break(s) in your code" in n and "compiled.py" in n for n in compiled_ddp["notes"])
+    assert runs[("single", json.dumps({"backend": "aot_eager", "ddp": None}))]["status"] == "pass"
+    for bad, message in ((["--compile", "nope"], "unknown torch.compile backend 'nope'"),
+                         (["--compile-ddp", "python_reducer"], "given without compile")):
+        refused = ddparity("check", "ddparity.fixtures.compiled:wide", *bad)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 def test_python_dash_m_ddparity_is_the_ddparity_command(user_file, tmp_path):

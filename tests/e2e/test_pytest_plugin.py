@@ -320,3 +320,27 @@ def test_sharded_bug(parity):
     result.stdout.fnmatch_lines(["*test_sharded_clean*PASSED*", "*test_sharded_bug*FAILED*",
                                  "*fsdp world_size=2 (gloo): DIVERGED*",
                                  "*likely cause: fc.bias left out of sharding (ignored_params)*"])
+
+
+COMPILED = HEADER + '''
+@pytest.mark.world_size(2)
+def test_compiled(parity):
+    parity(Case(model=Net, data=data, steps=2), compile="aot_eager")
+
+@pytest.mark.world_size(2)
+def test_compiled_summed(parity):
+    parity(Case(model=Net, data=data, steps=2,
+                loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="sum")), compile="aot_eager")
+'''
+
+
+def test_parity_compiles_every_mode_and_names_the_compiled_runs(pytester):
+    pytester.makepyfile(test_user=COMPILED)
+    result = run(pytester, "--junitxml", "junit.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "ddp (compiled aot_eager, ddp_optimizer) world_size=2 (gloo): DIVERGED" in out
+    assert "Traceback" not in out
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="ddparity[ddp (compiled aot_eager, ddp_optimizer) ws2] status" value="pass"' in junit
+    assert 'name="ddparity[single (compiled aot_eager) ws1] status" value="pass"' in junit

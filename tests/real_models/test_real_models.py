@@ -69,3 +69,26 @@ def test_the_likely_cause_is_named_on_real_models():
         report = check(_case(real_models.BUGS, name), world_sizes=(2,))
         notes = [n for r in report.runs for n in r.notes if n.startswith("likely cause")]
         assert len(notes) == 1 and cause in notes[0], (name, notes)
+
+
+COMPILED_BUGS = {"gpt2_compiled_summed": "a loss summed over the batch", "resnet_bn_on_shards": "BatchNorm on shards"}
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("name", list(real_models.COMPILED))
+def test_real_models_compiled_with_inductor_pass_clean_and_catch_the_bug(name):
+    """torch.compile's inductor (C++ kernels built here) on GPT-2 and ResNet basic blocks:
+    compile's own numerics (inductor's GPT-2 moves a step-0 gradient 20x past the eager
+    twin's noise) never fail the clean ones; the bugs are caught at step 0 compiled too."""
+    report = check(_case(real_models.COMPILED, name), modes=("single", "ddp"), world_sizes=(2,), compile="inductor")
+    by = {r.name: r for r in report.runs}
+    assert by["single (compiled inductor)"].status == "pass", report.render()
+    compiled_ddp = by["ddp (compiled inductor, ddp_optimizer)"]
+    assert any(n.startswith("compiled with inductor") and "0 op(s)" not in n for n in compiled_ddp.notes)
+    if name not in COMPILED_BUGS:
+        assert report.ok, report.render()
+        return
+    assert by["ddp"].status == compiled_ddp.status == "diverged", report.render()
+    d = compiled_ddp.first_divergence
+    assert d.step == 0 and d.max_abs >= 100 * d.tolerance, d
+    assert any(COMPILED_BUGS[name] in n for n in compiled_ddp.notes if n.startswith("likely cause"))

@@ -1,0 +1,124 @@
+"""``check(..., compile=...)``: every mode eager and ``torch.compile``'d on real gloo worlds.
+Compile's own numerics never fail a clean model; a gradient never all-reduced, a summed loss
+and BatchNorm on shards are caught at step 0 in the compiled rows; a model that computes
+differently when traced fails its compiled single-device row; what cannot be compared
+compiled (dropout masks, simulated ranks) says so instead of passing. aot_eager throughout
+(Dynamo and AOTAutograd without C++ builds); inductor runs in the real-model sweep."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity import check
+from ddparity.compile_spec import CompileSpec, CompileSummary, validate_compile
+from ddparity.errors import UsageError
+from ddparity.fixtures import bugs, compiled, dropout
+from ddparity.verbs.compiled import summary_notes
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def rows(report):
+    return {r.name: r for r in report.runs}
+
+
+def test_a_clean_model_with_a_graph_break_passes_eager_and_compiled_and_names_the_break():
+    report = check(compiled.graph_break(), modes=("single", "ddp", "fsdp"), world_sizes=(2,), compile="aot_eager")
+    by = rows(report)
+    assert {n: r.status for n, r in by.items()} == {
+        "single": "pass", "single (compiled aot_eager)": "pass", "ddp": "pass",
+        "ddp (compiled aot_eager, ddp_optimizer)": "pass", "fsdp": "pass", "fsdp (compiled aot_eager)": "pass",
+    }, report.render()
+    for name in ("single (compiled aot_eager)", "ddp (compiled aot_eager, ddp_optimizer)", "fsdp (compiled aot_eager)"):
+        run = by[name]
+        breaks = [n for n in run.notes if "graph break(s) in your code" in n]
+        assert len(breaks) == 1 and "fixtures/compiled.py:" in breaks[0] and "item()" in breaks[0], run.notes
+        assert any(n.startswith("compiled with aot_eager") and " s compiling" in n for n in run.notes), run.notes
+        assert run.worst == [], (name, run.worst)  # compiling's rounding nowhere near the tolerance
+    assert by["ddp (compiled aot_eager, ddp_optimizer)"].to_json()["compile"] == {"backend": "aot_eager",
+                                                                                 "ddp": "ddp_optimizer"}
+    assert by["fsdp (compiled aot_eager)"].to_json()["compile"] == {"backend": "aot_eager", "ddp": None}
+    assert by["ddp"].to_json()["compile"] is None
+    assert any("DDPOptimizer split" in n for n in by["ddp (compiled aot_eager, ddp_optimizer)"].notes)
+    repro = by["ddp (compiled aot_eager, ddp_optimizer)"].repro
+    assert "compile='aot_eager', compile_ddp='ddp_optimizer'" in repro
+
+
+BUGS = [
+    (bugs.summed_loss, "ddp_optimizer", "diverged", "a loss summed over the batch"),
+    (bugs.summed_loss, "python_reducer", "diverged", "a loss summed over the batch"),
+    (bugs.batchnorm_on_shards, "ddp_optimizer", "diverged", "BatchNorm on shards"),
+    (compiled.inner_module_compiled, "ddp_optimizer", "desync", "no gradient was all-reduced at step 0"),
+]
+
+
+@pytest.mark.parametrize(("factory", "path", "status", "cause"), BUGS,
+                         ids=["summed", "summed-python_reducer", "batchnorm", "inner-module-compiled"])
+def test_data_parallel_bugs_are_caught_at_step_0_in_the_compiled_rows(factory, path, status, cause):
+    report = check(factory(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager", compile_ddp=path)
+    by = rows(report)
+    assert by["single (compiled aot_eager)"].status == "pass", report.render()  # one device: no DP bug
+    run = by[f"ddp (compiled aot_eager, {path})"]
+    assert run.status == status, report.render()
+    assert run.first_divergence.step == 0, run.first_divergence
+    assert run.first_divergence.max_abs > 100 * run.first_divergence.tolerance  # far beyond compile's noise
+    assert any(cause in n for n in run.notes if n.startswith("likely cause")), run.notes
+
+
+def test_the_clean_twin_compiling_the_ddp_module_in_its_step_passes():
+    report = check(compiled.wrapper_compiled(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager",
+                   compile_ddp="python_reducer")
+    assert [r.status for r in report.runs] == ["pass"] * 4, report.render()
+
+
+def test_a_model_that_computes_differently_when_compiled_fails_on_one_device_first():
+    report = check(compiled.differs_when_compiled(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager")
+    by = rows(report)
+    assert by["single"].status == by["ddp"].status == "pass", report.render()
+    single = by["single (compiled aot_eager)"]
+    assert single.status == "diverged" and single.first_divergence.step == 0, report.render()
+    assert any("compiling changes the training on one device" in n for n in single.notes)
+    # its distance is no noise floor: the compiled DDP run is judged against eager's noise, and fails
+    assert by["ddp (compiled aot_eager, ddp_optimizer)"].status == "diverged"
+
+
+def test_what_cannot_be_compared_compiled_is_never_a_pass():
+    drawn = check(dropout.every_dropout(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager")
+    by = rows(drawn)
+    assert by["single"].status == by["ddp"].status == "pass", drawn.render()
+    for name in ("single (compiled aot_eager)", "ddp (compiled aot_eager, ddp_optimizer)"):
+        assert by[name].status == "error" and "draws dropout masks" in by[name].reason, by[name]
+        assert "p=0" in by[name].reason
+    simulated = check(compiled.wide(), modes=("ddp", "dp"), world_sizes=(2,), backend="threaded", compile="aot_eager")
+    by = rows(simulated)
+    assert by["ddp"].status == "pass", simulated.render()
+    assert by["ddp (compiled aot_eager, ddp_optimizer)"].status == "skipped"
+    assert "real rank processes" in by["ddp (compiled aot_eager, ddp_optimizer)"].reason
+    assert by["dp (compiled aot_eager)"].status == "skipped" and "DataParallel" in by["dp (compiled aot_eager)"].reason
+
+
+def test_bad_compile_options_are_usage_errors_before_any_work(monkeypatch):
+    with pytest.raises(UsageError, match="unknown torch.compile backend 'inductr'.*inductor"):
+        validate_compile("inductr", None, "check()")
+    with pytest.raises(UsageError, match="compile_ddp='python_reducer' given without compile"):
+        validate_compile(None, "python_reducer", "check()")
+    with pytest.raises(UsageError, match="compile_ddp must be one of ddp_optimizer, python_reducer"):
+        validate_compile("aot_eager", "fast", "check()")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(UsageError, match="C\\+\\+ compiler.*--compile aot_eager"):
+        validate_compile("inductor", None, "--compile")
+    with pytest.raises(UsageError, match="unknown torch.compile backend"):
+        check(compiled.wide(), world_sizes=(2,), compile="nope")
+
+
+def test_the_notes_say_when_nothing_of_the_model_was_compiled():
+    nothing = CompileSummary("aot_eager", "ddp_optimizer", "ddp", seconds=0.4, graphs=1, ops=0, torch_breaks=2)
+    notes = summary_notes([nothing])
+    assert "captured nothing of the model" in notes[1] and "nn.Sequential" in notes[1]
+    assert any("2 in DDP's forward" in n and "runs eagerly by design" in n for n in notes)
+    split = CompileSummary("inductor", "ddp_optimizer", "ddp", graphs=2, ops=40, ddp_split=[[2**20, 3 * 2**20], [512]],
+                           ddp_cap=25 * 2**20, graph_breaks=["m.py:3: Unsupported Tensor.item() call"])
+    notes = summary_notes([split])
+    assert "1 graph break(s) in your code: m.py:3: Unsupported Tensor.item() call" in notes
+    assert any("split 2 graph(s)" in n and "into 2, 1 piece(s)" in n and "1.00 MB, 3.00 MB" in n for n in notes)
+    assert CompileSpec("inductor", "python_reducer").flags() == " --compile inductor --compile-ddp python_reducer"
