@@ -69,7 +69,8 @@ class CompileSummary:
 
 def validate_compile(backend: Any, ddp: Any, where: str) -> CompileSpec | None:
     """The compile asked for (None: eager only). The backend must be one this torch has;
-    inductor on a CPU needs a C++ compiler, named when missing."""
+    inductor on a CPU needs a C++ compiler, named when missing. (The torch release is the
+    caller's to check: :meth:`ddparity.settings.CheckOptions.validated`.)"""
     if backend is None:
         if ddp is not None:
             raise UsageError(f"{where}: compile_ddp={ddp!r} given without compile; add --compile BACKEND "
@@ -81,9 +82,6 @@ def validate_compile(backend: Any, ddp: Any, where: str) -> CompileSpec | None:
         ddp = COMPILE_DDP[0]
     if ddp not in COMPILE_DDP:
         raise UsageError(f"{where}: compile_ddp must be one of {', '.join(COMPILE_DDP)}, got {ddp!r}")
-    from ddparity.settings import needs_newer_torch
-
-    needs_newer_torch("--compile", "check eagerly, or upgrade torch")
     import torch._dynamo
 
     known = torch._dynamo.list_backends(exclude_tags=())

@@ -341,6 +341,9 @@ class CheckOptions:
         if values.get("compile") is not None or values.get("compile_ddp") is not None:
             from ddparity.compile_spec import validate_compile
 
+            if values.get("compile") is not None and torch_release() < NEWER_TORCH:
+                raise UsageError(f"{where}: compile is tested on torch >= {NEWER_TORCH[0]}.{NEWER_TORCH[1]} only "
+                                 f"(this is {'.'.join(map(str, torch_release()))}); upgrade torch, or check eagerly")
             out["compile"] = validate_compile(values.get("compile"), values.get("compile_ddp"), where)
         return cls(**out)
 

@@ -27,7 +27,7 @@ from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
 from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, REPLICA_MODES, TIMEOUT_S, CheckOptions
-from ddparity.verbs.compiled import DP_NOT_COMPILED, compiled_single, dropout_drawn, mark, refused_run, summary_notes
+from ddparity.verbs.compiled import DP_NOT_COMPILED, compiled_single, describe, dropout_drawn, mark, refused_run
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
 
@@ -227,19 +227,22 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
 def case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, exc: WorldFailure,
                  elapsed: float) -> Report:
     """The case cannot even run on one device: every requested run shares that fate."""
-    for mode, ws in _planned(opts):
-        run = failure_run(mode, ws, backend, exc, elapsed, check_repro(case, mode, ws, backend, opts.tolerance))
+    for mode, ws, spec in _planned(opts):
+        run = failure_run(mode, ws, backend, exc, elapsed,
+                          check_repro(case, mode, ws, backend, opts.tolerance, compiled=spec))
         if run.status == "crash" and not isinstance(exc, RankCrashed):
             run.status = "error"  # raised by the user's code on a single device: bad input
-        report.runs.append(run)
+        report.runs.append(mark(run, spec) if spec is not None else run)
     return report
 
 
-def _planned(opts: CheckOptions) -> list[tuple[str, int]]:
-    plan = [("single", 1)] if "single" in opts.modes else []
+def _planned(opts: CheckOptions) -> list[tuple[str, int, CompileSpec | None]]:
+    compiles = (None, opts.compile) if opts.compile is not None else (None,)
+    plan = [("single", 1, spec) for spec in compiles] if "single" in opts.modes else []
     if "dp" in opts.modes:
-        plan += [("dp", ws) for ws in opts.world_sizes]
-    plan += [(mode, ws) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes]
+        plan += [("dp", ws, None) for ws in opts.world_sizes]
+    plan += [(mode, ws, spec) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes
+             for spec in compiles]
     return plan
 
 
@@ -294,7 +297,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
     if spec is not None:
-        mark(run, spec).notes += summary_notes([r.compiled for r in runs])
+        describe(mark(run, spec), [r.compiled for r in runs])
         if compile_noise is None:
             compile_noise = Distances("single", 0, 1)  # the compiled single run failed: eager's noise alone
     if mode == "hsdp":

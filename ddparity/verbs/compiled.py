@@ -47,7 +47,7 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
     run = mark(RunResult(mode="single", world_size=1, backend=world.backend,
                          status="diverged" if found else "pass", seconds=time.perf_counter() - started,
                          tolerance=tol.description, repro=repro), spec)
-    run.notes += summary_notes([distances.compiled])
+    describe(run, [distances.compiled])
     if found:
         run.first_divergence, run.worst = found[0], worst(found)
         run.notes.append("compiling changes the training on one device, before any data parallelism: a compiler "
@@ -81,6 +81,16 @@ def mark(run: RunResult, spec: CompileSpec) -> RunResult:
     """``run`` as a compiled one."""
     run.compile = spec.for_mode(run.mode)
     run.label = spec.label(run.mode)
+    return run
+
+
+def describe(run: RunResult, summaries: list[CompileSummary | None]) -> RunResult:
+    """``run``'s notes and JSON ``compile`` with what compiling did (rank 0's summary)."""
+    summary = next((s for s in summaries if s is not None), None)
+    run.notes += summary_notes(summaries)
+    if summary is not None and run.compile is not None:
+        run.compile.update(seconds=round(summary.seconds, 3), graphs=summary.graphs, ops=summary.ops,
+                           graph_breaks=list(summary.graph_breaks))
     return run
 
 

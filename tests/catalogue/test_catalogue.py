@@ -114,3 +114,25 @@ def test_dataparallel_scatters_a_tensor_that_is_not_batched_as_the_real_one_does
     report = check(inputs.case(inputs.Layout("dict", 2, shared=True)), modes=("dp",), world_sizes=(2,), pool=pool)
     [run] = [r for r in report.runs if r.mode == "dp"]
     assert run.status == "crash" and "the shared tensor arrived as (2, 4)" in run.reason, report.render()
+
+
+COMPILED = [m.name for m in MEMBERS if "random" not in m.state and m.name not in CPU_ERRORS]
+"""Every layer that draws nothing (a model drawing dropout masks is not compared compiled)."""
+
+
+@pytest.mark.catalogue
+@pytest.mark.parametrize("name", COMPILED)
+def test_every_layer_compiled_passes_clean_and_its_summed_twin_is_caught(name, pool):
+    """``compile="aot_eager"`` (Dynamo, AOTAutograd's decompositions): compile's numerics
+    never fail a clean layer; the summed loss is caught at step 0 in the compiled DDP run.
+    (Tried with inductor too, every layer: the same verdicts; docs/compile.md.)"""
+    for summed in (False, True):
+        report = check(catalogue.case(name, summed=summed), modes=("single", "ddp"), world_sizes=(2,),
+                       compile="aot_eager", pool=pool)
+        by = {r.name: r for r in report.runs}
+        assert by["single (compiled aot_eager)"].status == "pass", report.render()
+        compiled = by["ddp (compiled aot_eager, ddp_optimizer)"]
+        if summed:
+            assert compiled.status == "diverged" and compiled.first_divergence.step == 0, report.render()
+        else:
+            assert report.ok, report.render()
