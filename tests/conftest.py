@@ -71,6 +71,10 @@ def pytest_addoption(parser):
     parser.addoption("--docs", action="store_true", default=False,
                      help="run every code block and transcript of docs/ (tests marked docs; the default suite "
                           "runs the README's); .ci/run does")
+    parser.addoption("--breadth", action="store_true", default=False,
+                     help="run the breadth sweep (tests marked breadth: the same behaviour on more cases — every "
+                          "layer compiled, more faults on rank 0 under torchrun; the default suite runs one of "
+                          "each); .ci/run does")
     parser.addoption("--real-models", action="store_true", default=False,
                      help="run every real model clean and with every planted bug (tests marked real_models; the "
                           "default suite runs GPT-2 clean and summed); .ci/run does")
@@ -78,7 +82,8 @@ def pytest_addoption(parser):
 
 SWEEPS = {"catalogue": "the whole catalogue sweep runs with --catalogue (.ci/run runs it)",
           "real_models": "every real model runs with --real-models (.ci/run runs it)",
-          "docs": "the blocks of docs/ run with --docs (.ci/run runs them)"}
+          "docs": "the blocks of docs/ run with --docs (.ci/run runs them)",
+          "breadth": "the breadth sweep runs with --breadth (.ci/run runs it)"}
 
 
 def pytest_collection_modifyitems(config, items):

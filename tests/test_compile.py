@@ -48,7 +48,8 @@ def test_a_clean_model_with_a_graph_break_passes_eager_and_compiled_and_names_th
 BUGS = [
     (bugs.summed_loss, "ddp_optimizer", "diverged", "a loss summed over the batch"),
     (bugs.summed_loss, "python_reducer", "diverged", "a loss summed over the batch"),
-    (bugs.batchnorm_on_shards, "ddp_optimizer", "diverged", "BatchNorm on shards"),
+    pytest.param(bugs.batchnorm_on_shards, "ddp_optimizer", "diverged", "BatchNorm on shards",
+                 marks=pytest.mark.breadth),
     (compiled.inner_module_compiled, "ddp_optimizer", "desync", "no gradient was all-reduced at step 0"),
 ]
 
@@ -67,8 +68,7 @@ def test_data_parallel_bugs_are_caught_at_step_0_in_the_compiled_rows(factory, p
 
 
 def test_the_clean_twin_compiling_the_ddp_module_in_its_step_passes():
-    report = check(compiled.wrapper_compiled(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager",
-                   compile_ddp="python_reducer")
+    report = check(compiled.wrapper_compiled(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager")
     assert [r.status for r in report.runs] == ["pass"] * 4, report.render()
 
 
@@ -123,3 +123,12 @@ def test_the_notes_say_when_nothing_of_the_model_was_compiled():
     assert "1 graph break(s) in your code: m.py:3: Unsupported Tensor.item() call" in notes
     assert any("split 2 graph(s)" in n and "into 2, 1 piece(s)" in n and "1.00 MB, 3.00 MB" in n for n in notes)
     assert CompileSpec("inductor", "python_reducer").flags() == " --compile inductor --compile-ddp python_reducer"
+
+
+@pytest.mark.parametrize(("ws", "culprit"), [(2, 0), pytest.param(4, 3, marks=pytest.mark.breadth)])
+def test_a_rank_that_drifts_is_named_in_the_compiled_run_rank_0_and_the_last(ws, culprit):
+    report = check(bugs.corrupted_grad_on_one_rank(culprit), modes=("single", "ddp"), world_sizes=(ws,),
+                   compile="aot_eager")
+    for run in report.runs[2:]:  # ddp, eager then compiled
+        assert run.status == "desync" and run.desync.ranks == [culprit], report.render()
+        assert any(f"rank {culprit} alone drifts" in n for n in run.notes), run.notes

@@ -21,7 +21,8 @@ def test_cli_flags_are_pinned():
     parser = build_parser()
     check = parser._subparsers._group_actions[0].choices["check"]
     flags = sorted(opt for action in check._actions for opt in action.option_strings)
-    assert flags == sorted(["--backend", "--demo", "--demo-faults", "--hsdp-shard", "--json", "--modes", "--steps", "--timeout", "--tolerance",
+    assert flags == sorted(["--backend", "--compile", "--compile-ddp", "--demo", "--demo-faults", "--hsdp-shard", "--json",
+                            "--modes", "--steps", "--timeout", "--tolerance",
                             "--world-sizes", "-h", "--help", "-q", "--quiet", "-v", "--verbose"])
     profile = parser._subparsers._group_actions[0].choices["profile"]
     flags = sorted(opt for action in profile._actions for opt in action.option_strings)

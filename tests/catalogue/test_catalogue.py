@@ -120,7 +120,7 @@ COMPILED = [m.name for m in MEMBERS if "random" not in m.state and m.name not in
 """Every layer that draws nothing (a model drawing dropout masks is not compared compiled)."""
 
 
-@pytest.mark.catalogue
+@pytest.mark.breadth
 @pytest.mark.parametrize("name", COMPILED)
 def test_every_layer_compiled_passes_clean_and_its_summed_twin_is_caught(name, pool):
     """``compile="aot_eager"`` (Dynamo, AOTAutograd's decompositions): compile's numerics

@@ -99,6 +99,6 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
     assert set(found) == {"prepare_task", "reference_task", "dp_task", "ddp_task", "profile_task",
                           "threaded_ddp_task", "threaded_fsdp_task", "threaded_hsdp_task", "health_task", "fsdp_task",
-                          "hsdp_task"}
+                          "hsdp_task", "compiled_single_task"}
     assert all(n.label != name for name, n in found.items()), found
     assert found["threaded_ddp_task"] == RunName("ddp (simulated)", sized=True, simulated=True)
