@@ -26,6 +26,8 @@ MODES = ("single", "dp", "ddp", "fsdp", "hsdp")
 FSDP2 on a 1-D mesh, FSDP2 on a (replicate, shard) mesh."""
 REPLICA_MODES = ("ddp", "fsdp", "hsdp")
 """The modes whose every rank is a process of the world (a run per world size)."""
+SHARDED_MODES = ("fsdp", "hsdp")
+"""FSDP2's modes: each rank holds shards of the parameters and optimizer state."""
 HSDP_SHARD = 2
 """Mode hsdp's shard size S when neither the Case nor ``--hsdp-shard`` says."""
 

@@ -20,6 +20,7 @@ that names the likely cause and its fix.
 
 from __future__ import annotations
 
+from ddparity.settings import SHARDED_MODES
 from ddparity.verdicts import Desync, Divergence
 
 SIGNATURE_REL_TOL = 1e-3
@@ -100,7 +101,7 @@ def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], 
                    unsharded: list[str]) -> str | None:
     """FSDP's own signatures: a gradient left out of sharding never reduced; no gradient
     reaching the optimizer because the sync stayed off."""
-    if mode not in ("fsdp", "hsdp") or first.kind != "grad":
+    if mode not in SHARDED_MODES or first.kind != "grad":
         return None
     left_out = sorted(n for n in names if n in unsharded)
     if left_out and first.name in unsharded:

@@ -26,7 +26,15 @@ from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task, thr
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
-from ddparity.settings import CHECK_MODES, CHECK_WORLD_SIZES, REAL_RANKS_LIMIT, REPLICA_MODES, TIMEOUT_S, CheckOptions
+from ddparity.settings import (
+    CHECK_MODES,
+    CHECK_WORLD_SIZES,
+    REAL_RANKS_LIMIT,
+    REPLICA_MODES,
+    SHARDED_MODES,
+    TIMEOUT_S,
+    CheckOptions,
+)
 from ddparity.verbs.compiled import DP_NOT_COMPILED, compiled_single, describe, dropout_drawn, mark, refused_run
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
@@ -139,7 +147,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         doing.run = f"{mode} world_size={ws} ({backends[ws]}{', ' + spec.label(mode) if spec else ''})"
         launched = early if (mode, ws, spec) == first and early is not None else _start_ddp(
             case, opts, backends[ws], (mode, ws, spec), pool, spool)
-        floor = policy if mode in ("fsdp", "hsdp") else None
+        floor = policy if mode in SHARDED_MODES else None
         ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws, spec), launched, reference, blowup, valid,
                                     floor, noise if spec is not None else None))
     doing.run = f"dp world sizes {list(dp_sizes)}"
@@ -158,7 +166,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
 def sharded(opts: CheckOptions) -> bool:
     """Whether a sharded mode is checked: the reference then writes its optimizer's state,
     which they compare (DDP's ranks publish theirs as fingerprints, compared across ranks)."""
-    return any(m in ("fsdp", "hsdp") for m in opts.modes)
+    return any(m in SHARDED_MODES for m in opts.modes)
 
 
 def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Distances | None:
@@ -254,13 +262,13 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
     try:
         if backend == "threaded":
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
-            if mode in ("fsdp", "hsdp"):
+            if mode in SHARDED_MODES:
                 simulated = threaded_fsdp_task if mode == "fsdp" else threaded_hsdp_task
                 return started, host.submit(simulated, case, spool.path, ws, hsdp_shard(case, opts),
                                             timeout=opts.timeout)
             return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
         world = pool.get(ws, backend)
-        if mode in ("fsdp", "hsdp"):
+        if mode in SHARDED_MODES:
             task = fsdp_task if mode == "fsdp" else hsdp_task
             return started, world.submit(task, case, spool.path, hsdp_shard(case, opts), compiled=spec,
                                          timeout=opts.timeout, watch=LiveWatch())

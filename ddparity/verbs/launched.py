@@ -37,7 +37,7 @@ from ddparity.errors import Exit, UsageError, WorldFailure
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
-from ddparity.settings import REPLICA_MODES, CheckOptions, needs_newer_torch
+from ddparity.settings import REPLICA_MODES, SHARDED_MODES, CheckOptions, needs_newer_torch
 from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
@@ -131,7 +131,7 @@ class _LaunchedCheck:
                 self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,), sharded(self.opts))
                 self.ref_seconds = time.perf_counter() - self.started
                 self.blowup = first_non_finite(self.reference)
-            if case.fsdp is not None and any(m in ("fsdp", "hsdp") and m not in skipped for m in self.modes):
+            if case.fsdp is not None and any(m in SHARDED_MODES and m not in skipped for m in self.modes):
                 released()
                 self.policy = policy_noise(fsdp_task(dataclasses.replace(ctx, world_size=1), case, self.spool.path))
         released()
@@ -250,7 +250,7 @@ class _LaunchedCheck:
                                  f"by rank 0 over the network")
             assert self.reference is not None
             report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
-                                         self.valid, self.policy if mode in ("fsdp", "hsdp") else None))
+                                         self.valid, self.policy if mode in SHARDED_MODES else None))
         return self._emit(report)
 
     def _single_run(self) -> dict[str, Any] | None:
