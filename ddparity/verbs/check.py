@@ -87,9 +87,7 @@ class _Doing:
 def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report: Report, spool: Spool,
            doing: _Doing) -> Report:
     started = time.perf_counter()
-    compiles = (None, opts.compile) if opts.compile is not None else (None,)
-    replicas = [(mode, ws, spec) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes
-                for spec in compiles]
+    replicas = [run for run in _planned(opts) if run[0] in REPLICA_MODES]
     ddp_sizes = tuple(sorted({ws for _, ws, _ in replicas}))
     dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
     try:
@@ -142,7 +140,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     ddp_runs = doing.finished
     for (mode, ws, spec), unrunnable in plan.items():
         if unrunnable is not None:
-            ddp_runs.append(mark(unrunnable, spec) if spec is not None else unrunnable)
+            ddp_runs.append(mark(unrunnable, spec))
             continue
         doing.run = f"{mode} world_size={ws} ({backends[ws]}{', ' + spec.label(mode) if spec else ''})"
         launched = early if (mode, ws, spec) == first and early is not None else _start_ddp(
@@ -240,7 +238,7 @@ def case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, ex
                           check_repro(case, mode, ws, backend, opts.tolerance, compiled=spec))
         if run.status == "crash" and not isinstance(exc, RankCrashed):
             run.status = "error"  # raised by the user's code on a single device: bad input
-        report.runs.append(mark(run, spec) if spec is not None else run)
+        report.runs.append(mark(run, spec))
     return report
 
 
@@ -289,7 +287,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
     mode, ws, spec = planned
     started, pending = launched
     if isinstance(pending, RunResult):
-        return mark(pending, spec) if spec is not None else pending
+        return mark(pending, spec)
     repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts), spec)
     try:
         outcomes = pending.result()
@@ -298,16 +296,14 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
             exc = as_simulated(exc)
         failed = failure_run(mode, ws, backend, exc, time.perf_counter() - started, repro)
         failed.simulated = backend == "threaded"  # a simulated run that failed is still a simulated one
-        return mark(failed, spec) if spec is not None else failed
+        return mark(failed, spec)
     simulated = backend == "threaded"
     runs, records = outcomes[0].value if simulated else ([o.value for o in outcomes],
                                                           {o.rank: o.records for o in outcomes if o.records is not None})
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="pass", simulated=simulated,
                     seconds=time.perf_counter() - started, repro=repro)
     if spec is not None:
-        describe(mark(run, spec), [r.compiled for r in runs])
-        if compile_noise is None:
-            compile_noise = Distances("single", 0, 1)  # the compiled single run failed: eager's noise alone
+        describe(mark(run, spec), [r.compiled for r in runs])  # no compile_noise: eager's noise alone
     if mode == "hsdp":
         s = hsdp_shard(case, opts)
         run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")

@@ -77,8 +77,10 @@ def refused_run(case: Case, opts: CheckOptions, spec: CompileSpec, mode: str, ws
                 spec)
 
 
-def mark(run: RunResult, spec: CompileSpec) -> RunResult:
-    """``run`` as a compiled one."""
+def mark(run: RunResult, spec: CompileSpec | None) -> RunResult:
+    """``run`` as a compiled one (``spec`` None: an eager one, left as it is)."""
+    if spec is None:
+        return run
     run.compile = spec.for_mode(run.mode)
     run.label = spec.label(run.mode)
     return run
