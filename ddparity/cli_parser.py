@@ -36,6 +36,14 @@ PROFILE_EXAMPLES = """examples:
   ddparity profile my_cases.py:case --modes ddp,fsdp --world-sizes 2,4   DDP beside FSDP2: time, bytes, state a rank
 """
 
+WATCH_EXAMPLES = """examples:
+  ddparity watch --nproc-per-node 2 train.py --lr 0.1      your script on 2 local ranks, watched
+  torchrun --nproc-per-node 8 -m ddparity watch --timeout 600 train.py --lr 0.1
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m ddparity watch --json watch.json train.py
+the script runs as `python train.py ARGS` would (as __main__, its argv, output and exit code);
+ddparity's options come before the script's path, the script's own after it
+"""
+
 HEALTH_EXAMPLES = """examples:
   ddparity health                                       this machine: 2 CPU ranks, or one per GPU
   ddparity health --min-busbw 100                       fail below 100 GB/s of all-reduce bus bandwidth
@@ -85,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "training step single-device, under DataParallel and under DDP, compare every "
                                  "step, and report divergence, desync, hangs and crashes with each rank's place.")
     parser.add_argument("-V", "--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{check,profile,health}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{check,profile,health,watch}")
     target_help = "module:function or path/to/file.py:function returning a ddparity.Case"
     json_help = "write the JSON report (version 1) to PATH; '-' writes it to stdout (the text report goes to stderr)"
     chk = _verb(sub, "check", "run a Case single-device and under DDP and compare them step by step",
@@ -160,4 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
                     help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
     hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
+    wt = _verb(sub, "watch", "run your unmodified training script on every rank, watched for hangs, crashes and desync",
+               "Run a training script as it is (no Case) in every rank of a launch, with every collective "
+               "recorded, a heartbeat per rank and, after each optimizer.step(), a fingerprint of the parameters "
+               "compared across the ranks that hold the same replica: a hang, a crash, a mismatched collective "
+               "or replicas drifting apart are reported live, like a check's. The script's output and exit code "
+               "pass through when nothing is found.", WATCH_EXAMPLES)
+    wt.add_argument("--nproc-per-node", type=_text(settings.parse_count, "--nproc-per-node"), default=None,
+                    metavar="N", help="start N ranks on this machine (outside torchrun; under torchrun, torchrun "
+                                      "decides)")
+    wt.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.WATCH_TIMEOUT_S,
+                    help=f"seconds a rank may stand still (no collective, no optimizer step, its Python not moving) "
+                         f"before it counts as a hang (default {settings.WATCH_TIMEOUT_S:g})")
+    wt.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) to PATH (rank 0 under torchrun)")
+    wt.add_argument("script", help="your training script (path/to/train.py)")
+    wt.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser

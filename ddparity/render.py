@@ -172,13 +172,14 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
     return lines
 
 
-def render_report(case: str, runs: list[RunResult]) -> str:
-    """A check's report: the table of its runs, each failure, the notes, one overall line."""
+def render_report(case: str, runs: list[RunResult], verb: str = "check") -> str:
+    """A check's report (or a watch's): the table of its runs, each failure, the notes, one
+    overall line."""
     rows = [("mode", "world", "backend", "status", "seconds")]
     for r in runs:
         backend = r.backend + (" (simulated)" if r.simulated else "")
         rows.append((r.name, str(r.world_size), backend, r.status, f"{r.seconds:.2f}"))
-    out = [f"ddparity check: {case}", *table(rows)]
+    out = [f"ddparity {verb}: {case}", *table(rows)]
     failures = [r for r in runs if not r.ok]
     told: dict[tuple[str, ...], str] = {}
     for run in failures:
@@ -193,7 +194,12 @@ def render_report(case: str, runs: list[RunResult]) -> str:
     verdict = "OK" if all(r.ok for r in runs) else "FAILED"
     tail = f", {skipped} skipped" if skipped else ""
     out.append("")
-    out.append(f"{verdict}: {passed} of {len(runs)} runs equivalent to the reference{tail}")
+    if verb == "watch":
+        found = ", ".join(sorted({r.status for r in failures}))
+        out.append(f"{verdict}: " + (f"{found} found in the watched run" if failures else
+                                     "no hang, crash, collective mismatch or replica drift in the watched run"))
+    else:
+        out.append(f"{verdict}: {passed} of {len(runs)} runs equivalent to the reference{tail}")
     return "\n".join(out)
 
 

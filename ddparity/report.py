@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 class Report:
     case: str
     runs: list[RunResult] = field(default_factory=list)
+    verb: str = "check"
+    """``check``, or ``watch`` (a user's script watched: no reference to be equivalent to)."""
 
     @property
     def ok(self) -> bool:
@@ -40,7 +42,7 @@ class Report:
     def render(self) -> str:
         from ddparity.render import render_report
 
-        return render_report(self.case, self.runs)
+        return render_report(self.case, self.runs, self.verb)
 
     def raise_for_failure(self) -> None:
         if not self.ok:

@@ -72,6 +72,9 @@ TIMEOUT_HELP = "seconds without progress before a run counts as a hang"
 
 DEMO_FAULTS_TIMEOUT_S = 5.0
 """``--demo-faults`` injects hangs: a short timeout keeps the tour short."""
+WATCH_TIMEOUT_S = 300.0
+"""``watch``: how long a rank of a training run may stand still (its Python moves through
+a long evaluation without collectives: that is no hang)."""
 
 CHECK_MODES = ("single", "ddp")
 CHECK_WORLD_SIZES = (1, 2, 4)

@@ -111,6 +111,35 @@ class RankChannel:
             self._store.append(f"{self._prefix}F{self._rank}", line + "\n")
 
 
+class RingRankChannel(RankChannel):
+    """A watched script's end (``ddparity watch``): a training run of days must not grow
+    the launch's store without bound, so its ledger and fingerprints keys hold the last
+    ``keep_ledger`` collectives and ``keep_prints`` steps (overwritten, a write per
+    publish), and the ledger's last ``history`` entries stay in this process
+    (:attr:`ledger`: the Flight Recorder dump)."""
+
+    def __init__(self, store: Any, world_prefix: str, rank: int, keep_ledger: int = 64, keep_prints: int = 32,
+                 history: int = 4096) -> None:
+        from collections import deque
+
+        super().__init__(store, world_prefix, rank)
+        self.ledger: deque[str] = deque(maxlen=history)
+        self._tail: deque[str] = deque(maxlen=keep_ledger)
+        self._prints: deque[str] = deque(maxlen=keep_prints)
+
+    def append_ledger(self, line: str) -> None:
+        if self._prefix:
+            lines = line.split("\n")
+            self.ledger.extend(lines)
+            self._tail.extend(lines)
+            self._store.set(f"{self._prefix}L{self._rank}", "\n".join(self._tail) + "\n")
+
+    def append_fingerprint(self, line: str) -> None:
+        if self._prefix:
+            self._prints.extend(line.split("\n"))
+            self._store.set(f"{self._prefix}F{self._rank}", "\n".join(self._prints) + "\n")
+
+
 class TaskChannel:
     """The controller's end for one task: creates the keys before the task is sent (so
     reads never block on a missing key), polls progress, reads everything, clears."""

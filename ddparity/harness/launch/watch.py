@@ -115,6 +115,9 @@ class LaunchWatch:
         """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
         self._claim = threading.Lock()
         self._claimed = False
+        self.main_exits = False
+        """A passing verdict is the main thread's to act on (:meth:`await_verdict`: a watched
+        script's process ends as the script would, its ``atexit`` handlers run)."""
         self._beats: dict[int, tuple[str, float]] = {}
         self._seen: list[str] | None = None
         self._clock = TaskClock(time.monotonic(), timeout, ERROR_GRACE_S)
@@ -159,6 +162,24 @@ class LaunchWatch:
         self.store.set("V", str(code))
         self._exit(code, wait_for_others=True)
 
+    def await_verdict(self) -> int:
+        """The main thread: wait for the verdict and return it when it passes (a failing one
+        ends the process from the watch thread meanwhile)."""
+        self.main_exits = True
+        while not self.store.check(["V"]):
+            time.sleep(0.05)
+        code = int(self.store.get("V"))
+        if code != 0:
+            self.idle()
+        self.store.add("acked", 1)
+        return code
+
+    def publish_verdict(self, code: int) -> None:
+        """The reporter: publish a passing verdict and wait (briefly) until every rank read it."""
+        self._finishing = True
+        self.store.set("V", str(code))
+        self._wait_for_acks()
+
     def idle(self) -> NoReturn:
         """Nothing left to do here but wait for the verdict (the watch thread exits)."""
         while True:
@@ -184,8 +205,11 @@ class LaunchWatch:
                 if self._finishing:
                     continue  # this process publishes the verdict and waits for the others to read it
                 if self.store.check(["V"]):
+                    code = int(self.store.get("V"))
+                    if code == 0 and self.main_exits:
+                        return  # the main thread reads it and ends the process as the script would
                     self.store.add("acked", 1)
-                    self._exit(int(self.store.get("V")))
+                    self._exit(code)
                 self._signals()
                 self._answer_stack_request()
                 below = self._below_on_node()
@@ -317,7 +341,7 @@ class LaunchWatch:
             if self.stage >= 2:
                 reason = self._live(progress)
                 if reason:
-                    failure = TaskStopped(f"the run was stopped: {reason}", reason, ranks)
+                    failure = TaskStopped(f"the run was stopped: {reason}", reason, self._pending(ranks))
         raised = self._raised() if int(self.store.add("failures", 0)) else {}
         if raised:
             self._clock.raised(now)
@@ -330,13 +354,17 @@ class LaunchWatch:
         elif ending is Ending.FAILED:
             failure = self._task_failed(raised, ranks)
         elif ending is Ending.TIMED_OUT:
-            pending = [r for r in ranks if not self.store.check([result_key(self.stage, r)])]
+            pending = self._pending(ranks)
             failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending)
         elif ending is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
             failure = TaskStopped("the launcher stopped every rank (SIGTERM) before the check ended",
                                   "stopped by the launcher", ranks)
         if failure is not None and self.claim():
             self._conclude(failure, channel, ranks, dead)
+
+    def _pending(self, ranks: list[int]) -> list[int]:
+        """The ranks that have not published their result of this stage."""
+        return [r for r in ranks if not self.store.check([result_key(self.stage, r)])]
 
     def _raised(self) -> dict[int, tuple[BaseException, str]]:
         import cloudpickle
@@ -384,13 +412,16 @@ class LaunchWatch:
                 cleanup()
         finally:
             if wait_for_others:  # rank 0 may hold the store (a launch without torchrun's agent)
-                others = self.n - 1 - len([r for r in self._last_dead if r != self.rank])
-                deadline = time.monotonic() + ACK_WAIT_S
-                while time.monotonic() < deadline:
-                    try:
-                        if int(self.store.add("acked", 0)) >= others:
-                            break
-                    except Exception:
-                        break
-                    time.sleep(0.05)
+                self._wait_for_acks()
             os._exit(code)
+
+    def _wait_for_acks(self) -> None:
+        others = self.n - 1 - len([r for r in self._last_dead if r != self.rank])
+        deadline = time.monotonic() + ACK_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if int(self.store.add("acked", 0)) >= others:
+                    break
+            except Exception:
+                break
+            time.sleep(0.05)

@@ -52,7 +52,7 @@ def group_name(group: Any) -> str:
 
 _TORCH_DIR = ""
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_OWN_FILES = {os.path.join(_HERE, name) for name in ("calls.py", "recorder.py", "ddp_buckets.py")}
+_OWN_FILES = {os.path.join(_HERE, name) for name in ("calls.py", "recorder.py", "ddp_buckets.py", "replicas.py")}
 """Frames skipped when looking for the caller: the recorder's and the DDP bucket hook's."""
 
 

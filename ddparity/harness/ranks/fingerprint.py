@@ -27,9 +27,10 @@ within SLICES steps, and the equivalence check compares every rank to the refere
 SLICE_MIN = 1 << 16
 
 
-def _bit_sums(tensors: list[Any], part: int | None = None) -> list[int]:
-    """Wrapping integer sum of each tensor's bit patterns, one device sync per device.
-    ``part``: fingerprint slice ``part % SLICES`` of large tensors only."""
+def device_sums(tensors: list[Any], part: int | None = None) -> list[Any]:
+    """Wrapping integer sum of each tensor's bit patterns, each a 0-d int64 tensor on the
+    tensor's own device (nothing waits for them). ``part``: fingerprint slice
+    ``part % SLICES`` of large tensors only."""
     import torch
 
     if not _INT_OF_SIZE:
@@ -48,6 +49,14 @@ def _bit_sums(tensors: list[Any], part: int | None = None) -> list[int]:
         bits = flat.view(as_int) if flat.dtype != as_int else flat
         acc = torch.int32 if as_int == torch.uint8 else as_int
         sums.append(bits.sum(dtype=acc).to(torch.int64))
+    return sums
+
+
+def _bit_sums(tensors: list[Any], part: int | None = None) -> list[int]:
+    """:func:`device_sums` as integers, one device sync per device."""
+    import torch
+
+    sums = device_sums(tensors, part)
     by_device: dict[Any, list[int]] = {}
     for i, s in enumerate(sums):
         by_device.setdefault(s.device, []).append(i)

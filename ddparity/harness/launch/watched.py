@@ -1,0 +1,133 @@
+"""A training script ddparity did not write, run as it is inside a watched rank
+(``ddparity watch``), and the local launcher that starts such ranks without torchrun.
+
+:func:`run_script` runs the script as ``python train.py ARGS`` would: as ``__main__``, with
+its ``sys.argv`` and its folder first on ``sys.path``; its traceback starts at its own
+file. :class:`FrameTicker` tells the recorder the rank is computing while the script's
+Python moves (so a long step without collectives is not a hang, and a rank waiting in a
+collective, whose main thread stands still, is one). :func:`launch_locally` is torchrun's
+agent for one machine: it holds the launch's store, starts the ranks (each dies with it),
+and returns the verdict the ranks published (else the script's own exit code).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+TICK_S = 0.5
+"""How often the main thread's place in the script is sampled."""
+
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+
+
+class FrameTicker:
+    """Ticks ``recorder`` whenever the main thread's Python frame or instruction moved
+    since the last sample (every :data:`TICK_S`)."""
+
+    def __init__(self, recorder: Any) -> None:
+        self._recorder = recorder
+        self._main = threading.main_thread().ident
+        self._last: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ddparity-ticker", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            frame = sys._current_frames().get(self._main or 0)
+            place = (id(frame), frame.f_lasti) if frame is not None else None
+            if place != self._last:
+                self._last = place
+                self._recorder.tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def run_script(path: str, args: list[str]) -> int:
+    """Run ``path`` as ``__main__`` with ``args``; its exit code (``sys.exit``'s, else 0).
+    An exception it raises propagates (:func:`from_script` trims its traceback)."""
+    script = os.path.abspath(path)
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def from_script(exc: BaseException, path: str) -> BaseException:
+    """``exc`` with its traceback starting at the script's own frame (not at ddparity's
+    and runpy's frames that ran it)."""
+    script = os.path.abspath(path)
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
+        tb = tb.tb_next
+    return exc.with_traceback(tb) if tb is not None else exc
+
+
+# -- the local launcher (``python -m ddparity watch --nproc-per-node N``) ---------------
+
+
+def _die_with_parent() -> None:  # in the child, before exec
+    import ctypes
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def launch_locally(nproc: int, rank_argv: list[str], wait_s: float, extra_env: dict[str, str]) -> list[int]:
+    """Start ``nproc`` ranks running ``python -m ddparity watch <rank_argv>`` as torchrun
+    would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, the store at ``MASTER_PORT`` held
+    here) and wait for them: each rank's exit code (negative: the signal that ended it).
+    A rank still running ``wait_s`` after another ended is killed (the ranks' watches end
+    a launch in seconds; this bounds the wait should they not)."""
+    import secrets
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+               **{RUN_ID_ENV: f"watch-{secrets.token_hex(4)}"}, **extra_env)
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        for r in range(nproc):
+            env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
+            procs.append(subprocess.Popen([sys.executable, "-m", "ddparity", "watch", *rank_argv], env=env_r,
+                                          preexec_fn=_die_with_parent))
+        first_end: float | None = None
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+            if first_end is None and any(p.poll() is not None for p in procs):
+                first_end = time.monotonic()
+            if first_end is not None and time.monotonic() - first_end > wait_s:
+                break
+        return [_code(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _code(proc: subprocess.Popen[Any]) -> int:
+    return int(proc.returncode) if proc.returncode is not None else -int(signal.SIGKILL)

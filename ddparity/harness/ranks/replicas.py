@@ -1,0 +1,222 @@
+"""The replicas of a script ddparity did not write (``ddparity watch``): which parameters
+must be identical on which ranks, and their fingerprints after every ``optimizer.step()``.
+
+A watched script builds its own DDP and FSDP2 modules and optimizers. :class:`Replicas`
+learns of them as they are made (``DistributedDataParallel.__init__`` and ``fully_shard``
+are wrapped: they run as they are, then the module is remembered) and registers one global
+optimizer step hook (``torch.optim``'s own: it returns nothing and changes no tensor).
+After each step it fingerprints every parameter the optimizer holds
+(:mod:`ddparity.harness.ranks.fingerprint`, a quarter of each large tensor per step) and
+names each with the ranks that must agree on it:
+
+* a parameter of a DDP module: every rank of that DDP's process group;
+* a DTensor (FSDP2, HSDP): the ranks at the same coordinate of every sharded mesh
+  dimension (under HSDP the shard's replicas; under plain FSDP2 no one, so nothing);
+* any other parameter (model parallel, a rank-local model): not compared.
+
+The fingerprints go to the rank's recorder and from there to the launch's store, where the
+reporter compares them (:mod:`ddparity.verbs.watch`). On a GPU the sums are copied to the
+host without waiting (a pinned buffer and an event) and published one step later: the step
+never waits for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ddparity.harness.ranks.fingerprint import device_sums
+from ddparity.harness.ranks.recorder import StepRecorder
+from ddparity.harness.ranks.shards import is_sharded
+from ddparity.records import SHARD_TAG
+
+_installed: Replicas | None = None
+
+
+class Replicas:
+    """The DDP and FSDP2 modules this process built, and the fingerprints of their
+    parameters after every optimizer step (see the module docstring)."""
+
+    def __init__(self, recorder: StepRecorder, world_size: int) -> None:
+        self.recorder = recorder
+        self.world_size = world_size
+        self.steps = 0
+        self.modules: list[tuple[Any, str, tuple[int, ...]]] = []
+        """(module, "ddp" | "fsdp", the DDP's group ranks or ())"""
+        self.unmatched = 0
+        """Parameters an optimizer stepped that belong to no DDP or FSDP2 module (not compared)."""
+        self.backend = ""
+        """The default process group's backend, as the first DDP or FSDP2 module found it."""
+        self._names: dict[int, tuple[str, str]] = {}
+        self._pending: tuple[int, list[str], Any, Any] | None = None
+        self._known = 0
+
+    # -- what the script's modules tell us ------------------------------------------
+
+    def built(self, module: Any, kind: str, ranks: tuple[int, ...] = ()) -> None:
+        import torch.distributed as dist
+
+        self.modules.append((module, kind, ranks))
+        if not self.backend and dist.is_initialized():
+            self.backend = str(dist.get_backend())
+
+    @property
+    def mode(self) -> str:
+        """The data parallelism the script used: ddp, fsdp, hsdp (a 2-D mesh), or ddp when none was seen."""
+        kinds = {kind for _, kind, _ in self.modules}
+        if "fsdp" in kinds:
+            return "hsdp" if any(self._mesh_dims(m) > 1 for m, kind, _ in self.modules if kind == "fsdp") else "fsdp"
+        return "ddp"
+
+    @staticmethod
+    def _mesh_dims(module: Any) -> int:
+        for p in module.parameters():
+            if is_sharded(p):
+                return int(p.device_mesh.ndim)
+        return 0
+
+    def _name_map(self) -> None:
+        """Each parameter's name and the ranks that hold the same values (its tag)."""
+        if self._known == len(self.modules):
+            return
+        self._known = len(self.modules)
+        names: dict[int, tuple[str, str]] = {}
+        for module, kind, ranks in sorted(self.modules, key=lambda m: -sum(1 for _ in m[0].parameters())):
+            inner = module.module if kind == "ddp" else module
+            tag = "" if kind != "ddp" or len(ranks) in (0, self.world_size) else f"{SHARD_TAG}ddp group {list(ranks)}]"
+            for name, p in inner.named_parameters():
+                if id(p) not in names:
+                    names[id(p)] = (name, tag)
+        self._names = names
+
+    def record_buckets(self, ddp: Any) -> None:
+        """The ledger learns of DDP's gradient all-reduces (issued from C++) from its bucket
+        layout, when a forward that backward will all-reduce ends (a hook that returns
+        nothing: the outputs are DDP's)."""
+        import torch
+
+        from ddparity.harness.ranks.ddp_buckets import BucketLayout
+
+        if not BucketLayout.available(ddp):
+            return
+        layout = BucketLayout(ddp)
+        recorder = self.recorder
+
+        def after_forward(module: Any, args: Any, outputs: Any) -> None:
+            if module.require_backward_grad_sync and torch.is_grad_enabled():
+                recorder.ddp_buckets(layout.current())
+
+        ddp.register_forward_hook(after_forward)
+
+    # -- after each optimizer step ----------------------------------------------------
+
+    def after_step(self, optimizer: Any, *_: Any) -> None:
+        """The global optimizer step hook: fingerprint what this optimizer holds."""
+        step = self.steps
+        self.steps += 1
+        self.recorder.set_phase(self.steps, "")
+        self._name_map()
+        names: list[str] = []
+        tensors: list[Any] = []
+        unmatched = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if is_sharded(p):
+                    name = self._names.get(id(p), ("?", ""))[0]
+                    names.append(f"param {name}{SHARD_TAG}{_coordinates(p)}]")
+                    tensors.append(p.to_local())
+                elif id(p) in self._names:
+                    name, tag = self._names[id(p)]
+                    names.append(f"param {name}{tag}")
+                    tensors.append(p)
+                else:
+                    unmatched += 1
+        self.unmatched = max(self.unmatched, unmatched)
+        if tensors:
+            self._publish_pending()
+            sums = _device_sums(tensors, step)
+            if sums.device.type == "cpu":
+                self.recorder.fingerprints(step, dict(zip(names, sums.tolist())))
+            else:  # published at the next step (or the end), the copy finished by then
+                import torch
+
+                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                host.copy_(sums, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending = (step, names, host, event)
+
+    def _publish_pending(self) -> None:
+        if self._pending is not None:
+            step, names, host, event = self._pending
+            self._pending = None
+            event.synchronize()
+            self.recorder.fingerprints(step, dict(zip(names, host.tolist())))
+
+    def flush(self) -> None:
+        """The script ended: publish the last step's fingerprints (a GPU's, still pending)."""
+        self._publish_pending()
+
+
+def _coordinates(p: Any) -> str:
+    """Where a DTensor's local part sits on its mesh's sharded dimensions (``1`` or
+    ``dim 1: 0``): the ranks with the same coordinates hold the same part."""
+    mesh, placements = p.device_mesh, p.placements
+    coords = mesh.get_coordinate() or []
+    sharded = [(i, c) for i, (c, pl) in enumerate(zip(coords, placements)) if not pl.is_replicate()]
+    if len(sharded) == 1:
+        return str(sharded[0][1])
+    return ", ".join(f"dim {i}: {c}" for i, c in sharded) or "replicated"
+
+
+def _device_sums(tensors: list[Any], step: int) -> Any:
+    """Each tensor's fingerprint (large tensors a rotating slice, as
+    :func:`ddparity.harness.ranks.fingerprint.fingerprint` takes them), as one int64
+    tensor on the first tensor's device."""
+    import torch
+
+    with torch.no_grad():
+        sums = device_sums(tensors, step)
+        device = sums[0].device
+        return torch.stack([s.to(device) for s in sums])
+
+
+def install(recorder: StepRecorder, world_size: int) -> Replicas:
+    """Wrap DDP's constructor and ``fully_shard`` in this process and register the global
+    optimizer step hook (once; later calls return the same :class:`Replicas`)."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    import torch.distributed.fsdp as fsdp_pkg
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    replicas = _installed = Replicas(recorder, world_size)
+    original_init = DistributedDataParallel.__init__
+
+    @functools.wraps(original_init)
+    def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        import torch.distributed as dist
+
+        replicas.built(self, "ddp", tuple(dist.get_process_group_ranks(self.process_group)))
+        replicas.record_buckets(self)
+
+    DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+    original_shard = fsdp_pkg.fully_shard
+
+    @functools.wraps(original_shard)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original_shard(module, *args, **kwargs)
+        for m in (module if isinstance(module, (list, tuple)) else [module]):
+            replicas.built(m, "fsdp")
+        return out
+
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp._fully_shard._fully_shard as inner
+
+    for where in (fsdp_pkg, composable, inner):
+        if getattr(where, "fully_shard", None) is original_shard:
+            where.fully_shard = fully_shard  # type: ignore[attr-defined]
+    register_optimizer_step_post_hook(replicas.after_step)
+    return replicas
