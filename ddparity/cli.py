@@ -208,36 +208,16 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     """``watch``: one rank of a launch (under torchrun), or the launcher of local ranks."""
-    from ddparity.errors import WorldStartError
-    from ddparity.harness.launch import torchrun
     from ddparity.verbs import watch
 
-    watch.validate_script(args.script)
-    if args.json == "-":
-        raise UsageError("--json - would mix the JSON with your script's own output: give a file path")
-    if not torchrun.launched():
-        if args.nproc_per_node is None:
-            raise UsageError("say how many ranks: ddparity watch --nproc-per-node N SCRIPT (or run it under "
-                             "torchrun: torchrun --nproc-per-node N -m ddparity watch SCRIPT)")
-        _check_writable(args.json, "JSON report")
-        flags = ["--timeout", f"{args.timeout:g}"] + (["--json", os.path.abspath(args.json)] if args.json else [])
-        return watch.watch_locally(args.nproc_per_node, [*flags, "--", args.script, *args.args])
-    if args.nproc_per_node is not None:
-        raise UsageError("--nproc-per-node is torchrun's to decide here (torchrun --nproc-per-node N ...)")
-    if os.environ.get("RANK") == "0":
-        _check_writable(args.json, "JSON report")
-    _Out.json_stream = sys.stdout  # the report goes to stderr: stdout is the script's
-
     def emit(report: Any) -> None:
+        _Out.json_stream = sys.stdout  # the report goes to stderr: stdout is the script's
         _show(report.render())
         if args.json:
             _write_json(args.json, [report])
 
-    try:
-        return watch.watch_launched(args.script, args.args, args.timeout, emit)
-    except WorldStartError as exc:
-        print(f"ddparity: {exc}", file=sys.stderr)
-        return Exit.HANG_OR_CRASH
+    return watch.watch_command(args.script, args.args, args.nproc_per_node, args.timeout, args.json, emit,
+                               lambda path: _check_writable(path, "JSON report"), args.module)
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ PROFILE_EXAMPLES = """examples:
 
 WATCH_EXAMPLES = """examples:
   ddparity watch --nproc-per-node 2 train.py --lr 0.1      your script on 2 local ranks, watched
+  ddparity watch --nproc-per-node 2 -m ddparity.fixtures.scripts.ddp_train --fault hang --on 0   a planted hang
   torchrun --nproc-per-node 8 -m ddparity watch --timeout 600 train.py --lr 0.1
   torchrun --nnodes 2 --nproc-per-node 8 ... -m ddparity watch --json watch.json train.py
 the script runs as `python train.py ARGS` would (as __main__, its argv, output and exit code);
@@ -181,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"seconds a rank may stand still (no collective, no optimizer step, its Python not moving) "
                          f"before it counts as a hang (default {settings.WATCH_TIMEOUT_S:g})")
     wt.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) to PATH (rank 0 under torchrun)")
-    wt.add_argument("script", help="your training script (path/to/train.py)")
+    wt.add_argument("-m", dest="module", action="store_true",
+                    help="SCRIPT is a module, run as python -m SCRIPT would (as torchrun -m does)")
+    wt.add_argument("script", help="your training script (path/to/train.py), or a module's name with -m")
     wt.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser

@@ -159,3 +159,10 @@ class RemoteError(Exception):
 
     def __reduce__(self):  # keep it picklable with its three fields
         return (RemoteError, (self.type_name, self.message, self.traceback))
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """An error a rank gets because a peer is gone (the peer is the news, not this rank)."""
+    text = str(exc)
+    return type(exc).__name__ in ("DistError", "DistBackendError", "DistNetworkError") or any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL error"))

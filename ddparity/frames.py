@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import sysconfig
+import threading
+import traceback
 from collections.abc import Callable
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -167,3 +170,19 @@ def tidy_faulthandler_dump(text: str) -> str:
         if RANK_LOOP in line and line.lstrip().startswith("File"):
             skipping = True
     return hide_own_frames("\n".join(lines))
+
+
+def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
+    """Every thread's Python stack in this process, the main thread first (not ddparity's
+    own threads: the watch, the ledger's publisher, the reference's server)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        name = names.get(ident, f"0x{ident:x}")
+        if name.startswith(skip):
+            continue
+        frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith("<frozen runpy>")]
+        stack = hide_own_frames("".join(traceback.format_list(frames)).rstrip())  # less python -m's bootstrap
+        parts.append(f"Thread {name} (most recent call last):\n{stack}")
+    return "\n".join(parts)

@@ -113,14 +113,16 @@ class _Watched:
     """One process of a watched launch: the script's rank, and (rank 0, or the lowest
     rank alive) the reporter."""
 
-    def __init__(self, script: str, args: list[str], timeout: float, emit: Callable[[Report], None]) -> None:
+    def __init__(self, script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
+                 module: bool = False) -> None:
         from ddparity.harness.launch import torchrun
         from ddparity.harness.launch.watch import LaunchWatch
         from ddparity.harness.ranks.recorder import install_recorder
         from ddparity.harness.ranks.replicas import install
         from ddparity.harness.sidechannel import RingRankChannel
 
-        self.script, self.args, self.timeout, self._emit_to = script, args, timeout, emit
+        self.script, self.args, self.timeout, self._emit_to, self.module = script, args, timeout, emit, module
+        self.file = validate_script(script, module)
         self.started = time.perf_counter()
         self.launch = torchrun.connect("gloo", timeout, tasks=(STAGE,))
         self.rank, self.n, self.store = self.launch.ctx.rank, self.launch.ctx.world_size, self.launch.store
@@ -134,20 +136,20 @@ class _Watched:
     def run(self) -> int:
         """Run the script; return its exit code once the verdict passed (a failing verdict
         ends the process with the verdict's code)."""
-        from ddparity.harness.launch.watch import result_key
         from ddparity.harness.launch.watched import FrameTicker, from_script, run_script
+        from ddparity.harness.sidechannel import result_key
 
         self.recorder.begin_task(STAGE)
         self.recorder.set_phase(0, "")
         ticker = FrameTicker(self.recorder)
         try:
-            code = run_script(self.script, self.args)
+            code = run_script(self.script, self.args, self.module)
             self.replicas.flush()
         except KeyboardInterrupt:
             os._exit(Exit.INTERRUPTED)
         except BaseException as exc:
             ticker.stop()
-            self.watch.fail(from_script(exc, self.script))
+            self.watch.fail(from_script(exc, self.file))
         ticker.stop()
         self.recorder.end_task()
         self.store.set(result_key(STAGE, self.rank), json.dumps(self._summary(code)))
@@ -169,7 +171,8 @@ class _Watched:
 
         backend = dist.get_backend() if dist.is_initialized() else self.replicas.backend
         return {"code": code, "steps": self.replicas.steps, "mode": self.replicas.mode, "backend": backend,
-                "unmatched": self.replicas.unmatched, "collectives": len(self.channel.ledger)}
+                "unmatched": self.replicas.unmatched, "replicated": self.replicas.replicated,
+                "collectives": sum(n + 1 for n in self.recorder.seq.values())}
 
     # -- the reporter -----------------------------------------------------------------
 
@@ -180,9 +183,11 @@ class _Watched:
         run.notes.append(f"watched: {self.n} processes running {self.script} as it is (no Case)")
         if results:
             steps = min(r["steps"] for r in results)
-            run.notes.append(f"{min(r['collectives'] for r in results)} collectives recorded per rank, "
-                             f"{steps} optimizer step(s) fingerprinted and compared across {mine['mode']} replicas"
-                             if steps else "no optimizer.step() ran: replicas not compared")
+            compared = (f"{steps} optimizer step(s) fingerprinted and compared across {mine['mode']} replicas"
+                        if min(r["replicated"] for r in results) else
+                        f"{steps} optimizer step(s) ran; no parameter is held by two ranks (each holds its own "
+                        f"shard): no replicas to compare" if steps else "no optimizer.step() ran: replicas not compared")
+            run.notes.append(f"{min(r['collectives'] for r in results)} collectives recorded per rank; {compared}")
             unmatched = max(r["unmatched"] for r in results)
             if unmatched:
                 run.notes.append(f"{unmatched} parameter(s) an optimizer stepped belong to no DDP or FSDP2 module: "
@@ -196,11 +201,10 @@ class _Watched:
         import shlex
 
         return f"torchrun --nproc-per-node {self.n} -m {PROGRAM} --timeout {self.timeout:g} " + shlex.join(
-            [self.script, *self.args])
+            [*(["-m"] if self.module else []), self.script, *self.args])
 
     def _report_completed(self) -> int:
-        from ddparity.harness.launch.watch import result_key
-        from ddparity.harness.sidechannel import TaskChannel
+        from ddparity.harness.sidechannel import TaskChannel, result_key
 
         results = [json.loads(self.store.get(result_key(STAGE, r))) for r in range(self.n)]
         records = TaskChannel(self.store, "", STAGE, self.n).read()
@@ -231,10 +235,11 @@ class _Watched:
         return report.exit_code
 
 
-def watch_launched(script: str, args: list[str], timeout: float, emit: Callable[[Report], None]) -> int:
+def watch_launched(script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
+                   module: bool = False) -> int:
     """This process's part of ``watch`` in a launch: the script's exit code when the
     verdict passes (the process ends with the verdict's code otherwise)."""
-    return _Watched(script, args, timeout, emit).run()
+    return _Watched(script, args, timeout, emit, module).run()
 
 
 def watch_locally(nproc: int, rank_argv: list[str]) -> int:
@@ -268,10 +273,44 @@ def _ended(code: int) -> str:
     return f"exit code {code}"
 
 
-def validate_script(script: str) -> str:
-    """The script to watch, as given; a usage error naming the problem when it cannot run."""
-    if not os.path.exists(script):
+def watch_command(script: str, args: list[str], nproc: int | None, timeout: float, json_path: str | None,
+                  emit: Callable[[Report], None], writable: Callable[[str | None], None], module: bool = False) -> int:
+    """``ddparity watch``: this process is one rank of a launch (under torchrun), or starts
+    ``nproc`` ranks here. ``writable`` raises a usage error for a JSON path that cannot be
+    written (before any work)."""
+    from ddparity.errors import WorldStartError
+    from ddparity.harness.launch import torchrun
+
+    validate_script(script, module)
+    if json_path == "-":
+        raise UsageError("--json - would mix the JSON with your script's own output: give a file path")
+    if not torchrun.launched():
+        if nproc is None:
+            raise UsageError("say how many ranks: ddparity watch --nproc-per-node N SCRIPT (or run it under "
+                             "torchrun: torchrun --nproc-per-node N -m ddparity watch SCRIPT)")
+        writable(json_path)
+        flags = ["--timeout", f"{timeout:g}"] + (["--json", os.path.abspath(json_path)] if json_path else [])
+        return watch_locally(nproc, [*flags, *(["-m"] if module else []), "--", script, *args])
+    if nproc is not None:
+        raise UsageError("--nproc-per-node is torchrun's to decide here (torchrun --nproc-per-node N ...)")
+    if os.environ.get("RANK") == "0":
+        writable(json_path)
+    try:
+        return watch_launched(script, args, timeout, emit, module)
+    except WorldStartError as exc:
+        print(f"ddparity: {exc}", file=sys.stderr)
+        return Exit.HANG_OR_CRASH
+
+
+def validate_script(script: str, module: bool = False) -> str:
+    """The script's file; a usage error naming the problem when there is none."""
+    from ddparity.harness.launch.watched import script_file
+
+    found = script_file(script, module)
+    if found is None and module:
+        raise UsageError(f"no module named {script!r} (python -m {script} would not find it either)")
+    if found is None and not os.path.exists(script):
         raise UsageError(f"no such script: {script!r} (give the path of your training script, e.g. train.py)")
-    if not os.path.isfile(script):
+    if found is None:
         raise UsageError(f"{script!r} is not a file: give the path of your training script, e.g. train.py")
-    return script
+    return found

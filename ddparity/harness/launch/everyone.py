@@ -12,9 +12,9 @@ from typing import Any
 
 from ddparity.errors import Exit, WorldFailure
 from ddparity.harness.launch import torchrun
-from ddparity.harness.launch.watch import LaunchWatch, result_key
+from ddparity.harness.launch.watch import LaunchWatch
 from ddparity.harness.ranks.recorder import install_recorder
-from ddparity.harness.sidechannel import RankChannel
+from ddparity.harness.sidechannel import RankChannel, result_key
 
 
 class Everyone:

@@ -137,7 +137,7 @@ def connect(backend: str, timeout: float, tasks: tuple[int, ...]) -> Launch:
     import torch
     import torch.distributed as dist
 
-    from ddparity.harness.launch.watch import prepare_keys
+    from ddparity.harness.sidechannel import prepare_keys
 
     ctx = context(backend)
     if ctx.device.startswith("cuda"):

@@ -39,10 +39,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ddparity import errors
 from ddparity.errors import Exit, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
-from ddparity.frames import hide_own_frames
+from ddparity.frames import own_stacks
 from ddparity.harness.deadlines import Ending, TaskClock
-from ddparity.harness.sidechannel import KEY_LETTERS, TaskChannel, TaskEnd, task_prefix
+from ddparity.harness.sidechannel import TaskChannel, TaskEnd, result_key
 from ddparity.harness.world.outcomes import RankOutcome, with_stacks
 from ddparity.records import RankRecords
 
@@ -57,44 +58,6 @@ TERM_GRACE_S = 20.0
 ACK_WAIT_S = 10.0
 """How long the reporter waits for every live rank to read the verdict before it exits
 (under ``srun`` the store lives in rank 0: it must outlast their reading)."""
-
-
-def own_stacks(skip: tuple[str, ...] = ("ddparity-",)) -> str:
-    """Every thread's Python stack in this process, the main thread first (not ddparity's
-    own threads: the watch, the ledger's publisher, the reference's server)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    parts = []
-    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
-        name = names.get(ident, f"0x{ident:x}")
-        if name.startswith(skip):
-            continue
-        frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith("<frozen runpy>")]
-        stack = hide_own_frames("".join(traceback.format_list(frames)).rstrip())  # less python -m's bootstrap
-        parts.append(f"Thread {name} (most recent call last):\n{stack}")
-    return "\n".join(parts)
-
-
-def result_key(stage: int, rank: int) -> str:
-    """Where ``rank`` publishes its result of the every-rank task of ``stage``."""
-    return f"R{stage}/{rank}"
-
-
-def prepare_keys(store: Any, rank: int, tasks: tuple[int, ...], node: str) -> None:
-    """This rank's keys, created before any process reads them (a TCPStore get of a
-    missing key blocks); ``I<r>`` says where it runs (node, pid)."""
-    keys = [f"{task_prefix('', t)}{kind}{rank}" for t in tasks for kind in KEY_LETTERS]
-    values = [""] * len(keys)
-    keys += [f"B{rank}", f"S{rank}", f"I{rank}"]
-    values += ["0", "", f"{node}\n{os.getpid()}"]
-    store.multi_set(keys, values)
-
-
-def _comm_error(exc: BaseException) -> bool:
-    """An error a rank gets because a peer is gone (the peer is the news, not this rank)."""
-    text = str(exc)
-    return type(exc).__name__ in ("DistError", "DistBackendError", "DistNetworkError") or any(
-        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL error"))
 
 
 class LaunchWatch:
@@ -115,9 +78,9 @@ class LaunchWatch:
         """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
         self._claim = threading.Lock()
         self._claimed = False
+        self._stopped = False
         self.main_exits = False
-        """A passing verdict is the main thread's to act on (:meth:`await_verdict`: a watched
-        script's process ends as the script would, its ``atexit`` handlers run)."""
+        """A passing verdict is the main thread's (:meth:`await_verdict`): a watched script ends as it would."""
         self._beats: dict[int, tuple[str, float]] = {}
         self._seen: list[str] | None = None
         self._clock = TaskClock(time.monotonic(), timeout, ERROR_GRACE_S)
@@ -146,7 +109,7 @@ class LaunchWatch:
         from ddparity.harness.ranks.rank import encode_exception
 
         text = "".join(traceback.format_exception(exc))
-        if _comm_error(exc):  # a peer aborted or is gone: read where every rank was while the store still answers
+        if errors.peer_gone(exc):  # a peer aborted or is gone: read where every rank was while the store still answers
             try:  # (its node's agent may take the store down next: the report comes from what was seen)
                 seen = TaskChannel(self.store, "", self.stage, self.n).progress()
                 self._progress = [seen[r] if r in self._participants() else "" for r in range(self.n)]
@@ -172,6 +135,7 @@ class LaunchWatch:
         if code != 0:
             self.idle()
         self.store.add("acked", 1)
+        self._stop()
         return code
 
     def publish_verdict(self, code: int) -> None:
@@ -179,6 +143,12 @@ class LaunchWatch:
         self._finishing = True
         self.store.set("V", str(code))
         self._wait_for_acks()
+        self._stop()
+
+    def _stop(self) -> None:
+        """End the watch thread first: one inside the store's C++ at exit aborts the process."""
+        self._stopped = True
+        self._thread.join(timeout=4 * BEAT_S)
 
     def idle(self) -> NoReturn:
         """Nothing left to do here but wait for the verdict (the watch thread exits)."""
@@ -199,8 +169,10 @@ class LaunchWatch:
 
     def _loop(self) -> None:
         try:
-            while True:
+            while not self._stopped:
                 time.sleep(BEAT_S)
+                if self._stopped:
+                    return
                 self.store.add(f"B{self.rank}", 1)
                 if self._finishing:
                     continue  # this process publishes the verdict and waits for the others to read it
@@ -346,7 +318,7 @@ class LaunchWatch:
         if raised:
             self._clock.raised(now)
         # a peer's death reaches the others as their own errors first: give it time to show
-        grace = DEAD_S + 1 if raised and all(_comm_error(e) for e, _ in raised.values()) else ERROR_GRACE_S
+        grace = DEAD_S + 1 if raised and all(errors.peer_gone(e) for e, _ in raised.values()) else ERROR_GRACE_S
         dead = [r for r in dead if r not in raised]
         ending = self._clock.decide(now, stopped=failure is not None, dead=bool(dead), grace=grace)
         if ending is Ending.CRASHED:

@@ -51,14 +51,17 @@ class FrameTicker:
         self._stop.set()
 
 
-def run_script(path: str, args: list[str]) -> int:
-    """Run ``path`` as ``__main__`` with ``args``; its exit code (``sys.exit``'s, else 0).
-    An exception it raises propagates (:func:`from_script` trims its traceback)."""
-    script = os.path.abspath(path)
+def run_script(path: str, args: list[str], module: bool = False) -> int:
+    """Run ``path`` (``module``: a module's name, as ``python -m`` does) as ``__main__`` with
+    ``args``; its exit code (``sys.exit``'s, else 0). An exception it raises propagates
+    (:func:`from_script` trims its traceback)."""
     sys.argv = [path, *args]
-    sys.path[0] = os.path.dirname(script)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(path, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(path))
+            runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None:
@@ -70,10 +73,23 @@ def run_script(path: str, args: list[str]) -> int:
     return 0
 
 
-def from_script(exc: BaseException, path: str) -> BaseException:
-    """``exc`` with its traceback starting at the script's own frame (not at ddparity's
-    and runpy's frames that ran it)."""
-    script = os.path.abspath(path)
+def script_file(path: str, module: bool = False) -> str | None:
+    """The script's file (a module's, found as ``python -m`` would find it), or None when
+    there is none."""
+    if not module:
+        return os.path.abspath(path) if os.path.isfile(path) else None
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(path)
+    except (ImportError, ValueError):
+        return None
+    return os.path.abspath(spec.origin) if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+
+
+def from_script(exc: BaseException, script: str) -> BaseException:
+    """``exc`` with its traceback starting at the frame of ``script`` (its file: not at
+    ddparity's and runpy's frames that ran it)."""
     tb = exc.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next

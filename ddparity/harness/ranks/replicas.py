@@ -23,6 +23,10 @@ never waits for them.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from ddparity.harness.ranks.fingerprint import device_sums
@@ -45,6 +49,8 @@ class Replicas:
         """(module, "ddp" | "fsdp", the DDP's group ranks or ())"""
         self.unmatched = 0
         """Parameters an optimizer stepped that belong to no DDP or FSDP2 module (not compared)."""
+        self.replicated = 0
+        """Parameters (or shards) an optimizer stepped that other ranks hold too (compared)."""
         self.backend = ""
         """The default process group's backend, as the first DDP or FSDP2 module found it."""
         self._names: dict[int, tuple[str, str]] = {}
@@ -90,20 +96,30 @@ class Replicas:
         self._names = names
 
     def record_buckets(self, ddp: Any) -> None:
-        """The ledger learns of DDP's gradient all-reduces (issued from C++) from its bucket
-        layout, when a forward that backward will all-reduce ends (a hook that returns
-        nothing: the outputs are DDP's)."""
+        """Where the rank is in a DDP step, and DDP's gradient all-reduces (issued from
+        C++, recorded from its bucket layout) once a forward that backward will all-reduce
+        ended. Hooks that return nothing: the forward's outputs and their gradients are
+        DDP's; a gradient hook on the outputs says backward began (a rank that never gets
+        there is behind the ranks waiting in backward for its all-reduce)."""
         import torch
+        from torch.utils._pytree import tree_leaves
 
         from ddparity.harness.ranks.ddp_buckets import BucketLayout
 
-        if not BucketLayout.available(ddp):
-            return
-        layout = BucketLayout(ddp)
+        layout = BucketLayout(ddp) if BucketLayout.available(ddp) else None
         recorder = self.recorder
 
+        def backward_began(grad: Any) -> None:
+            recorder.set_phase(self.steps, "backward")
+
         def after_forward(module: Any, args: Any, outputs: Any) -> None:
-            if module.require_backward_grad_sync and torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
+                return
+            recorder.set_phase(self.steps, "forward")
+            for leaf in tree_leaves(outputs):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(backward_began)
+            if layout is not None and module.require_backward_grad_sync:
                 recorder.ddp_buckets(layout.current())
 
         ddp.register_forward_hook(after_forward)
@@ -114,24 +130,27 @@ class Replicas:
         """The global optimizer step hook: fingerprint what this optimizer holds."""
         step = self.steps
         self.steps += 1
-        self.recorder.set_phase(self.steps, "")
+        self.recorder.set_phase(self.steps, "optimizer")
         self._name_map()
         names: list[str] = []
         tensors: list[Any] = []
-        unmatched = 0
+        unmatched = replicated = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if is_sharded(p):
                     name = self._names.get(id(p), ("?", ""))[0]
                     names.append(f"param {name}{SHARD_TAG}{_coordinates(p)}]")
                     tensors.append(p.to_local())
+                    replicated += _replicas(p) > 1
                 elif id(p) in self._names:
                     name, tag = self._names[id(p)]
                     names.append(f"param {name}{tag}")
                     tensors.append(p)
+                    replicated += 1
                 else:
                     unmatched += 1
         self.unmatched = max(self.unmatched, unmatched)
+        self.replicated = max(self.replicated, replicated)
         if tensors:
             self._publish_pending()
             sums = _device_sums(tensors, step)
@@ -158,6 +177,14 @@ class Replicas:
         self._publish_pending()
 
 
+def _replicas(p: Any) -> int:
+    """How many ranks hold the same part of a DTensor (the sizes of its replicated mesh dimensions)."""
+    count = 1
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        count *= size if placement.is_replicate() else 1
+    return count
+
+
 def _coordinates(p: Any) -> str:
     """Where a DTensor's local part sits on its mesh's sharded dimensions (``1`` or
     ``dim 1: 0``): the ranks with the same coordinates hold the same part."""
@@ -182,12 +209,12 @@ def _device_sums(tensors: list[Any], step: int) -> Any:
 
 
 def install(recorder: StepRecorder, world_size: int) -> Replicas:
-    """Wrap DDP's constructor and ``fully_shard`` in this process and register the global
+    """Wrap DDP's constructor and ``fully_shard`` in this process (the latter once the script
+    imports it: importing FSDP has side effects of its own) and register the global
     optimizer step hook (once; later calls return the same :class:`Replicas`)."""
     global _installed
     if _installed is not None:
         return _installed
-    import torch.distributed.fsdp as fsdp_pkg
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -203,6 +230,23 @@ def install(recorder: StepRecorder, world_size: int) -> Replicas:
         replicas.record_buckets(self)
 
     DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+    if FSDP in sys.modules:
+        _wrap_fully_shard(replicas)
+    else:
+        sys.meta_path.insert(0, _AfterImport(FSDP, lambda: _wrap_fully_shard(replicas)))
+    register_optimizer_step_post_hook(replicas.after_step)
+    return replicas
+
+
+FSDP = "torch.distributed.fsdp"
+
+
+def _wrap_fully_shard(replicas: Replicas) -> None:
+    """``fully_shard`` runs as it is, then the module (or modules) it sharded are remembered."""
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as fsdp_pkg
+    import torch.distributed.fsdp._fully_shard._fully_shard as inner
+
     original_shard = fsdp_pkg.fully_shard
 
     @functools.wraps(original_shard)
@@ -212,11 +256,31 @@ def install(recorder: StepRecorder, world_size: int) -> Replicas:
             replicas.built(m, "fsdp")
         return out
 
-    import torch.distributed._composable.fsdp as composable
-    import torch.distributed.fsdp._fully_shard._fully_shard as inner
-
     for where in (fsdp_pkg, composable, inner):
         if getattr(where, "fully_shard", None) is original_shard:
             where.fully_shard = fully_shard  # type: ignore[attr-defined]
-    register_optimizer_step_post_hook(replicas.after_step)
-    return replicas
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` right after module ``name`` is first imported (and leaves the import
+    system as it found it)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original, then = loader.exec_module, self.then
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            then()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec

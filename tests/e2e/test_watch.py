@@ -1,0 +1,201 @@
+"""``ddparity watch``: a training script nobody wrote for ddparity, run as it is on every
+rank, as users run it — ``ddparity watch --nproc-per-node N script ARGS`` (ranks started
+here), ``torchrun ... -m ddparity watch ...`` and two torchrun agents over loopback. Each
+planted fault (:mod:`ddparity.fixtures.scripts`) on rank 0, 1 or the last one is found
+with its rank; a clean run passes with the script's own output and exit code; no process
+outlives a run, even when the launcher is killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import needs_newer_torch, wait_gone
+from tests.e2e.test_torchrun import _env, _free_port, _ours
+
+pytestmark = [pytest.mark.slow, needs_newer_torch, pytest.mark.usefixtures("no_leftover_processes")]
+
+DDP = "ddparity.fixtures.scripts.ddp_train"
+FSDP = "ddparity.fixtures.scripts.fsdp_train"
+
+
+def watch(folder, nproc: int, *script: str, timeout: float = 8, module: bool = True) -> tuple[subprocess.CompletedProcess, dict | None]:  # noqa: ANN001
+    out = folder / "watch.json"
+    cmd = [sys.executable, "-m", "ddparity", "watch", "--nproc-per-node", str(nproc), "--timeout", f"{timeout:g}",
+           "--json", str(out), *(["-m"] if module else []), *script]
+    result = subprocess.run(cmd, cwd=folder, env=_env(folder), capture_output=True, text=True, timeout=240)
+    assert not wait_gone(_ours(folder), 10), "processes of the watched run outlived it"
+    assert [p.name for p in (folder / "tmp").glob("ddparity-*")] == [], "the run left files of ddparity's behind"
+    return result, json.loads(out.read_text()) if out.exists() else None
+
+
+def only_run(data: dict) -> dict:
+    [run] = data["runs"]
+    return run
+
+
+def test_a_clean_ddp_script_passes_with_its_own_output_and_exit_code(tmp_path):
+    result, data = watch(tmp_path, 2, DDP)
+    assert result.returncode == 0, result.stderr
+    assert "step 7: loss" in result.stdout  # the script's own output, on stdout
+    assert "OK: no hang, crash, collective mismatch or replica drift" in result.stderr
+    run = only_run(data)
+    assert (run["mode"], run["world_size"], run["status"]) == ("ddp", 2, "pass")
+    assert any("8 optimizer step(s) fingerprinted and compared across ddp replicas" in n for n in run["notes"])
+
+
+def test_the_scripts_argv_and_exit_code_pass_through_when_nothing_is_found(tmp_path):
+    (tmp_path / "train.py").write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(2))\n"
+        "print(f'argv {sys.argv[1:]} {__name__}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+        "sys.exit(5)\n")
+    result, data = watch(tmp_path, 2, "train.py", "--lr", "0.1", "--timeout", "3", module=False)
+    assert result.returncode == 5, result.stderr
+    assert result.stdout.count("argv ['--lr', '0.1', '--timeout', '3'] __main__") == 2
+    assert only_run(data)["status"] == "pass"
+    assert any("exit code(s), passed through: {0: 5, 1: 5}" in n for n in only_run(data)["notes"])
+
+
+def test_a_rank_that_stops_is_a_hang_naming_it_with_every_ranks_place_and_stack(tmp_path):
+    result, data = watch(tmp_path, 3, DDP, "--fault", "hang", "--on", "-1", timeout=5)
+    assert result.returncode == 3, result.stderr
+    run = only_run(data)
+    assert run["status"] == "hang"
+    assert run["hang"]["suspect_ranks"] == [2]
+    places = run["hang"]["ranks"]
+    assert "DDP gradient bucket 0" in places["0"]["collective"]
+    assert "time.sleep(3600)" in places["2"]["stack"] and "loss.backward()" in places["0"]["stack"]
+
+
+def test_a_rank_that_raises_is_a_crash_with_its_traceback_from_the_script(tmp_path):
+    result, data = watch(tmp_path, 2, DDP, "--fault", "raise", "--on", "0")
+    assert result.returncode == 3, result.stderr
+    crash = only_run(data)["crash"]
+    assert crash["rank"] == 0
+    assert "ValueError: batch 2 on rank 0: labels out of range" in crash["error"]
+    assert 'ddp_train.py", line' in crash["traceback"] and "runpy" not in crash["traceback"]
+
+
+def test_a_killed_rank_is_a_crash_naming_it(tmp_path):
+    result, data = watch(tmp_path, 2, DDP, "--fault", "die", "--on", "1")
+    assert result.returncode == 3, result.stderr
+    run = only_run(data)
+    assert (run["status"], run["crash"]["rank"]) == ("crash", 1)
+
+
+def test_a_broadcast_of_another_size_on_the_last_rank_is_a_desync_with_its_source_line(tmp_path):
+    result, data = watch(tmp_path, 3, DDP, "--fault", "mismatch", "--on", "-1")
+    assert result.returncode == 1, result.stderr
+    desync = only_run(data)["desync"]
+    assert desync["ranks"] == [2]
+    issued = desync["collective"]["ranks"]["2"]
+    assert issued["collective"].startswith("broadcast(tensor=float32[5], root=0)")
+    assert issued["site"].startswith("ddparity/fixtures/scripts/_faults.py:")
+
+
+def test_a_metric_all_reduced_on_rank_0_alone_is_a_desync_naming_rank_0(tmp_path):
+    result, data = watch(tmp_path, 2, DDP, "--fault", "rank_only", "--on", "0")
+    assert result.returncode == 1, result.stderr
+    assert only_run(data)["desync"]["ranks"] == [0]
+
+
+def test_a_rank_local_learning_rate_is_replica_drift_from_the_next_step(tmp_path):
+    result, data = watch(tmp_path, 3, DDP, "--fault", "drift", "--on", "1")
+    assert result.returncode == 1, result.stderr
+    desync = only_run(data)["desync"]
+    assert (desync["step"], desync["ranks"]) == (3, [1])
+    assert "param 0.weight" in desync["what"]
+
+
+def test_an_fsdp2_script_passes_and_says_its_shards_have_no_replicas(tmp_path):
+    result, data = watch(tmp_path, 2, FSDP)
+    assert result.returncode == 0, result.stderr
+    run = only_run(data)
+    assert (run["mode"], run["status"]) == ("fsdp", "pass")
+    assert any("no replicas to compare" in n for n in run["notes"])
+
+
+@pytest.mark.breadth
+def test_an_fsdp2_script_with_a_collective_on_rank_0_alone_is_a_desync(tmp_path):
+    result, data = watch(tmp_path, 2, FSDP, "--fault", "rank_only", "--on", "0")
+    assert result.returncode == 1, result.stderr
+    desync = only_run(data)["desync"]
+    assert desync["ranks"] == [0]
+
+
+@pytest.mark.breadth
+def test_hsdp_replicas_of_one_shard_drifting_apart_are_a_desync_of_that_shard(tmp_path):
+    result, data = watch(tmp_path, 4, FSDP, "--replicas", "2", "--fault", "drift", "--on", "-1", timeout=20)
+    assert result.returncode == 1, result.stderr
+    run = only_run(data)
+    assert run["mode"] == "hsdp"
+    assert run["desync"]["ranks"] == [1, 3]  # shard 1's two replicas: a tie, both named
+    assert "[shard 1]" in run["desync"]["what"]
+
+
+def test_usage_errors_name_the_fix_before_any_rank_starts(tmp_path):
+    cases = [(["watch", "train.py"], "no such script: 'train.py'"),
+             (["watch", "-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+             (["watch", "-m", DDP], "say how many ranks: ddparity watch --nproc-per-node N"),
+             (["watch", "--nproc-per-node", "2", "--json", "-", "-m", DDP], "--json - would mix the JSON")]
+    for argv, message in cases:
+        result = subprocess.run([sys.executable, "-m", "ddparity", *argv], cwd=tmp_path, env=_env(tmp_path),
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_under_torchrun_a_crash_on_rank_1_is_reported_once_and_every_worker_ends(tmp_path):
+    out = tmp_path / "watch.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ddparity",
+           "watch", "--timeout", "8", "--json", str(out), "-m", DDP, "--fault", "raise", "--on", "1"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert not wait_gone(_ours(tmp_path), 10)
+    assert result.returncode != 0
+    assert result.stderr.count("ddparity watch: ddparity.fixtures.scripts.ddp_train") == 1
+    assert only_run(json.loads(out.read_text()))["crash"]["rank"] == 1
+
+
+def test_two_torchrun_agents_over_loopback_watch_one_script(tmp_path):
+    """Two "nodes" (torchrun agents meeting at a c10d rendezvous on 127.0.0.1), one rank
+    each: a clean run passes, a rank-local learning rate on the second node is drift."""
+    for fault, code in (([], 0), (["--fault", "drift", "--on", "1"], 1)):
+        out = tmp_path / "watch.json"
+        port = _free_port()
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                    "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                    "--rdzv-id", "w", "-m", "ddparity", "watch", "--timeout", "20", "--json", str(out),
+                                    "-m", DDP, *fault], cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [agent.communicate(timeout=240) for agent in agents]
+        assert not wait_gone(_ours(tmp_path), 10)
+        run = only_run(json.loads(out.read_text()))
+        assert run["status"] == ("pass" if code == 0 else "desync"), results
+        if code:
+            assert run["desync"]["ranks"] == [0, 1]  # two replicas: nothing shows which one is wrong
+            assert "param 0.weight" in run["desync"]["what"]
+        assert [a.returncode != 0 for a in agents] == [bool(code)] * 2, results
+        out.unlink()
+
+
+def test_killing_the_launcher_mid_hang_leaves_no_rank_behind(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "ddparity", "watch", "--nproc-per-node", "2", "--timeout", "120",
+                                 "-m", DDP, "--fault", "hang", "--on", "1"], cwd=tmp_path, env=_env(tmp_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_ours(tmp_path) - {launcher.pid}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(6)  # both ranks are training; rank 1 is stuck
+    ranks = _ours(tmp_path) - {launcher.pid}
+    assert len(ranks) >= 2
+    launcher.send_signal(signal.SIGKILL)
+    launcher.communicate(timeout=30)
+    assert not wait_gone(ranks, 15), "ranks outlived their killed launcher"
