@@ -129,9 +129,10 @@ class RankChannel:
 class RingRankChannel(RankChannel):
     """A watched script's end (``ddparity watch``): a training run of days must not grow
     the launch's store without bound, so its ledger and fingerprints keys hold the last
-    ``keep_ledger`` collectives and ``keep_prints`` steps (overwritten, a write per
-    publish), and the ledger's last ``history`` entries stay in this process
-    (:attr:`ledger`: the Flight Recorder dump)."""
+    ``keep_ledger`` collectives and ``keep_prints`` steps, overwritten at most every
+    :data:`RING_WRITE_S` (and when the task ends: the progress record, written at every
+    collective, holds the latest entries meanwhile); the ledger's last ``history`` entries
+    stay in this process (:attr:`ledger`: the Flight Recorder dump)."""
 
     def __init__(self, store: Any, world_prefix: str, rank: int, keep_ledger: int = 64, keep_prints: int = 32,
                  history: int = 4096) -> None:
@@ -141,18 +142,43 @@ class RingRankChannel(RankChannel):
         self.ledger: deque[str] = deque(maxlen=history)
         self._tail: deque[str] = deque(maxlen=keep_ledger)
         self._prints: deque[str] = deque(maxlen=keep_prints)
+        self._dirty: set[str] = set()
+        self._written = 0.0
 
     def append_ledger(self, line: str) -> None:
         if self._prefix:
             lines = line.split("\n")
             self.ledger.extend(lines)
             self._tail.extend(lines)
-            self._store.set(f"{self._prefix}L{self._rank}", "\n".join(self._tail) + "\n")
+            self._dirty.add("L")
+            self._flush(due=True)
 
     def append_fingerprint(self, line: str) -> None:
         if self._prefix:
             self._prints.extend(line.split("\n"))
+            self._dirty.add("F")
+            self._flush(due=True)
+
+    def end(self) -> None:
+        self._flush(due=False)
+        super().end()
+
+    def _flush(self, due: bool) -> None:
+        import time
+
+        now = time.monotonic()
+        if not self._prefix or (due and now - self._written < RING_WRITE_S):
+            return
+        self._written = now
+        if "L" in self._dirty:
+            self._store.set(f"{self._prefix}L{self._rank}", "\n".join(self._tail) + "\n")
+        if "F" in self._dirty:
             self._store.set(f"{self._prefix}F{self._rank}", "\n".join(self._prints) + "\n")
+        self._dirty.clear()
+
+
+RING_WRITE_S = 0.5
+"""How often a watched rank rewrites its ledger and fingerprint windows in the store."""
 
 
 class TaskChannel:

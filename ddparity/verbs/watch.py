@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.desync import ReplicaDrift, first_desync
@@ -127,7 +127,7 @@ class _Watched:
         self.launch = torchrun.connect("gloo", timeout, tasks=(STAGE,))
         self.rank, self.n, self.store = self.launch.ctx.rank, self.launch.ctx.world_size, self.launch.store
         self.channel = RingRankChannel(self.store, "", self.rank)
-        self.recorder = install_recorder(self.channel)
+        self.recorder = install_recorder(self.channel, write_behind=True)
         self.replicas = install(self.recorder, self.n)
         self.live = WatchLive(self.store, self.n, timeout)
         self.watch = LaunchWatch(self.store, self.rank, self.n, timeout, self._report_failure, self.live)
@@ -236,10 +236,12 @@ class _Watched:
 
 
 def watch_launched(script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
-                   module: bool = False) -> int:
-    """This process's part of ``watch`` in a launch: the script's exit code when the
-    verdict passes (the process ends with the verdict's code otherwise)."""
-    return _Watched(script, args, timeout, emit, module).run()
+                   module: bool = False) -> NoReturn:
+    """This process's part of ``watch`` in a launch: it ends with the script's exit code
+    when the verdict passes, else with the verdict's."""
+    from ddparity.harness.launch.watched import exit_as_the_script_would
+
+    exit_as_the_script_would(_Watched(script, args, timeout, emit, module).run())
 
 
 def watch_locally(nproc: int, rank_argv: list[str]) -> int:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 TICK_S = 0.5
 """How often the main thread's place in the script is sampled."""
@@ -94,6 +94,26 @@ def from_script(exc: BaseException, script: str) -> BaseException:
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next
     return exc.with_traceback(tb) if tb is not None else exc
+
+
+def exit_as_the_script_would(code: int) -> NoReturn:
+    """End this process as the interpreter ends a script — its non-daemon threads joined, its
+    ``atexit`` handlers run, output flushed — then without C++ static destructors: with
+    torch 2.13's gloo one of them aborts a process now and then as it exits ("terminate called
+    without an active exception", SIGABRT; seen with plain ``torchrun train.py`` too), which
+    would turn a passing run's exit code into a crash."""
+    import atexit
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # -- the local launcher (``python -m ddparity watch --nproc-per-node N``) ---------------

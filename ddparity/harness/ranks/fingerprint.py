@@ -27,10 +27,10 @@ within SLICES steps, and the equivalence check compares every rank to the refere
 SLICE_MIN = 1 << 16
 
 
-def device_sums(tensors: list[Any], part: int | None = None) -> list[Any]:
+def device_sums(tensors: list[Any], part: int | None = None, slices: int = SLICES) -> list[Any]:
     """Wrapping integer sum of each tensor's bit patterns, each a 0-d int64 tensor on the
     tensor's own device (nothing waits for them). ``part``: fingerprint slice
-    ``part % SLICES`` of large tensors only."""
+    ``part % slices`` of large tensors only."""
     import torch
 
     if not _INT_OF_SIZE:
@@ -39,8 +39,8 @@ def device_sums(tensors: list[Any], part: int | None = None) -> list[Any]:
     for t in tensors:
         flat = t.detach().reshape(-1)
         if part is not None and flat.numel() > SLICE_MIN:
-            size = -(-flat.numel() // SLICES)
-            flat = flat[(part % SLICES) * size : (part % SLICES + 1) * size]
+            size = -(-flat.numel() // slices)
+            flat = flat[(part % slices) * size : (part % slices + 1) * size]
         if flat.dtype == torch.bool:
             flat = flat.view(torch.uint8)
         if flat.is_complex():

@@ -45,6 +45,10 @@ thread runs while the main thread waits in a collective (torch releases the GIL 
 so a wedged rank's position is current; a rank killed outright loses at most this much
 of its phases and fingerprints."""
 
+LAZY_S = 0.25
+"""Under ``write_behind`` (``ddparity watch``), how long phase and fingerprint changes may
+wait for the next write when no collective brings one sooner."""
+
 HEARTBEAT_S = 1.0
 """How often a rank that is computing (its modules' forwards and its gradients ticking,
 see :meth:`Recorder.tick`) publishes that it still is, with no phase change: a long step
@@ -83,8 +87,14 @@ class Recorder:
     """Records this rank's collectives and progress, published to the side channel by a
     background thread (and synchronously at the start and end of every task)."""
 
-    def __init__(self, channel: RankEnd) -> None:
+    def __init__(self, channel: RankEnd, write_behind: bool = False) -> None:
         self.channel = channel
+        self.write_behind = write_behind
+        """Collectives' records written by the publisher thread at once, while the collective
+        runs, not by the issuing thread before it (``ddparity watch``: the user's step never
+        waits for the store; a rank that gloo aborts within the store's round trip may leave
+        its last collective unwritten)."""
+        self._urgent = False
         self._lock = threading.Lock()  # the recorder's state
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
         self._wake = threading.Event()
@@ -125,13 +135,17 @@ class Recorder:
 
     def _publish_loop(self) -> None:
         while True:
-            if not self._wake.wait(HEARTBEAT_S):  # nothing changed: still computing?
-                if self.ticks == self._ticks_published:
+            if not self._wake.wait(LAZY_S if self.write_behind else HEARTBEAT_S):
+                if self.write_behind and self._progress is not None:
+                    pass  # phases and fingerprints gathered since the last write
+                elif self.ticks == self._ticks_published:  # nothing changed: still computing?
                     continue
                 with self._lock:
                     self._changed()
             self._ticks_published = self.ticks
-            time.sleep(PUBLISH_S)  # let more changes gather
+            if not self._urgent:
+                time.sleep(PUBLISH_S)  # let more changes gather
+            self._urgent = False
             self._wake.clear()
             with self._io:
                 try:
@@ -191,7 +205,7 @@ class Recorder:
         site = call_site(2)
         for index, bucket in enumerate(layout):
             self.enter("all_reduce", {"tensor": bucket}, blocking=False, site=site,
-                       via=f"DDP gradient bucket {index}")
+                       via=f"DDP gradient bucket {index}", write=index == len(layout) - 1)
 
     @contextmanager
     def tally(self) -> Iterator[list[tuple[str, int]]]:
@@ -208,7 +222,10 @@ class Recorder:
 
     # called by the patched collectives
 
-    def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "") -> None:
+    def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "",
+              write: bool = True) -> None:
+        """Record a collective about to be issued; ``write=False`` leaves the write to the
+        next entry's (a DDP step's buckets: one store round trip for all of them)."""
         site = site or call_site(3)
         with self._lock:
             entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site,
@@ -216,6 +233,12 @@ class Recorder:
             self.recent.append(entry)
             self._ledger.append(entry)
             self._changed()
+        if self.write_behind:
+            self._urgent = True
+            self._wake.set()
+            return
+        if not write:
+            return
         # A collective is written at once (its progress record holds the recent entries):
         # a mismatch must be visible before gloo aborts a rank over it, or the pair wedges.
         with self._io:
@@ -234,7 +257,8 @@ class Recorder:
         """Render the progress record (call with ``_lock`` held); the publisher writes it."""
         self.events += 1
         self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
-        self._wake.set()
+        if not self.write_behind:
+            self._wake.set()  # else written within LAZY_S, or with the next collective
 
 
 class _Disabled:
@@ -358,9 +382,10 @@ def _nbytes(value: Any) -> int:
     return int(numel() * size()) if callable(numel) and callable(size) else 0
 
 
-def install_recorder(channel: RankEnd) -> Recorder:
+def install_recorder(channel: RankEnd, write_behind: bool = False) -> Recorder:
     """Patch ``torch.distributed``'s collectives in this process to record into
-    ``channel``. Called once by the rank loop; recording happens only while a task runs."""
+    ``channel``. Called once by the rank loop; recording happens only while a task runs.
+    ``write_behind``: see :attr:`Recorder.write_behind`."""
     global _active
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -373,5 +398,5 @@ def install_recorder(channel: RankEnd) -> Recorder:
         setattr(c10d, op, wrapped)
         if getattr(dist, op, None) is original:
             setattr(dist, op, wrapped)
-    _active = Recorder(channel)
+    _active = Recorder(channel, write_behind)
     return _active

@@ -6,7 +6,7 @@ learns of them as they are made (``DistributedDataParallel.__init__`` and ``full
 are wrapped: they run as they are, then the module is remembered) and registers one global
 optimizer step hook (``torch.optim``'s own: it returns nothing and changes no tensor).
 After each step it fingerprints every parameter the optimizer holds
-(:mod:`ddparity.harness.ranks.fingerprint`, a quarter of each large tensor per step) and
+(:mod:`ddparity.harness.ranks.fingerprint`, a slice of each large tensor per step) and
 names each with the ranks that must agree on it:
 
 * a parameter of a DDP module: every rank of that DDP's process group;
@@ -35,6 +35,12 @@ from ddparity.harness.ranks.shards import is_sharded
 from ddparity.records import SHARD_TAG
 
 _installed: Replicas | None = None
+
+WATCH_SLICES = 16
+"""A watched run fingerprints a rotating sixteenth of each large tensor a step (every
+element within 16 steps): an update, a lost all-reduce or a rank-local learning rate
+changes every element and is caught at its step; replicas that drifted stay apart, so a
+change to a few elements is caught within 16 steps."""
 
 
 class Replicas:
@@ -203,7 +209,7 @@ def _device_sums(tensors: list[Any], step: int) -> Any:
     import torch
 
     with torch.no_grad():
-        sums = device_sums(tensors, step)
+        sums = device_sums(tensors, step, WATCH_SLICES)
         device = sums[0].device
         return torch.stack([s.to(device) for s in sums])
 
