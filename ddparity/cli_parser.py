@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"seconds a rank may stand still (no collective, no optimizer step, its Python not moving) "
                          f"before it counts as a hang (default {settings.WATCH_TIMEOUT_S:g})")
     wt.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) to PATH (rank 0 under torchrun)")
+    wt.add_argument("--flight-recorder", metavar="DIR", default=None,
+                    help="write each rank's collectives as a PyTorch Flight Recorder dump to DIR/ddparity_fr_<rank> "
+                         "(read it with python -m torch.distributed.flight_recorder.fr_trace DIR)")
     wt.add_argument("-m", dest="module", action="store_true",
                     help="SCRIPT is a module, run as python -m SCRIPT would (as torchrun -m does)")
     wt.add_argument("script", help="your training script (path/to/train.py), or a module's name with -m")

@@ -114,7 +114,7 @@ class _Watched:
     rank alive) the reporter."""
 
     def __init__(self, script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
-                 module: bool = False) -> None:
+                 module: bool = False, flight_recorder: str | None = None) -> None:
         from ddparity.harness.launch import torchrun
         from ddparity.harness.launch.watch import LaunchWatch
         from ddparity.harness.ranks.recorder import install_recorder
@@ -132,6 +132,9 @@ class _Watched:
         self.live = WatchLive(self.store, self.n, timeout)
         self.watch = LaunchWatch(self.store, self.rank, self.n, timeout, self._report_failure, self.live)
         self.watch.stage = STAGE
+        self.flight_recorder = flight_recorder
+        if flight_recorder:
+            self.watch.on_exit.append(lambda: self._dump(finished=False))
 
     def run(self) -> int:
         """Run the script; return its exit code once the verdict passed (a failing verdict
@@ -155,6 +158,7 @@ class _Watched:
         self.store.set(result_key(STAGE, self.rank), json.dumps(self._summary(code)))
         if self.rank != 0:
             self.watch.await_verdict()
+            self._dump(finished=True)
             return code
         while not self.store.check([result_key(STAGE, r) for r in range(self.n)]):
             time.sleep(0.05)
@@ -164,7 +168,18 @@ class _Watched:
         if verdict != 0:
             self.watch.finish(verdict)
         self.watch.publish_verdict(0)
+        self._dump(finished=True)
         return code
+
+    def _dump(self, finished: bool) -> None:
+        """This rank's ledger as a Flight Recorder dump, where ``--flight-recorder`` asked."""
+        from ddparity.harness.launch.flight import fr_dump, write_fr_dump
+        from ddparity.harness.ranks.calls import GROUP_RANKS
+
+        if self.flight_recorder:
+            backend = self._summary(0)["backend"] or "gloo"
+            write_fr_dump(self.flight_recorder, self.rank,
+                          fr_dump(list(self.channel.ledger), self.rank, self.n, GROUP_RANKS, finished, backend))
 
     def _summary(self, code: int) -> dict[str, Any]:
         import torch.distributed as dist
@@ -192,6 +207,10 @@ class _Watched:
             if unmatched:
                 run.notes.append(f"{unmatched} parameter(s) an optimizer stepped belong to no DDP or FSDP2 module: "
                                  f"not compared across ranks")
+            if self.flight_recorder:
+                run.notes.append(f"each rank's collectives written as a Flight Recorder dump to {self.flight_recorder} "
+                                 f"(on its own node): python -m torch.distributed.flight_recorder.fr_trace "
+                                 f"{self.flight_recorder}")
             codes = {r: res["code"] for r, res in enumerate(results) if res["code"]}
             if codes:
                 run.notes.append(f"the script's own exit code(s), passed through: {codes}")
@@ -236,12 +255,12 @@ class _Watched:
 
 
 def watch_launched(script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
-                   module: bool = False) -> NoReturn:
+                   module: bool = False, flight_recorder: str | None = None) -> NoReturn:
     """This process's part of ``watch`` in a launch: it ends with the script's exit code
     when the verdict passes, else with the verdict's."""
     from ddparity.harness.launch.watched import exit_as_the_script_would
 
-    exit_as_the_script_would(_Watched(script, args, timeout, emit, module).run())
+    exit_as_the_script_would(_Watched(script, args, timeout, emit, module, flight_recorder).run())
 
 
 def watch_locally(nproc: int, rank_argv: list[str]) -> int:
@@ -276,7 +295,8 @@ def _ended(code: int) -> str:
 
 
 def watch_command(script: str, args: list[str], nproc: int | None, timeout: float, json_path: str | None,
-                  emit: Callable[[Report], None], writable: Callable[[str | None], None], module: bool = False) -> int:
+                  emit: Callable[[Report], None], writable: Callable[[str | None], None], module: bool = False,
+                  flight_recorder: str | None = None) -> int:
     """``ddparity watch``: this process is one rank of a launch (under torchrun), or starts
     ``nproc`` ranks here. ``writable`` raises a usage error for a JSON path that cannot be
     written (before any work)."""
@@ -292,13 +312,14 @@ def watch_command(script: str, args: list[str], nproc: int | None, timeout: floa
                              "torchrun: torchrun --nproc-per-node N -m ddparity watch SCRIPT)")
         writable(json_path)
         flags = ["--timeout", f"{timeout:g}"] + (["--json", os.path.abspath(json_path)] if json_path else [])
+        flags += ["--flight-recorder", os.path.abspath(flight_recorder)] if flight_recorder else []
         return watch_locally(nproc, [*flags, *(["-m"] if module else []), "--", script, *args])
     if nproc is not None:
         raise UsageError("--nproc-per-node is torchrun's to decide here (torchrun --nproc-per-node N ...)")
     if os.environ.get("RANK") == "0":
         writable(json_path)
     try:
-        return watch_launched(script, args, timeout, emit, module)
+        return watch_launched(script, args, timeout, emit, module, flight_recorder)
     except WorldStartError as exc:
         print(f"ddparity: {exc}", file=sys.stderr)
         return Exit.HANG_OR_CRASH

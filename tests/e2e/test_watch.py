@@ -24,10 +24,11 @@ DDP = "ddparity.fixtures.scripts.ddp_train"
 FSDP = "ddparity.fixtures.scripts.fsdp_train"
 
 
-def watch(folder, nproc: int, *script: str, timeout: float = 8, module: bool = True) -> tuple[subprocess.CompletedProcess, dict | None]:  # noqa: ANN001
+def watch(folder, nproc: int, *script: str, timeout: float = 8, module: bool = True,  # noqa: ANN001
+          flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = folder / "watch.json"
     cmd = [sys.executable, "-m", "ddparity", "watch", "--nproc-per-node", str(nproc), "--timeout", f"{timeout:g}",
-           "--json", str(out), *(["-m"] if module else []), *script]
+           "--json", str(out), *flags, *(["-m"] if module else []), *script]
     result = subprocess.run(cmd, cwd=folder, env=_env(folder), capture_output=True, text=True, timeout=240)
     assert not wait_gone(_ours(folder), 10), "processes of the watched run outlived it"
     assert [p.name for p in (folder / "tmp").glob("ddparity-*")] == [], "the run left files of ddparity's behind"
@@ -92,13 +93,21 @@ def test_a_killed_rank_is_a_crash_naming_it(tmp_path):
 
 
 def test_a_broadcast_of_another_size_on_the_last_rank_is_a_desync_with_its_source_line(tmp_path):
-    result, data = watch(tmp_path, 3, DDP, "--fault", "mismatch", "--on", "-1")
+    """... and the ranks' ledgers, written as Flight Recorder dumps, show PyTorch's own
+    analyser the same mismatch at the same collective."""
+    result, data = watch(tmp_path, 3, DDP, "--fault", "mismatch", "--on", "-1", flags=("--flight-recorder", "fr"))
     assert result.returncode == 1, result.stderr
     desync = only_run(data)["desync"]
     assert desync["ranks"] == [2]
     issued = desync["collective"]["ranks"]["2"]
     assert issued["collective"].startswith("broadcast(tensor=float32[5], root=0)")
     assert issued["site"].startswith("ddparity/fixtures/scripts/_faults.py:")
+    assert sorted(p.name for p in (tmp_path / "fr").iterdir()) == ["ddparity_fr_0", "ddparity_fr_1", "ddparity_fr_2"]
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "fr"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+    shown = fr.stdout + fr.stderr  # its analysis is logged
+    assert f"Collective sequence number: {desync['collective']['seq'] + 1} has errors" in shown, shown
+    assert "COLLECTIVE_TYPE_MISMATCH" in shown and "_faults.py:" in shown
 
 
 def test_a_metric_all_reduced_on_rank_0_alone_is_a_desync_naming_rank_0(tmp_path):
@@ -116,11 +125,14 @@ def test_a_rank_local_learning_rate_is_replica_drift_from_the_next_step(tmp_path
 
 
 def test_an_fsdp2_script_passes_and_says_its_shards_have_no_replicas(tmp_path):
-    result, data = watch(tmp_path, 2, FSDP)
+    result, data = watch(tmp_path, 2, FSDP, flags=("--flight-recorder", "fr"))
     assert result.returncode == 0, result.stderr
     run = only_run(data)
     assert (run["mode"], run["status"]) == ("fsdp", "pass")
     assert any("no replicas to compare" in n for n in run["notes"])
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "fr"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+    assert fr.returncode == 0 and "has errors" not in fr.stdout + fr.stderr, fr.stdout + fr.stderr  # 66 agree
 
 
 @pytest.mark.breadth

@@ -40,6 +40,11 @@ def _short(obj: Any) -> str:
     return ""
 
 
+GROUP_RANKS: dict[str, list[int]] = {}
+"""The global ranks of each process group a recorded collective used (other than the
+world), by name: the Flight Recorder dump's ``pg_config``."""
+
+
 def group_name(group: Any) -> str:
     if group is None:
         return "world"
@@ -47,7 +52,13 @@ def group_name(group: Any) -> str:
 
     if group is dist.GroupMember.WORLD:
         return "world"
-    return str(getattr(group, "group_name", None) or id(group))
+    name = str(getattr(group, "group_name", None) or id(group))
+    if name not in GROUP_RANKS:
+        try:
+            GROUP_RANKS[name] = dist.get_process_group_ranks(group)
+        except (RuntimeError, ValueError):
+            GROUP_RANKS[name] = []
+    return name
 
 
 _TORCH_DIR = ""
