@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,7 @@ warmup = 5
 for step in range(steps + warmup):
     if step == warmup:
         dist.barrier()
-        started = time.perf_counter()
+        started, main_cpu, all_cpu = time.perf_counter(), time.thread_time(), time.process_time()
     x, y = torch.randn(64 // world, 512, generator=gen), torch.randn(64 // world, 512, generator=gen)
     loss = nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
@@ -55,16 +56,19 @@ for step in range(steps + warmup):
     logged = loss.detach().clone()
     dist.all_reduce(logged)
 elapsed = time.perf_counter() - started
+main_cpu, all_cpu = time.thread_time() - main_cpu, time.process_time() - all_cpu
 with open(f"{out}.{rank}", "w") as f:
-    json.dump({"ms_per_step": 1e3 * elapsed / steps}, f)
+    json.dump({"ms_per_step": 1e3 * elapsed / steps, "main_cpu_ms": 1e3 * main_cpu / steps,
+               "process_cpu_ms": 1e3 * all_cpu / steps}, f)
 dist.destroy_process_group()
 '''
 
 VARIANTS = ("plain", "watch", "detail")
 
 
-def launch(variant: str, folder: str, steps: int, width: int, run: int) -> tuple[float | None, str]:
-    """One launch; its ms a step (rank 0's), or None and why it did not count."""
+def launch(variant: str, folder: str, steps: int, width: int, run: int) -> tuple[dict | None, str]:
+    """One launch: its ms a step (the slower rank's wall time; the mean of the ranks' main
+    thread and whole-process CPU time), or None and why it did not count."""
     script = os.path.join(folder, "train.py")
     out = os.path.join(folder, f"{variant}-{run}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -76,10 +80,15 @@ def launch(variant: str, folder: str, steps: int, width: int, run: int) -> tuple
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     files = [f"{out}.{r}" for r in range(2)]
     if done.returncode != 0 or not all(os.path.exists(f) for f in files):
-        tail = (done.stderr.strip().splitlines() or ["?"])[-1][:160]
-        return None, f"exit code {done.returncode}: {tail}"
-    times = [json.load(open(f))["ms_per_step"] for f in files]
-    return max(times), ""
+        died = sorted(set(re.findall(r"exitcode\s*:\s*-?\d+ \(pid: \d+\)\s*\((SIG\w+)\)", done.stderr)))
+        aborted = "terminate called" in done.stderr
+        why = (f"a worker died by {', '.join(died)}" if died else f"torchrun exited {done.returncode}") + (
+            " (std::terminate)" if aborted else "")
+        return None, why
+    got = [json.load(open(f)) for f in files]
+    return {"wall": max(g["ms_per_step"] for g in got),
+            "main_cpu": statistics.mean(g["main_cpu_ms"] for g in got),
+            "process_cpu": statistics.mean(g["process_cpu_ms"] for g in got)}, ""
 
 
 def main() -> None:
@@ -88,32 +97,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--width", type=int, default=2048)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    rounds: list[dict[str, dict]] = []
     failed: dict[str, list[str]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="bench-watch-") as folder:
         with open(os.path.join(folder, "train.py"), "w") as f:
             f.write(SCRIPT)
         for run in range(args.rounds):
+            rounds.append({})
             for variant in VARIANTS if run % 2 == 0 else reversed(VARIANTS):
                 ms, why = launch(variant, folder, args.steps, args.width, run)
                 if ms is None:
                     failed[variant].append(why)
                 else:
                     times[variant].append(ms)
-                print(f"round {run} {variant:6s} " + (f"{ms:.2f} ms/step" if ms is not None else f"FAILED ({why})"),
-                      flush=True)
+                    rounds[-1][variant] = ms
+                shown = (f"{ms['wall']:.2f} ms/step (CPU: main thread {ms['main_cpu']:.2f}, process "
+                         f"{ms['process_cpu']:.2f} ms)" if ms is not None else f"FAILED ({why})")
+                print(f"round {run} {variant:6s} {shown}", flush=True)
     assert times["plain"] and times["watch"], "the plain and watched runs must both succeed to compare them"
-    plain = statistics.median(times["plain"])
-    print(f"\nstep time, median of {args.rounds} launches ({args.steps} steps each, 2 gloo ranks, width {args.width}):")
-    for variant in VARIANTS:
-        if times[variant]:
-            med = statistics.median(times[variant])
-            print(f"  {variant:6s} {med:8.2f} ms/step  x{med / plain:.3f} of plain  "
-                  f"(range {min(times[variant]):.2f}-{max(times[variant]):.2f}; {len(times[variant])} ok, "
-                  f"{len(failed[variant])} failed)")
-        else:
-            print(f"  {variant:6s} every run failed: {failed[variant][0]}")
-
+    print(f"\nper step, median of {args.rounds} launches ({args.steps} steps each, 2 gloo ranks, width {args.width}):")
+    for measure, what in (("wall", "step time (the slower rank)"), ("main_cpu", "CPU of the training thread"),
+                          ("process_cpu", "CPU of the whole rank process (ddparity's threads too)")):
+        plain = statistics.median(t[measure] for t in times["plain"])
+        print(f" {what}:")
+        for variant in VARIANTS:
+            if times[variant]:
+                values = [t[measure] for t in times[variant]]
+                med = statistics.median(values)
+                print(f"  {variant:6s} {med:8.2f} ms  x{med / plain:.3f} of plain  (range {min(values):.2f}-"
+                      f"{max(values):.2f}; {len(values)} ok, {len(failed[variant])} failed)")
+            elif measure == "wall":
+                print(f"  {variant:6s} every run failed: {failed[variant][0]}")
+        for variant in VARIANTS[1:]:
+            paired = [r[variant][measure] / r["plain"][measure] for r in rounds if variant in r and "plain" in r]
+            if paired:
+                print(f"  {variant} / plain within a round: median x{statistics.median(paired):.3f} "
+                      f"({' '.join(f'{x:.3f}' for x in paired)})")
 
 if __name__ == "__main__":
     main()

@@ -217,7 +217,8 @@ def _watch(args: argparse.Namespace) -> int:
             _write_json(args.json, [report])
 
     return watch.watch_command(args.script, args.args, args.nproc_per_node, args.timeout, args.json, emit,
-                               lambda path: _check_writable(path, "JSON report"), args.module, args.flight_recorder)
+                               lambda path: _check_writable(path, "JSON report"), args.module, args.flight_recorder,
+                               args.quiet)
 
 
 def _check(args: argparse.Namespace) -> int:

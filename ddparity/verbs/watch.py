@@ -296,7 +296,7 @@ def _ended(code: int) -> str:
 
 def watch_command(script: str, args: list[str], nproc: int | None, timeout: float, json_path: str | None,
                   emit: Callable[[Report], None], writable: Callable[[str | None], None], module: bool = False,
-                  flight_recorder: str | None = None) -> int:
+                  flight_recorder: str | None = None, quiet: bool = False) -> int:
     """``ddparity watch``: this process is one rank of a launch (under torchrun), or starts
     ``nproc`` ranks here. ``writable`` raises a usage error for a JSON path that cannot be
     written (before any work)."""
@@ -313,6 +313,7 @@ def watch_command(script: str, args: list[str], nproc: int | None, timeout: floa
         writable(json_path)
         flags = ["--timeout", f"{timeout:g}"] + (["--json", os.path.abspath(json_path)] if json_path else [])
         flags += ["--flight-recorder", os.path.abspath(flight_recorder)] if flight_recorder else []
+        flags += ["-q"] if quiet else []
         return watch_locally(nproc, [*flags, *(["-m"] if module else []), "--", script, *args])
     if nproc is not None:
         raise UsageError("--nproc-per-node is torchrun's to decide here (torchrun --nproc-per-node N ...)")

@@ -58,8 +58,9 @@ def test_the_scripts_argv_and_exit_code_pass_through_when_nothing_is_found(tmp_p
         "print(f'argv {sys.argv[1:]} {__name__}', flush=True)\n"
         "dist.destroy_process_group()\n"
         "sys.exit(5)\n")
-    result, data = watch(tmp_path, 2, "train.py", "--lr", "0.1", "--timeout", "3", module=False)
+    result, data = watch(tmp_path, 2, "train.py", "--lr", "0.1", "--timeout", "3", module=False, flags=("-q",))
     assert result.returncode == 5, result.stderr
+    assert "OK: no hang" in result.stderr and "ddparity watch:" not in result.stderr  # -q: the verdict line alone
     assert result.stdout.count("argv ['--lr', '0.1', '--timeout', '3'] __main__") == 2
     assert only_run(data)["status"] == "pass"
     assert any("exit code(s), passed through: {0: 5, 1: 5}" in n for n in only_run(data)["notes"])

@@ -160,15 +160,16 @@ class Replicas:
         if tensors:
             self._publish_pending()
             sums = _device_sums(tensors, step)
-            if sums.device.type == "cpu":
+            if sums.device.type != "cuda":
                 self.recorder.fingerprints(step, dict(zip(names, sums.tolist())))
             else:  # published at the next step (or the end), the copy finished by then
                 import torch
 
-                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-                host.copy_(sums, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
+                with torch.cuda.device(sums.device):  # the stream of the parameters' device
+                    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                    host.copy_(sums, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
                 self._pending = (step, names, host, event)
 
     def _publish_pending(self) -> None:
