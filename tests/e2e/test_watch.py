@@ -102,13 +102,13 @@ def test_a_broadcast_of_another_size_on_the_last_rank_is_a_desync_with_its_sourc
     assert desync["ranks"] == [2]
     issued = desync["collective"]["ranks"]["2"]
     assert issued["collective"].startswith("broadcast(tensor=float32[5], root=0)")
-    assert issued["site"].startswith("ddparity/fixtures/scripts/_faults.py:")
+    assert issued["site"].startswith("ddparity/fixtures/scripts/planted.py:")
     assert sorted(p.name for p in (tmp_path / "fr").iterdir()) == ["ddparity_fr_0", "ddparity_fr_1", "ddparity_fr_2"]
     fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "fr"], cwd=tmp_path,
                         capture_output=True, text=True, timeout=120)
     shown = fr.stdout + fr.stderr  # its analysis is logged
     assert f"Collective sequence number: {desync['collective']['seq'] + 1} has errors" in shown, shown
-    assert "COLLECTIVE_TYPE_MISMATCH" in shown and "_faults.py:" in shown
+    assert "COLLECTIVE_TYPE_MISMATCH" in shown and "planted.py:" in shown
 
 
 def test_a_metric_all_reduced_on_rank_0_alone_is_a_desync_naming_rank_0(tmp_path):

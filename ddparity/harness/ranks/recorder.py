@@ -46,8 +46,7 @@ so a wedged rank's position is current; a rank killed outright loses at most thi
 of its phases and fingerprints."""
 
 LAZY_S = 0.25
-"""Under ``write_behind`` (``ddparity watch``), how long phase and fingerprint changes may
-wait for the next write when no collective brings one sooner."""
+"""Under ``write_behind`` (``ddparity watch``), how long phase and fingerprint changes wait at most."""
 
 HEARTBEAT_S = 1.0
 """How often a rank that is computing (its modules' forwards and its gradients ticking,
@@ -90,10 +89,9 @@ class Recorder:
     def __init__(self, channel: RankEnd, write_behind: bool = False) -> None:
         self.channel = channel
         self.write_behind = write_behind
-        """Collectives' records written by the publisher thread at once, while the collective
-        runs, not by the issuing thread before it (``ddparity watch``: the user's step never
-        waits for the store; a rank that gloo aborts within the store's round trip may leave
-        its last collective unwritten)."""
+        """Collectives written by the publisher thread while they run, not before (``ddparity
+        watch``: the step never waits for the store; a rank gloo aborts at once may leave its
+        last collective unwritten)."""
         self._urgent = False
         self._lock = threading.Lock()  # the recorder's state
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
