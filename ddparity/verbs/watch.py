@@ -200,8 +200,8 @@ class _Watched:
             steps = min(r["steps"] for r in results)
             compared = (f"{steps} optimizer step(s) fingerprinted and compared across {mine['mode']} replicas"
                         if min(r["replicated"] for r in results) else
-                        f"{steps} optimizer step(s) ran; no parameter is held by two ranks (each holds its own "
-                        f"shard): no replicas to compare" if steps else "no optimizer.step() ran: replicas not compared")
+                        f"{steps} optimizer step(s) ran; no parameter is held by two ranks (FSDP2 shards, or one "
+                        f"rank): no replicas to compare" if steps else "no optimizer.step() ran: replicas not compared")
             run.notes.append(f"{min(r['collectives'] for r in results)} collectives recorded per rank; {compared}")
             unmatched = max(r["unmatched"] for r in results)
             if unmatched:

@@ -154,6 +154,13 @@ def test_hsdp_replicas_of_one_shard_drifting_apart_are_a_desync_of_that_shard(tm
     assert "[shard 1]" in run["desync"]["what"]
 
 
+@pytest.mark.breadth
+def test_one_rank_alone_passes_and_claims_no_comparison(tmp_path):
+    result, data = watch(tmp_path, 1, DDP, "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert any("no replicas to compare" in n for n in only_run(data)["notes"])
+
+
 def test_usage_errors_name_the_fix_before_any_rank_starts(tmp_path):
     cases = [(["watch", "train.py"], "no such script: 'train.py'"),
              (["watch", "-m", "no_such_module_here"], "no module named 'no_such_module_here'"),

@@ -59,7 +59,7 @@ class Replicas:
         """Parameters (or shards) an optimizer stepped that other ranks hold too (compared)."""
         self.backend = ""
         """The default process group's backend, as the first DDP or FSDP2 module found it."""
-        self._names: dict[int, tuple[str, str]] = {}
+        self._names: dict[int, tuple[str, str, int]] = {}
         self._pending: tuple[int, list[str], Any, Any] | None = None
         self._known = 0
 
@@ -88,17 +88,19 @@ class Replicas:
         return 0
 
     def _name_map(self) -> None:
-        """Each parameter's name and the ranks that hold the same values (its tag)."""
+        """Each parameter's name, the tag naming the ranks that hold the same values, and how
+        many ranks those are."""
         if self._known == len(self.modules):
             return
         self._known = len(self.modules)
-        names: dict[int, tuple[str, str]] = {}
+        names: dict[int, tuple[str, str, int]] = {}
         for module, kind, ranks in sorted(self.modules, key=lambda m: -sum(1 for _ in m[0].parameters())):
             inner = module.module if kind == "ddp" else module
             tag = "" if kind != "ddp" or len(ranks) in (0, self.world_size) else f"{SHARD_TAG}ddp group {list(ranks)}]"
+            holders = len(ranks) if kind == "ddp" else 0
             for name, p in inner.named_parameters():
                 if id(p) not in names:
-                    names[id(p)] = (name, tag)
+                    names[id(p)] = (name, tag, holders)
         self._names = names
 
     def record_buckets(self, ddp: Any) -> None:
@@ -144,15 +146,15 @@ class Replicas:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if is_sharded(p):
-                    name = self._names.get(id(p), ("?", ""))[0]
+                    name = self._names.get(id(p), ("?", "", 0))[0]
                     names.append(f"param {name}{SHARD_TAG}{_coordinates(p)}]")
                     tensors.append(p.to_local())
                     replicated += _replicas(p) > 1
                 elif id(p) in self._names:
-                    name, tag = self._names[id(p)]
+                    name, tag, holders = self._names[id(p)]
                     names.append(f"param {name}{tag}")
                     tensors.append(p)
-                    replicated += 1
+                    replicated += holders > 1
                 else:
                     unmatched += 1
         self.unmatched = max(self.unmatched, unmatched)
