@@ -119,16 +119,6 @@ def exit_as_the_script_would(code: int) -> NoReturn:
 # -- the local launcher (``python -m ddparity watch --nproc-per-node N``) ---------------
 
 
-def _die_with_parent() -> None:  # in the child, before exec
-    import ctypes
-
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
 def launch_locally(nproc: int, rank_argv: list[str], wait_s: float, extra_env: dict[str, str]) -> list[int]:
     """Start ``nproc`` ranks running ``python -m ddparity watch <rank_argv>`` as torchrun
     would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, the store at ``MASTER_PORT`` held
@@ -138,6 +128,8 @@ def launch_locally(nproc: int, rank_argv: list[str], wait_s: float, extra_env: d
     import secrets
 
     import torch.distributed as dist
+
+    from ddparity.harness.ranks.rank import die_with_parent
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
@@ -149,7 +141,7 @@ def launch_locally(nproc: int, rank_argv: list[str], wait_s: float, extra_env: d
         for r in range(nproc):
             env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
             procs.append(subprocess.Popen([sys.executable, "-m", "ddparity", "watch", *rank_argv], env=env_r,
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=die_with_parent))
         first_end: float | None = None
         while any(p.poll() is None for p in procs):
             time.sleep(0.1)

@@ -37,11 +37,12 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_PTRACER = 0x59616D61
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask the kernel to SIGKILL us when our parent dies, even by SIGKILL.
 
     The parent is the controller (fork) or its forkserver, which exits when the
-    controller does. If the parent died before the request took effect, leave now.
+    controller does, or ``watch``'s local launcher (run before exec). If the parent died
+    before the request took effect, leave now.
     """
     parent = os.getppid()
     if sys.platform.startswith("linux"):
@@ -176,7 +177,7 @@ def rank_main(
     spec: RankSpec, control: Connection, output: Connection, inherited_fds: tuple[int, ...] = ()
 ) -> None:
     """Entry point of a rank process (target of ``multiprocessing.Process``)."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     for fd in inherited_fds:  # other ranks' pipe ends, inherited through fork
         try:
