@@ -64,12 +64,14 @@ class WorldFailure(DdparityError):
 
     ``records`` holds what each rank left in the side channel (progress, collective
     ledger, fingerprints), ``simulated`` what the simulated ranks (threads) of a rank left
-    there, and ``stacks`` the stacks taken before ranks were stopped.
+    there, ``stacks`` the stacks taken before ranks were stopped, and ``flight`` (in a launch's
+    hang) each rank's own Flight Recorder state.
     """
 
     records: dict = {}  # noqa: RUF012 - replaced per instance by the World
     simulated: object = None
     stacks: dict = {}  # noqa: RUF012
+    flight: dict = {}  # noqa: RUF012
 
 
 class WorldStartError(WorldFailure):

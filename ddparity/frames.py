@@ -128,8 +128,8 @@ def tidy_stack(text: str) -> str:
     keep_own = verbose()
     lines = []
     for line in text.splitlines():
-        if line.startswith(("Process ", "Python v")) or not line.strip():
-            continue
+        if line.startswith(("Process ", "Python v")) or not line.strip() or "(<frozen runpy>:" in line:
+            continue  # (python -m's bootstrap: a launched rank's)
         if line.startswith("Thread "):
             own = not keep_own and bool(OWN_THREAD.match(line))
         if own:

@@ -71,6 +71,9 @@ def _render_desync(desync: Desync) -> list[str]:
 
 def _render_hang(hang: Hang) -> list[str]:
     lines = [f"  suspect ranks: {hang.suspect_ranks}"]
+    if hang.flight is not None:
+        unread = f" (rank(s) {hang.flight.unread} could not be read)" if hang.flight.unread else ""
+        lines.append(f"  PyTorch's Flight Recorder{unread}: {hang.flight.explanation}")
     ranks = sorted(hang.ranks.items())
     lines.extend(_position(rank, place) for rank, place in ranks)
     for rank, place in ranks:

@@ -149,14 +149,43 @@ class RankPlace(_ReadsAsJson):
 
 
 @dataclass(frozen=True)
+class FlightFinding(_ReadsAsJson):
+    """What the ranks' own Flight Recorders say of a hang: ``kind`` ``"inside"`` (every rank
+    of ``group`` issued collective ``seq`` and none completed it: the transport, network or
+    a device is stuck), ``"host"`` (``not_issued_by`` never issued it: their host code is
+    elsewhere) or ``"idle"`` (no collective unfinished anywhere)."""
+
+    kind: str
+    explanation: str
+    group: str = ""
+    seq: int = -1
+    collective: str = ""
+    issued_by: list[int] = field(default_factory=list)
+    not_issued_by: list[int] = field(default_factory=list)
+    not_started_on: list[int] = field(default_factory=list)
+    unread: list[int] = field(default_factory=list)
+    """Ranks whose recorder could not be read (off, or the process unhealthy)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"finding": self.kind, "explanation": self.explanation, "group": self.group,
+                "collective_seq": self.seq, "collective": self.collective, "issued_by": self.issued_by,
+                "not_issued_by": self.not_issued_by, "not_started_on": self.not_started_on, "unread": self.unread}
+
+
+@dataclass(frozen=True)
 class Hang(_ReadsAsJson):
-    """Ranks made no progress: the suspects, and where every rank was."""
+    """Ranks made no progress: the suspects, and where every rank was (and, in a launch,
+    what the ranks' own Flight Recorders say)."""
 
     suspect_ranks: list[int]
     ranks: dict[int, RankPlace] = field(default_factory=dict)
+    flight: FlightFinding | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"suspect_ranks": self.suspect_ranks, "ranks": _by_rank(self.ranks)}
+        out: dict[str, Any] = {"suspect_ranks": self.suspect_ranks, "ranks": _by_rank(self.ranks)}
+        if self.flight is not None:
+            out["flight_recorder"] = self.flight.to_json()
+        return out
 
 
 @dataclass(frozen=True)

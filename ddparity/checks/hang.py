@@ -1,7 +1,8 @@
 """Hang verdicts: who is stuck, where each rank is, and who arrives late.
 
 Input is what the ranks left in the side channel (progress and ledger, readable while
-they are wedged) plus their stacks, taken by the World before it killed them.
+they are wedged) plus their stacks, taken by the World before it killed them, and in a
+launch what each rank's own Flight Recorder held (:func:`flight_finding`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from ddparity.checks.collectives import slots
 from ddparity.records import Position, parse_ledger, parse_progress
-from ddparity.verdicts import Hang, RankPlace, Straggler
+from ddparity.verdicts import FlightFinding, Hang, RankPlace, Straggler
 
 
 def positions(records: dict[int, Any]) -> dict[int, Position | None]:
@@ -68,9 +69,60 @@ def rank_places(records: dict[int, Any], stacks: dict[int, str], pending: list[i
     return out
 
 
-def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[int]) -> Hang:
-    """The suspect ranks and every rank's position and stack."""
-    return Hang(suspect_ranks(positions(records), pending), rank_places(records, stacks, pending))
+def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[int],
+               flight: dict[int, dict[str, Any]] | None = None) -> Hang:
+    """The suspect ranks and every rank's position and stack (and the Flight Recorders'
+    finding, where the ranks read theirs)."""
+    return Hang(suspect_ranks(positions(records), pending), rank_places(records, stacks, pending),
+                flight_finding(flight) if flight else None)
+
+
+def flight_finding(states: dict[int, dict[str, Any]]) -> FlightFinding | None:
+    """A hang's kind from each rank's Flight Recorder state
+    (:func:`ddparity.harness.launch.flight.own_flight_state`): per process group, the
+    collective the furthest rank issued; a group whose members all issued it and none
+    completed it is stalled *inside* it; members that never issued it are stuck on the
+    *host* side (named first: the likelier cause). None when no rank's recorder was read."""
+    read = {r: s["groups"] for r, s in states.items() if "groups" in s}
+    if not read:
+        return None
+    unread = sorted(r for r in states if r not in read)
+    found: list[FlightFinding] = []
+    for name in sorted({g for groups in read.values() for g in groups}):
+        seen = {r: groups[name] for r, groups in read.items() if name in groups}
+        members = next((g["ranks"] for g in seen.values() if g.get("ranks")), None) or sorted(seen)
+        top = max(g["issued"] for g in seen.values())
+        waiting = sorted(r for r, g in seen.items() if g["issued"] == top and g["completed"] < top)
+        if top < 0 or not waiting:
+            continue
+        head = next(g for g in seen.values() if g["issued"] == top)
+        what = _collective(head)
+        where = "the default group" if name == "0" else f"group {name!r} (ranks {members})"
+        behind = sorted(r for r, g in seen.items() if g["issued"] < top)
+        if behind:
+            found.append(FlightFinding(
+                "host", f"rank(s) {behind} never issued {what} ({where}'s collective #{top} in the recorder's "
+                        f"count), which rank(s) {waiting} issued and wait in: the hang is on the host side of "
+                        f"rank(s) {behind} (their stacks show where they are)",
+                name, top, what, waiting, behind, [], unread))
+            continue
+        cold = sorted(r for r, g in seen.items() if 0 <= g["started"] < top)
+        tail = (f"; its kernel had not started on rank(s) {cold} (their stream is busy with earlier work)"
+                if cold else "")
+        found.append(FlightFinding(
+            "inside", f"every rank of {where} that was read issued {what} (its collective #{top} in the "
+                      f"recorder's count) and none completed it: the collective itself is stalled (the "
+                      f"transport, the network or a device), not a desync{tail}",
+            name, top, what, waiting, [], cold, unread))
+    if not found:
+        return FlightFinding("idle", "no collective was unfinished on any rank: the ranks wait outside "
+                                     "collectives (the script's own code, a store or a file)", unread=unread)
+    return min(found, key=lambda f: f.kind != "host")
+
+
+def _collective(state: dict[str, Any]) -> str:
+    sizes = ", ".join(f"{d.lower()}{list(s)}" for s, d in zip(state.get("sizes", []), state.get("dtypes", [])))
+    return f"{state.get('op') or 'unknown'}({sizes})"
 
 
 STRAGGLER_MIN_LATE_S = 0.05

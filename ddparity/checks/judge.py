@@ -85,7 +85,8 @@ def judge_failure(exc: WorldFailure) -> Failure:
     if mismatch is not None:
         return Failure("desync", _first_line(exc), desync=mismatch_desync(mismatch, stacks=dict(exc.stacks)))
     if isinstance(exc, (TaskTimeout, TaskStopped)):
-        return Failure("hang", _first_line(exc), hang=judge_hang(records, exc.stacks, exc.pending_ranks))
+        hang = judge_hang(records, exc.stacks, exc.pending_ranks, exc.flight)
+        return Failure("hang", _first_line(exc), hang=hang)
     if isinstance(exc, RankCrashed):
         return Failure("crash", str(exc), crash=Crash(
             rank=exc.rank, exitcode=exc.exitcode, error=_first_line(exc),

@@ -10,7 +10,7 @@ import torch
 
 from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
-from ddparity.checks.hang import stragglers, suspect_ranks
+from ddparity.checks.hang import flight_finding, stragglers, suspect_ranks
 from ddparity.frames import tidy_stack
 from ddparity.harness.ranks.fingerprint import fingerprint
 from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
@@ -162,6 +162,45 @@ def test_hang_suspects():
     assert suspect_ranks(stuck, [0, 1]) == [0, 1]
     # a rank that never started the task is the furthest behind
     assert suspect_ranks({0: pos(0, "forward", 0), 1: None}, [0, 1]) == [1]
+
+
+def _fr(issued: int, completed: int, started: int = -1, ranks: list[int] | None = None) -> dict:
+    return {"ranks": ranks, "issued": issued, "started": started, "completed": completed,
+            "op": "nccl:all_reduce", "sizes": [[4]], "dtypes": ["Float"]}
+
+
+@pytest.mark.parametrize("behind", [0, 1, 3])
+def test_flight_recorder_a_rank_that_never_issued_the_collective_is_a_host_side_hang(behind):
+    states = {r: {"groups": {"0": _fr(6, 5) if r != behind else _fr(5, 5)}} for r in range(4)}
+    found = flight_finding(states)
+    assert (found.kind, found.seq, found.not_issued_by) == ("host", 6, [behind])
+    assert found.issued_by == [r for r in range(4) if r != behind]
+    assert "nccl:all_reduce(float[4])" in found.explanation
+
+
+def test_flight_recorder_every_rank_inside_one_collective_is_a_stall_not_a_desync():
+    states = {r: {"groups": {"0": _fr(6, 5, started=6 if r else 5)}} for r in range(3)}
+    found = flight_finding(states)
+    assert (found.kind, found.issued_by, found.not_started_on) == ("inside", [0, 1, 2], [0])
+    assert "not a desync" in found.explanation and "had not started on rank(s) [0]" in found.explanation
+
+
+def test_flight_recorder_judges_each_group_and_names_the_host_side_first():
+    sub = [1, 3]
+    states = {0: {"groups": {"0": _fr(9, 8)}},  # the default group: every rank inside #9
+              1: {"groups": {"0": _fr(9, 8), "7": _fr(2, 1, ranks=sub)}},
+              2: {"groups": {"0": _fr(9, 8)}},
+              3: {"groups": {"0": _fr(9, 8), "7": _fr(1, 1, ranks=sub)}},
+              4: {"error": "reading the Flight Recorder took over 1 s"}}
+    found = flight_finding(states)
+    assert (found.kind, found.group, found.not_issued_by, found.unread) == ("host", "7", [3], [4])
+    assert "group '7' (ranks [1, 3])" in found.explanation
+
+
+def test_flight_recorder_with_nothing_unfinished_or_nothing_read():
+    idle = flight_finding({r: {"groups": {"0": _fr(4, 4)}} for r in range(2)})
+    assert idle.kind == "idle" and "outside collectives" in idle.explanation
+    assert flight_finding({0: {"error": "recorded nothing"}, 1: {"error": "recorded nothing"}}) is None
 
 
 def test_stragglers_need_a_rank_that_is_late_most_of_the_time():

@@ -124,9 +124,13 @@ def test_a_stuck_rank_is_a_hang_naming_it_and_ends_every_rank_in_time(tmp_path):
     run = ddp_run(data)
     assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [1]
     stack = run["hang"]["ranks"]["1"]["stack"]
-    assert "time.sleep(3600)" in stack  # the stuck rank's own stack, less python -m's and ddparity's frames
+    # the stuck rank's own stack with native frames, less python -m's and ddparity's frames
+    assert "time_sleep" in stack and "ddparity/fixtures/faults.py:" in stack
     assert "<frozen runpy>" not in stack and "frames of ddparity's own" in stack and "stepping.py" not in stack
     assert "all_reduce" in run["hang"]["ranks"]["0"]["collective"]  # and where the other waits
+    assert "(libtorch_cpu.so)" in run["hang"]["ranks"]["0"]["stack"]  # inside gloo or DDP's reducer
+    flight = run["hang"]["flight_recorder"]  # the ranks' own Flight Recorders agree: rank 1 never issued it
+    assert (flight["finding"], flight["not_issued_by"], flight["issued_by"]) == ("host", [1], [0])
     assert set(_worker_exit_codes(result.stderr)) == {3}
     assert seconds < 90  # the process group's own timeout would be 30 minutes
 

@@ -74,7 +74,12 @@ def test_a_rank_that_stops_is_a_hang_naming_it_with_every_ranks_place_and_stack(
     assert run["hang"]["suspect_ranks"] == [2]
     places = run["hang"]["ranks"]
     assert "DDP gradient bucket 0" in places["0"]["collective"]
-    assert "time.sleep(3600)" in places["2"]["stack"] and "loss.backward()" in places["0"]["stack"]
+    # native frames (py-spy on itself): where rank 0 waits inside DDP's reducer, where rank 2 sleeps
+    assert "planted.py:" in places["2"]["stack"] and "(libc.so" in places["2"]["stack"]
+    assert "ddp_train.py:" in places["0"]["stack"] and "c10d::Reducer" in places["0"]["stack"]
+    flight = run["hang"]["flight_recorder"]  # each rank's own Flight Recorder: rank 2 never issued the all-reduce
+    assert (flight["finding"], flight["not_issued_by"], flight["issued_by"]) == ("host", [2], [0, 1])
+    assert flight["collective"].startswith("gloo:all_reduce(float[")
 
 
 def test_a_rank_that_raises_is_a_crash_with_its_traceback_from_the_script(tmp_path):

@@ -8,6 +8,12 @@ operation, input and output sizes and dtypes, creation time and the user's sourc
 its frame. Entries are ``completed`` except, in a run that failed, the rank's last one
 (``started``: where it was when the run was stopped). DDP's gradient all-reduces are
 recorded from its bucket layout (one entry per bucket).
+
+The other way round, :func:`own_flight_state` reads this process's own Flight Recorder
+(on by default in torch 2.13, gloo's and NCCL's) when a launch hangs: per process group,
+the last collective enqueued, started and completed. Ranks that all enqueued a collective
+none completed are stalled inside it; a rank that never enqueued it is stuck on its host
+side (:func:`ddparity.checks.hang.flight_finding` judges).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import pickle
 import re
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -101,3 +108,56 @@ def write_fr_dump(folder: str, rank: int, dump: dict[str, Any]) -> str:
     with open(path, "wb") as f:
         pickle.dump(dump, f)
     return path
+
+
+FR_READ_S = 1.0
+"""The most reading this process's own Flight Recorder may take (a dump can block on an
+unhealthy process: pytorch#167023)."""
+
+
+def own_flight_state(timeout: float = FR_READ_S) -> dict[str, Any]:
+    """Per process group (by name) of this process: ``ranks`` (global), the sequence numbers
+    of the last collective ``issued`` (enqueued), ``started`` (-1 where the backend does not
+    track it: gloo; NCCL with timing) and ``completed``, and the issued one's ``op``,
+    ``sizes`` and ``dtypes``: ``{"groups": {...}}``, or ``{"error": why}``."""
+    box: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            box["state"] = _read_flight_recorder()
+        except Exception as exc:  # an old torch, a recorder switched off, a dump that failed
+            box["state"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    reader = threading.Thread(target=read, name="ddparity-flight", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return box.get("state") or {"error": f"reading the Flight Recorder took over {timeout:g} s"}
+
+
+def _read_flight_recorder() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    dumps = [pickle.loads(getattr(c10d, name)(True, False, False))  # collectives, no stacks, not only active
+             for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)]  # gloo's, NCCL's
+    if not any(d.get("pg_status") for d in dumps):
+        return {"error": "the Flight Recorder recorded nothing (TORCH_FR_BUFFER_SIZE=0?)"}
+    from torch.distributed.distributed_c10d import _world
+
+    members = {name: dist.get_process_group_ranks(pg) for pg, name in list(_world.pg_names.items())}
+    groups: dict[str, Any] = {}
+    for dump in dumps:
+        entries = dump.get("entries", [])
+        names = {str(e["pg_id"]): e["process_group"][0] for e in entries}
+        for pg_id, status in dump.get("pg_status", {}).items():
+            name = names.get(pg_id, pg_id)
+            issued = int(status.get("last_enqueued_collective", -1))
+            last = [e for e in entries if e["process_group"][0] == name and e["collective_seq_id"] == issued
+                    and not e.get("is_p2p")]
+            groups[name] = {"ranks": members.get(name), "issued": issued,
+                            "started": int(status.get("last_started_collective", -1)),
+                            "completed": int(status.get("last_completed_collective", -1)),
+                            "op": last[-1]["profiling_name"] if last else "",
+                            "sizes": last[-1]["input_sizes"] if last else [],
+                            "dtypes": last[-1]["input_dtypes"] if last else []}
+    return {"groups": groups}

@@ -13,7 +13,8 @@ wedged, and under torchrun it lives in the agent, so it outlives a dead rank):
   issued different collectives are a desync, judged live by
   :class:`~ddparity.checks.collectives.LiveWatch`;
 * ``X<r>`` — a rank whose task raised says what and where;
-* ``D``/``S<r>`` — a stack request and each rank's answer (its Python threads);
+* ``D``/``S<r>``/``F<r>`` — a stack request and each rank's answer (its stacks; in a hang
+  native ones and its Flight Recorder's state: :mod:`ddparity.harness.launch.evidence`);
 * ``V`` — the verdict's exit code; every process exits with it.
 
 The *reporter* is the lowest rank still beating (rank 0 unless it died). It alone judges;
@@ -43,6 +44,7 @@ from ddparity import errors
 from ddparity.errors import Exit, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.frames import own_stacks
 from ddparity.harness.deadlines import Ending, TaskClock
+from ddparity.harness.launch import evidence
 from ddparity.harness.sidechannel import TaskChannel, TaskEnd, result_key
 from ddparity.harness.world.outcomes import RankOutcome, with_stacks
 from ddparity.records import RankRecords
@@ -53,7 +55,6 @@ DEAD_S = 5.0
 its main thread waits in a collective)."""
 ERROR_GRACE_S = 2.0
 """After a rank raised, how long others may still report their own errors."""
-STACKS_WAIT_S = 3.0
 TERM_GRACE_S = 20.0
 ACK_WAIT_S = 10.0
 """How long the reporter waits for every live rank to read the verdict before it exits
@@ -183,7 +184,7 @@ class LaunchWatch:
                     self.store.add("acked", 1)
                     self._exit(code)
                 self._signals()
-                self._answer_stack_request()
+                self._answered = evidence.answer(self.store, self.rank, self._answered)
                 below = self._below_on_node()
                 dead_below = self._dead(below)
                 if dead_below != below:
@@ -243,13 +244,6 @@ class LaunchWatch:
             sys.stderr.write(f"ddparity: rank {self.rank}: stopped by the launcher (SIGTERM) and no verdict came in "
                              f"{TERM_GRACE_S:g} s; this rank's stacks:\n{own_stacks()}\n")
             self._exit(Exit.HANG_OR_CRASH)
-
-    def _answer_stack_request(self) -> None:
-        asked = int(self.store.add("D", 0))
-        if asked > self._answered:
-            self._answered = asked
-            self.store.set(f"S{self.rank}", own_stacks())
-            self.store.add("stacks", 1)
 
     def _dead(self, among: list[int] | None = None) -> list[int]:
         """Ranks (of ``among``, default all) whose process is gone from this node, or whose
@@ -354,7 +348,9 @@ class LaunchWatch:
                           f"{type(head.error).__name__}: {head.error}\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}", outcomes)
 
     def _conclude(self, failure: WorldFailure, channel: TaskEnd, ranks: list[int], dead: list[int]) -> None:
-        stacks = self._gather_stacks([r for r in range(self.n) if r not in dead])
+        hang = isinstance(failure, TaskTimeout)
+        self._answered, stacks, failure.flight = evidence.gather(
+            self.store, self.rank, self._answered, [r for r in range(self.n) if r not in dead], hang)
         failure.stacks = {r: stacks.get(r, "") for r in ranks if r not in dead}
         if isinstance(failure, TaskFailed):  # the bystanders' stacks, where a World keeps them
             failure.outcomes = [o if not isinstance(o.error, StillRunning) else
@@ -365,16 +361,6 @@ class LaunchWatch:
         records = channel.read()
         failure.records = {r: records[r] for r in ranks}
         self.finish(self._reported(failure))
-
-    def _gather_stacks(self, alive: list[int]) -> dict[int, str]:
-        before = int(self.store.add("stacks", 0))
-        self.store.add("D", 1)
-        self._answer_stack_request()
-        deadline = time.monotonic() + STACKS_WAIT_S
-        while int(self.store.add("stacks", 0)) < before + len(alive) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        values = self.store.multi_get([f"S{r}" for r in alive])
-        return {r: v.decode("utf-8", "replace") for r, v in zip(alive, values)}
 
     def _exit(self, code: int, wait_for_others: bool = False) -> NoReturn:
         try:

@@ -3,6 +3,7 @@ by :func:`ddparity.frames.tidy_stack`."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -11,6 +12,9 @@ import time
 
 from ddparity.frames import tidy_stack
 
+PR_SET_PTRACER = 0x59616D61
+"""prctl option: which process may ptrace this one under Yama's ``ptrace_scope`` 1 (the
+default on Ubuntu, where a child may not trace its parent)."""
 PY_SPY_TIMEOUT_S = 3.5
 """The most a py-spy stack dump of all ranks (run side by side) may take."""
 PYTHON_PASS_S = 2.0
@@ -54,3 +58,28 @@ def _dump(exe: str, pids: dict[int, int], native: bool, deadline: float) -> dict
         if proc.returncode == 0 and text.strip():
             out[rank] = tidy_stack(text)
     return out
+
+
+def own_native_stacks(timeout: float) -> str:
+    """This process's stacks, native frames included (py-spy ``--native`` on itself), or
+    "" where py-spy is missing, may not attach or takes longer than ``timeout``. For a
+    rank with no controller outside it (a launch): where gloo or NCCL waits, which
+    ``sys._current_frames`` cannot show. py-spy starts behind a shell that waits for a
+    line, so that this process can name it as its one permitted tracer (``PR_SET_PTRACER``)
+    before it attaches; the permission is withdrawn afterwards."""
+    exe = _py_spy()
+    if exe is None:
+        return ""
+    proc = subprocess.Popen(["/bin/sh", "-c", 'read _ && exec "$0" dump --native --pid "$1"', exe, str(os.getpid())],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PTRACER, proc.pid, 0, 0, 0)  # fails harmlessly without Yama
+    try:
+        text, _ = proc.communicate("\n", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return ""
+    finally:
+        libc.prctl(PR_SET_PTRACER, 0, 0, 0, 0)
+    return tidy_stack(text) if proc.returncode == 0 and text.strip() else ""
