@@ -152,6 +152,7 @@ class _Watched:
             os._exit(Exit.INTERRUPTED)
         except BaseException as exc:
             ticker.stop()
+            self.recorder.flush()  # its last collective (one gloo aborted, say) in the store first
             self.watch.fail(from_script(exc, self.file))
         ticker.stop()
         self.recorder.end_task()

@@ -5,10 +5,10 @@ While a task runs, each ``torch.distributed`` collective — called directly, or
 gradient buckets (:mod:`ddparity.harness.ranks.ddp_buckets`) — is recorded in Python,
 identically on every backend: its per-group sequence number, op, reduce op, root, split
 sizes, tensor shapes and dtypes, group, and the caller's source line. Entries go to the
-side channel (one line each, appended) and the rank's latest position (step, phase,
-recent entries, whether it is inside a blocking collective) overwrites its progress key.
-Both live outside the rank (the world's private side-channel folder, or the launch's store
-under torchrun), so they survive a rank stuck in the collective or killed in it. The record format is :mod:`ddparity.records`; what it means is judged in
+side channel (one line each, appended) and the rank's latest position (step, phase, recent
+entries, whether it is inside a blocking collective) overwrites its progress key, outside
+the rank (the world's side-channel folder, or the launch's store), so they survive a rank
+stuck or killed in the collective. Format: :mod:`ddparity.records`; judged in
 :mod:`ddparity.checks.collectives` and :mod:`ddparity.checks.hang`.
 
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is not used: its wrapper skips reduce-op and root
@@ -37,16 +37,14 @@ RECENT = 8
 sequence number even when some have moved on."""
 
 PUBLISH_S = 0.02
-"""How long the rank's publisher thread lets changes gather before writing them to the
-side channel. Writing every event synchronously cost 10-30 store round trips a step (15 ms
-of a 60 ms 4-rank check on 2 cores). Collectives still write their progress record (with
-the recent entries) at once; phases, ledger lines and fingerprints are batched. The
-thread runs while the main thread waits in a collective (torch releases the GIL there),
-so a wedged rank's position is current; a rank killed outright loses at most this much
-of its phases and fingerprints."""
+"""How long the publisher thread lets changes gather before writing them (every event
+written at once cost 15 ms of a 60 ms 4-rank step on 2 cores). Collectives still write
+their progress record (with the recent entries) at once. The thread runs while the main
+thread waits in a collective (the GIL released), so a wedged rank's position is current."""
 
-LAZY_S = 0.25
-"""Under ``write_behind`` (``ddparity watch``), how long phase and fingerprint changes wait at most."""
+LAZY_S = 0.1
+"""``write_behind``: how often the publisher writes what changed (the training thread never
+wakes it: a wake cost it ~1 ms a step); the script's own collectives are written at once."""
 
 HEARTBEAT_S = 1.0
 """How often a rank that is computing (its modules' forwards and its gradients ticking,
@@ -89,10 +87,8 @@ class Recorder:
     def __init__(self, channel: RankEnd, write_behind: bool = False) -> None:
         self.channel = channel
         self.write_behind = write_behind
-        """Collectives written by the publisher thread while they run, not before (``ddparity
-        watch``: the step never waits for the store; a rank gloo aborts at once may leave its
-        last collective unwritten)."""
-        self._urgent = False
+        """Everything written by the publisher thread every :data:`LAZY_S` (``ddparity watch``:
+        the step never waits for the store; a rank killed outright may leave its last unwritten)."""
         self._lock = threading.Lock()  # the recorder's state
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
         self._wake = threading.Event()
@@ -112,6 +108,7 @@ class Recorder:
         self.recent: deque[str] = deque(maxlen=RECENT)
         self.enabled = True
         self._progress: str | None = None
+        self._dirty = False  # write_behind: the progress record to render at the next write
         self._ledger: list[str] = []
         self._prints: list[str] = []
 
@@ -133,17 +130,16 @@ class Recorder:
 
     def _publish_loop(self) -> None:
         while True:
-            if not self._wake.wait(LAZY_S if self.write_behind else HEARTBEAT_S):
-                if self.write_behind and self._progress is not None:
-                    pass  # phases and fingerprints gathered since the last write
-                elif self.ticks == self._ticks_published:  # nothing changed: still computing?
+            if self.write_behind:
+                self._wake.wait(LAZY_S)  # set only to flush (see :meth:`flush`)
+            elif not self._wake.wait(HEARTBEAT_S):
+                if self.ticks == self._ticks_published:  # nothing changed: still computing?
                     continue
                 with self._lock:
                     self._changed()
             self._ticks_published = self.ticks
-            if not self._urgent:
+            if not self.write_behind:
                 time.sleep(PUBLISH_S)  # let more changes gather
-            self._urgent = False
             self._wake.clear()
             with self._io:
                 try:
@@ -152,13 +148,15 @@ class Recorder:
                     return
 
     def tick(self) -> None:
-        """A unit of work done (a module's forward, a gradient accumulated): a slow step
-        of a large model is progress, published every :data:`HEARTBEAT_S`."""
+        """Work done (a forward, a gradient): a slow step is progress (every :data:`HEARTBEAT_S`)."""
         self.ticks += 1
 
     def _write(self) -> None:
         """Write what changed since the last write (call with ``_io`` held)."""
         with self._lock:
+            if self._dirty:
+                self._dirty = False
+                self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
             progress, ledger, prints = self._progress, self._ledger, self._prints
             self._progress, self._ledger, self._prints = None, [], []
         if ledger:
@@ -168,10 +166,13 @@ class Recorder:
         if progress is not None:
             self.channel.set_progress(progress)
 
+    def flush(self) -> None:  # (a watched script raised: what it did last goes first)
+        with self._io:
+            self._write()
+
     # what tasks call
 
-    def pause(self) -> None:
-        """Stop recording until the next task (a task run without detection)."""
+    def pause(self) -> None:  # stop recording until the next task (run without detection)
         self.enabled = False
 
     def set_phase(self, step: int, phase: str) -> None:
@@ -203,14 +204,13 @@ class Recorder:
         site = call_site(2)
         for index, bucket in enumerate(layout):
             self.enter("all_reduce", {"tensor": bucket}, blocking=False, site=site,
-                       via=f"DDP gradient bucket {index}", write=index == len(layout) - 1)
+                       via=f"DDP gradient bucket {index}", write=index == len(layout) - 1 and not self.write_behind)
 
     @contextmanager
     def tally(self) -> Iterator[list[tuple[str, int]]]:
         """``(op, bytes)`` of every collective this thread issues inside, recorded or not
-        (``ddparity profile`` counts what a comm hook sends). Bytes are those of the
-        collective's first tensor argument: the tensor all-reduced or broadcast, the
-        output of a gather (the sizes nccl-tests reports)."""
+        (``ddparity profile``): bytes of its first tensor argument (the tensor all-reduced or
+        broadcast, a gather's output: the sizes nccl-tests reports)."""
         counted: list[tuple[str, int]] = []
         self._local.tally = counted
         try:
@@ -222,8 +222,8 @@ class Recorder:
 
     def enter(self, op: str, args: dict[str, Any], blocking: bool, site: str = "", via: str = "",
               write: bool = True) -> None:
-        """Record a collective about to be issued; ``write=False`` leaves the write to the
-        next entry's (a DDP step's buckets: one store round trip for all of them)."""
+        """Record a collective about to be issued; ``write=False`` leaves the write to the next
+        entry's or the publisher (DDP's buckets: one round trip for all, or none written behind)."""
         site = site or call_site(3)
         with self._lock:
             entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site,
@@ -231,17 +231,15 @@ class Recorder:
             self.recent.append(entry)
             self._ledger.append(entry)
             self._changed()
-        if self.write_behind:
-            self._urgent = True
-            self._wake.set()
-            return
         if not write:
             return
-        # A collective is written at once (its progress record holds the recent entries):
-        # a mismatch must be visible before gloo aborts a rank over it, or the pair wedges.
+        # written at once (the progress record holds the recent entries): a mismatch must be
+        # visible before gloo aborts a rank over it (std::terminate), or the pair wedges
         with self._io:
             with self._lock:
-                progress, self._progress = self._progress, None
+                progress, self._progress, self._dirty = self._progress, None, False
+                if self.write_behind:
+                    progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
             if progress is not None:
                 self.channel.set_progress(progress)
 
@@ -254,9 +252,11 @@ class Recorder:
     def _changed(self) -> None:
         """Render the progress record (call with ``_lock`` held); the publisher writes it."""
         self.events += 1
+        if self.write_behind:
+            self._dirty = True  # rendered and written by the publisher within LAZY_S
+            return
         self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
-        if not self.write_behind:
-            self._wake.set()  # else written within LAZY_S, or with the next collective
+        self._wake.set()
 
 
 class _Disabled:
