@@ -36,19 +36,20 @@ def device_sums(tensors: list[Any], part: int | None = None, slices: int = SLICE
     if not _INT_OF_SIZE:
         _INT_OF_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
     sums: list[Any] = []
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        if part is not None and flat.numel() > SLICE_MIN:
-            size = -(-flat.numel() // slices)
-            flat = flat[(part % slices) * size : (part % slices + 1) * size]
-        if flat.dtype == torch.bool:
-            flat = flat.view(torch.uint8)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
-        as_int = _INT_OF_SIZE[flat.element_size()]
-        bits = flat.view(as_int) if flat.dtype != as_int else flat
-        acc = torch.int32 if as_int == torch.uint8 else as_int
-        sums.append(bits.sum(dtype=acc).to(torch.int64))
+    with torch.no_grad():  # (as few ops a tensor as it takes: their dispatch, not the sums, cost most)
+        for t in tensors:
+            flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+            if part is not None and flat.numel() > SLICE_MIN:
+                size = -(-flat.numel() // slices)
+                flat = flat[(part % slices) * size : (part % slices + 1) * size]
+            if flat.dtype == torch.bool:
+                flat = flat.view(torch.uint8)
+            if flat.is_complex():
+                flat = torch.view_as_real(flat).reshape(-1)
+            as_int = _INT_OF_SIZE[flat.element_size()]
+            bits = flat.view(as_int) if flat.dtype != as_int else flat
+            total = bits.sum(dtype=torch.int32 if as_int == torch.uint8 else as_int)
+            sums.append(total if total.dtype == torch.int64 else total.to(torch.int64))
     return sums
 
 

@@ -36,15 +36,12 @@ RECENT = 8
 """Entries repeated in the progress key, so the watchdog can compare ranks at a common
 sequence number even when some have moved on."""
 
-PUBLISH_S = 0.02
-"""How long the publisher thread lets changes gather before writing them (every event
-written at once cost 15 ms of a 60 ms 4-rank step on 2 cores). Collectives still write
-their progress record (with the recent entries) at once. The thread runs while the main
-thread waits in a collective (the GIL released), so a wedged rank's position is current."""
-
 LAZY_S = 0.1
-"""``write_behind``: how often the publisher writes what changed (the training thread never
-wakes it: a wake cost it ~1 ms a step); the script's own collectives are written at once."""
+"""How often the rank's publisher thread writes what changed (phases, ledger lines,
+fingerprints) to the side channel: nothing wakes it (writing every event at once cost
+15 ms of a 60 ms 4-rank step on 2 cores; waking the thread at each, ~0.3 ms each). Collectives
+still write their progress record (with the recent entries) at once. The thread runs while
+the main thread waits in a collective (the GIL released), so a wedged rank's place is current."""
 
 HEARTBEAT_S = 1.0
 """How often a rank that is computing (its modules' forwards and its gradients ticking,
@@ -87,11 +84,10 @@ class Recorder:
     def __init__(self, channel: RankEnd, write_behind: bool = False) -> None:
         self.channel = channel
         self.write_behind = write_behind
-        """Everything written by the publisher thread every :data:`LAZY_S` (``ddparity watch``:
-        the step never waits for the store; a rank killed outright may leave its last unwritten)."""
+        """DDP's bucket all-reduces written by the publisher, not by the step (``ddparity watch``:
+        a watched step waits for the store only at the script's own collectives)."""
         self._lock = threading.Lock()  # the recorder's state
         self._io = threading.Lock()  # store writes: publisher thread vs. task start/end
-        self._wake = threading.Event()
         self._local = threading.local()
         self.ticks = 0
         self._ticks_published = 0
@@ -107,8 +103,7 @@ class Recorder:
         self.inflight: int | None = None
         self.recent: deque[str] = deque(maxlen=RECENT)
         self.enabled = True
-        self._progress: str | None = None
-        self._dirty = False  # write_behind: the progress record to render at the next write
+        self._dirty = False  # the progress record changed since it was last written
         self._ledger: list[str] = []
         self._prints: list[str] = []
 
@@ -129,18 +124,15 @@ class Recorder:
                 self.channel.end()
 
     def _publish_loop(self) -> None:
+        last = time.monotonic()
         while True:
-            if self.write_behind:
-                self._wake.wait(LAZY_S)  # set only to flush (see :meth:`flush`)
-            elif not self._wake.wait(HEARTBEAT_S):
-                if self.ticks == self._ticks_published:  # nothing changed: still computing?
+            time.sleep(LAZY_S)  # nothing wakes it: a wake cost the training thread ~0.3 ms
+            with self._lock:
+                if not self._dirty and self.ticks != self._ticks_published and time.monotonic() - last > HEARTBEAT_S:
+                    self._changed()  # still computing, with no phase change: a slow step is progress
+                if not (self._dirty or self._ledger or self._prints):
                     continue
-                with self._lock:
-                    self._changed()
-            self._ticks_published = self.ticks
-            if not self.write_behind:
-                time.sleep(PUBLISH_S)  # let more changes gather
-            self._wake.clear()
+            last, self._ticks_published = time.monotonic(), self.ticks
             with self._io:
                 try:
                     self._write()
@@ -154,11 +146,9 @@ class Recorder:
     def _write(self) -> None:
         """Write what changed since the last write (call with ``_io`` held)."""
         with self._lock:
-            if self._dirty:
-                self._dirty = False
-                self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
-            progress, ledger, prints = self._progress, self._ledger, self._prints
-            self._progress, self._ledger, self._prints = None, [], []
+            progress = self._render() if self._dirty else None
+            ledger, prints = self._ledger, self._prints
+            self._ledger, self._prints = [], []
         if ledger:
             self.channel.append_ledger("\n".join(ledger))
         if prints:
@@ -237,11 +227,8 @@ class Recorder:
         # visible before gloo aborts a rank over it (std::terminate), or the pair wedges
         with self._io:
             with self._lock:
-                progress, self._progress, self._dirty = self._progress, None, False
-                if self.write_behind:
-                    progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
-            if progress is not None:
-                self.channel.set_progress(progress)
+                progress = self._render()
+            self.channel.set_progress(progress)
 
     def leave(self) -> None:
         with self._lock:
@@ -250,13 +237,14 @@ class Recorder:
                 self._changed()
 
     def _changed(self) -> None:
-        """Render the progress record (call with ``_lock`` held); the publisher writes it."""
+        """The progress record changed (call with ``_lock`` held): the publisher renders and
+        writes it within :data:`LAZY_S`."""
         self.events += 1
-        if self.write_behind:
-            self._dirty = True  # rendered and written by the publisher within LAZY_S
-            return
-        self._progress = encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
-        self._wake.set()
+        self._dirty = True
+
+    def _render(self) -> str:
+        self._dirty = False
+        return encode_progress(self.events, self.step, self.phase, self.inflight, self.recent)
 
 
 class _Disabled:
