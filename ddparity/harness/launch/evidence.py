@@ -1,11 +1,11 @@
 """What each launched rank tells the reporter about itself when a launch fails.
 
 The reporter (:class:`ddparity.harness.launch.watch.LaunchWatch`) cannot look into other
-machines' processes, so it asks through the launch's store: ``D`` counts the requests,
-``Dh`` marks a hang's. Each rank's watch thread answers with ``S<r>``, its stacks, and, in a
-hang, ``F<r>``, its own Flight Recorder's state. A hang's stacks carry native frames (py-spy
-on itself, where gloo or NCCL waits); a crash's or a desync's are the Python stacks, taken
-at once.
+machines' processes, so it asks through the launch's store: ``D`` counts the requests
+(:data:`NEWS` too, which every rank reads), ``Dh`` marks a hang's. Each rank's watch thread
+answers with ``S<r>``, its stacks, and, in a hang, ``F<r>``, its own Flight Recorder's
+state. A hang's stacks carry native frames (py-spy on itself, where gloo or NCCL waits); a
+crash's or a desync's are the Python stacks, taken at once.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from ddparity.frames import own_stacks
 from ddparity.harness.launch.flight import own_flight_state
 from ddparity.harness.world.stacks import own_native_stacks
 
+NEWS = "N"
+"""Counted up with every verdict (``V``) and stack request: a rank's watch reads this one key
+a beat, and the others only when it moved (each round trip wakes the store's process)."""
 STACKS_WAIT_S = 3.0
 """How long the reporter waits for every rank's Python stacks."""
 NATIVE_STACK_S = 3.0
@@ -48,6 +51,7 @@ def gather(store: Any, rank: int, answered: int, alive: list[int],
     if hang:
         store.set("Dh", "1")
     store.add("D", 1)
+    store.add(NEWS, 1)  # every rank reads D at its next beat
     answered = answer(store, rank, answered)
     deadline = time.monotonic() + (HANG_WAIT_S if hang else STACKS_WAIT_S)
     while int(store.add("stacks", 0)) < before + len(alive) and time.monotonic() < deadline:

@@ -15,7 +15,8 @@ wedged, and under torchrun it lives in the agent, so it outlives a dead rank):
 * ``X<r>`` — a rank whose task raised says what and where;
 * ``D``/``S<r>``/``F<r>`` — a stack request and each rank's answer (its stacks; in a hang
   native ones and its Flight Recorder's state: :mod:`ddparity.harness.launch.evidence`);
-* ``V`` — the verdict's exit code; every process exits with it.
+* ``V`` — the verdict's exit code; every process exits with it;
+* ``N`` — counted up with each verdict or stack request: the one key a rank reads a beat.
 
 The *reporter* is the lowest rank still beating (rank 0 unless it died). It alone judges;
 when it finds a failure it asks every rank for its stack, builds the same
@@ -49,7 +50,7 @@ from ddparity.harness.sidechannel import TaskChannel, TaskEnd, result_key
 from ddparity.harness.world.outcomes import RankOutcome, with_stacks
 from ddparity.records import RankRecords
 
-BEAT_S = 0.25
+BEAT_S = 0.5
 DEAD_S = 5.0
 """A rank whose beat has not moved for this long is gone (its watch thread beats even while
 its main thread waits in a collective)."""
@@ -79,7 +80,8 @@ class LaunchWatch:
         """Run before the process exits (the spools' removal: ``os._exit`` skips finalizers)."""
         self._claim = threading.Lock()
         self._claimed = False
-        self._stopped = False
+        self._stopped = threading.Event()
+        self._news = 0
         self.main_exits = False
         """A passing verdict is the main thread's (:meth:`await_verdict`): a watched script ends as it would."""
         self._beats: dict[int, tuple[str, float]] = {}
@@ -124,6 +126,7 @@ class LaunchWatch:
         """Publish the verdict, give the others a moment to read it, exit with it."""
         self._finishing = True
         self.store.set("V", str(code))
+        self.store.add(evidence.NEWS, 1)
         self._exit(code, wait_for_others=True)
 
     def await_verdict(self) -> int:
@@ -143,12 +146,13 @@ class LaunchWatch:
         """The reporter: publish a passing verdict and wait (briefly) until every rank read it."""
         self._finishing = True
         self.store.set("V", str(code))
+        self.store.add(evidence.NEWS, 1)
         self._wait_for_acks()
         self._stop()
 
     def _stop(self) -> None:
         """End the watch thread first: one inside the store's C++ at exit aborts the process."""
-        self._stopped = True
+        self._stopped.set()
         self._thread.join(timeout=4 * BEAT_S)
 
     def idle(self) -> NoReturn:
@@ -170,21 +174,21 @@ class LaunchWatch:
 
     def _loop(self) -> None:
         try:
-            while not self._stopped:
-                time.sleep(BEAT_S)
-                if self._stopped:
-                    return
+            while not self._stopped.wait(BEAT_S):
                 self.store.add(f"B{self.rank}", 1)
                 if self._finishing:
                     continue  # this process publishes the verdict and waits for the others to read it
-                if self.store.check(["V"]):
+                news = int(self.store.add(evidence.NEWS, 0))
+                if news != self._news and self.store.check(["V"]):
                     code = int(self.store.get("V"))
                     if code == 0 and self.main_exits:
                         return  # the main thread reads it and ends the process as the script would
                     self.store.add("acked", 1)
                     self._exit(code)
                 self._signals()
-                self._answered = evidence.answer(self.store, self.rank, self._answered)
+                if news != self._news:
+                    self._news = news
+                    self._answered = evidence.answer(self.store, self.rank, self._answered)
                 below = self._below_on_node()
                 dead_below = self._dead(below)
                 if dead_below != below:
