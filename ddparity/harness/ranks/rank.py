@@ -34,7 +34,9 @@ from ddparity.harness.protocol import (
 )
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER = 0x59616D61
+"""prctl option: the process that may ptrace this one under Yama's ``ptrace_scope`` 1 (the
+default on Ubuntu, where only an ancestor may)."""
 
 
 def die_with_parent() -> None:
@@ -60,7 +62,7 @@ def _allow_stack_dumps(controller_pid: int) -> None:
     ptrace to ancestors (``kernel.yama.ptrace_scope = 1``)."""
     if controller_pid and sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, controller_pid, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, controller_pid, 0, 0, 0)
         except (OSError, AttributeError):
             pass
 

@@ -11,10 +11,8 @@ import sys
 import time
 
 from ddparity.frames import tidy_stack
+from ddparity.harness.ranks.rank import PR_SET_PTRACER
 
-PR_SET_PTRACER = 0x59616D61
-"""prctl option: which process may ptrace this one under Yama's ``ptrace_scope`` 1 (the
-default on Ubuntu, where a child may not trace its parent)."""
 PY_SPY_TIMEOUT_S = 3.5
 """The most a py-spy stack dump of all ranks (run side by side) may take."""
 PYTHON_PASS_S = 2.0
@@ -66,7 +64,8 @@ def own_native_stacks(timeout: float) -> str:
     rank with no controller outside it (a launch): where gloo or NCCL waits, which
     ``sys._current_frames`` cannot show. py-spy starts behind a shell that waits for a
     line, so that this process can name it as its one permitted tracer (``PR_SET_PTRACER``)
-    before it attaches; the permission is withdrawn afterwards."""
+    before it attaches; the permission is withdrawn afterwards (a launched rank has no other
+    tracer: a World's rank names its controller, and is never asked for its own stack)."""
     exe = _py_spy()
     if exe is None:
         return ""
