@@ -15,6 +15,7 @@ ones. A leaf module: plain data, no torch, no harness.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -75,12 +76,22 @@ class Entry:
 
 def encode_entry(group: str, seq: int, op: str, key: str, desc: str, site: str, via: str, step: int,
                  phase: str, t: float, is_async: bool) -> str:
-    """One ledger line (the inverse of :meth:`Entry.from_json`)."""
-    return json.dumps(
-        {"g": group, "s": seq, "op": op, "k": key, "d": desc, "site": site, "via": via, "step": step,
-         "phase": phase, "t": round(t, 6), "async": is_async},
-        separators=(",", ":"),
-    )
+    """One ledger line (the inverse of :meth:`Entry.from_json`). This runs at every
+    collective of a rank: what a training loop repeats (the call, its site, its phase) is
+    JSON-encoded once."""
+    return (f'{{{_fixed(group, op, key, desc, site, via)},"s":{seq},"step":{step},"phase":{_string(phase)},'
+            f'"t":{round(t, 6)!r},"async":{"true" if is_async else "false"}}}')
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed(group: str, op: str, key: str, desc: str, site: str, via: str) -> str:
+    fields = {"g": group, "op": op, "k": key, "d": desc, "site": site, "via": via}
+    return json.dumps(fields, separators=(",", ":"))[1:-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _string(text: str) -> str:
+    return json.dumps(text)
 
 
 def parse_ledger(text: str) -> list[Entry]:

@@ -12,7 +12,8 @@ Two transports, one interface (written and read by the codec in :mod:`ddparity.r
 Records of task ``T`` for rank ``r``:
 
 * ``P<r>`` — progress: the rank's latest position (step, phase, recent collectives),
-  overwritten at every event. The watchdog polls these.
+  overwritten at every event (in a local world a slot file, :mod:`ddparity.harness.slotfile`).
+  The watchdog polls these.
 * ``L<r>`` — ledger: one line per collective, appended.
 * ``F<r>`` — fingerprints: one line per training step, appended.
 
@@ -29,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ddparity.harness.slotfile import SlotWriter, read_slot
 from ddparity.records import RankRecords
 
 KEY_LETTERS = ("P", "L", "F")
@@ -236,12 +238,27 @@ class FileRankChannel:
     def __init__(self, directory: str, generation: str, rank: int) -> None:
         self._directory, self._generation, self._name = directory, generation, str(rank)
         self._folder = ""
+        self._progress: SlotWriter | None = None  # open while the task runs
+        self._appends: dict[str, int] = {}  # the same, for the appended records
+        self._children: list[FileRankChannel] = []
 
     def begin(self, task_id: int) -> None:
+        self._close()
         self._folder = _task_dir(self._directory, self._generation, task_id)
 
     def end(self) -> None:
+        self._close()
         self._folder = ""
+
+    def _close(self) -> None:
+        for channel in [self, *self._children]:
+            if channel._progress is not None:
+                channel._progress.close()
+                channel._progress = None
+            for fd in channel._appends.values():
+                os.close(fd)
+            channel._appends = {}
+        self._children = []
 
     @property
     def active(self) -> bool:
@@ -252,10 +269,16 @@ class FileRankChannel:
         records sit beside this rank's, as ``P<rank>.s<simulated rank>``...)."""
         other = FileRankChannel(self._directory, self._generation, 0)
         other._name, other._folder = f"{self._name}{SIMULATED}{rank}", self._folder
+        self._children.append(other)  # its files close with this task's
         return other
 
     def set_progress(self, value: str) -> None:
-        self._write("P", value)
+        """Overwritten in place (:mod:`ddparity.harness.slotfile`): this runs at every
+        collective, on the training step's path."""
+        if self._folder:
+            if self._progress is None:
+                self._progress = SlotWriter(os.path.join(self._folder, f"P{self._name}"))
+            self._progress.write(value)
 
     def append_ledger(self, line: str) -> None:
         self._append("L", line)
@@ -280,8 +303,11 @@ class FileRankChannel:
 
     def _append(self, kind: str, line: str) -> None:
         if self._folder:
-            with open(os.path.join(self._folder, f"{kind}{self._name}"), "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            fd = self._appends.get(kind)
+            if fd is None:
+                path = os.path.join(self._folder, f"{kind}{self._name}")
+                fd = self._appends[kind] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.write(fd, (line + "\n").encode("utf-8"))
 
 
 @dataclass
@@ -315,19 +341,21 @@ class FileTaskChannel:
     def progress(self) -> list[str]:
         """Each rank's progress record, by rank, then those of any simulated ranks (a
         simulated world's progress is its threads')."""
-        own = [self._text(f"P{r}") for r in range(self._n)]
+        own = [self._position(f"P{r}") for r in range(self._n)]
         try:
-            names = sorted(n for n in os.listdir(self._folder) if n.startswith("P") and SIMULATED in n
-                           and not n.endswith(".tmp"))
+            names = sorted(n for n in os.listdir(self._folder) if n.startswith("P") and SIMULATED in n)
         except OSError:
             return own
-        return own + [self._text(n) for n in names]
+        return own + [self._position(n) for n in names]
 
     def read(self) -> dict[int, RankRecords]:
         return {r: self._records(str(r)) for r in range(self._n)}
 
     def _records(self, name: str) -> RankRecords:
-        return RankRecords(self._text(f"P{name}"), self._text(f"L{name}"), self._text(f"F{name}"))
+        return RankRecords(self._position(f"P{name}"), self._text(f"L{name}"), self._text(f"F{name}"))
+
+    def _position(self, name: str) -> str:
+        return read_slot(os.path.join(self._folder, name))
 
     def read_simulated(self, rank: int = 0) -> SimulatedRecords | None:
         """What rank ``rank``'s simulated ranks left, or None where it ran none."""

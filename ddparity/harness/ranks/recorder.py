@@ -18,7 +18,6 @@ mismatches and costs an extra collective per collective.
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import time
 from collections import deque
@@ -26,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddparity.harness.ranks.calls import RECORDED, call_site, ledger_entry
+from ddparity.harness.ranks.calls import RECORDED, Binder, call_site, ledger_entry
 from ddparity.records import encode_fingerprints, encode_progress
 
 if TYPE_CHECKING:
@@ -318,14 +317,14 @@ def set_collective_timer(timer: CollectiveTimer | None) -> None:
 
 
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(fn)
+    binder = Binder(fn)
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         timer = _timer
         if timer is not None and not getattr(_thread, "timed", False):
             try:
-                arguments = signature.bind(*args, **kwargs).arguments
+                arguments = binder.bind(args, kwargs)
             except TypeError:
                 return fn(*args, **kwargs)  # let torch raise its own error for bad arguments
             _thread.timed = True
@@ -338,7 +337,7 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def _record(*args: Any, **kwargs: Any) -> Any:
         simulated = getattr(_thread, "recorder", None)
         if simulated is not None:
-            return simulated.call(op, signature, fn, args, kwargs)
+            return simulated.call(op, binder, fn, args, kwargs)
         rec = _active
         counted = getattr(rec._local, "tally", None) if rec is not None else None
         if rec is not None and counted is not None and not getattr(rec._local, "depth", False):
@@ -347,11 +346,11 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if rec is None or not rec.enabled or not rec.channel.active or getattr(rec._local, "depth", False):
             return fn(*args, **kwargs)  # not in a task, or nested (all_gather_object -> all_gather)
         try:
-            bound = signature.bind(*args, **kwargs)
+            bound = binder.bind(args, kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # let torch raise its own error for bad arguments
-        blocking = not bound.arguments.get("async_op", False) and op not in ("isend", "irecv")
-        rec.enter(op, bound.arguments, blocking)
+        blocking = not bound.get("async_op", False) and op not in ("isend", "irecv")
+        rec.enter(op, bound, blocking)
         rec._local.depth = True
         try:
             return fn(*args, **kwargs)

@@ -6,7 +6,8 @@ learns of them as they are made (``DistributedDataParallel.__init__`` and ``full
 are wrapped: they run as they are, then the module is remembered) and registers one global
 optimizer step hook (``torch.optim``'s own: it returns nothing and changes no tensor).
 After each step it fingerprints every parameter the optimizer holds
-(:mod:`ddparity.harness.ranks.fingerprint`, a slice of each large tensor per step) and
+(:mod:`ddparity.harness.ranks.fingerprint`, a rotating sixteenth of each large tensor per
+step, every element within 16 steps, as ``check`` does) and
 names each with the ranks that must agree on it:
 
 * a parameter of a DDP module: every rank of that DDP's process group;
@@ -35,13 +36,6 @@ from ddparity.harness.ranks.shards import is_sharded
 from ddparity.records import SHARD_TAG
 
 _installed: Replicas | None = None
-
-WATCH_SLICES = 16
-"""A watched run fingerprints a rotating sixteenth of each large tensor a step (every
-element within 16 steps): an update, a lost all-reduce or a rank-local learning rate
-changes every element and is caught at its step; replicas that drifted stay apart, so a
-change to a few elements is caught within 16 steps."""
-
 
 class Replicas:
     """The DDP and FSDP2 modules this process built, and the fingerprints of their
@@ -212,7 +206,7 @@ def _device_sums(tensors: list[Any], step: int) -> Any:
     import torch
 
     with torch.no_grad():
-        sums = device_sums(tensors, step, WATCH_SLICES)
+        sums = device_sums(tensors, step)  # a rotating slice of large tensors: SLICES
         device = sums[0].device
         return torch.stack([s.to(device) for s in sums])
 

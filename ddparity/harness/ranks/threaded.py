@@ -139,13 +139,13 @@ class ThreadRecorder:
 
     # what the patched collectives call
 
-    def call(self, op: str, signature: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, op: str, binder: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from ddparity.harness.ranks.calls import call_site
 
         if self._depth:  # a collective's own inner one (all_gather_object -> all_gather)
             return fn(*args, **kwargs)
         try:
-            bound = signature.bind(*args, **kwargs).arguments
+            bound = binder.bind(args, kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # torch raises its own error for bad arguments
         blocking = not bound.get("async_op", False) and op not in ("isend", "irecv")
