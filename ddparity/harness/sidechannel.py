@@ -258,6 +258,8 @@ class FileRankChannel:
             for fd in channel._appends.values():
                 os.close(fd)
             channel._appends = {}
+        for child in self._children:
+            child._folder = ""  # the task ended: a simulated rank still writing writes nothing
         self._children = []
 
     @property
