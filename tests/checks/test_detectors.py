@@ -148,6 +148,22 @@ def test_fingerprints_change_with_any_single_bit_and_only_then():
     assert parse_fingerprints(line + "\nnot json\n") == {0: after}
 
 
+@pytest.mark.parametrize("shape", [(70000,), (17, 5000), (16, 4097), (300, 300), (1, 70000), (5000, 17), (2, 3, 20000)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_rotating_slices_cover_every_element_once_and_none_is_empty(shape, layout):
+    """A large tensor is fingerprinted a slice a step: over SLICES steps every element
+    once, and every step some (a step whose slice were empty would miss a desync that
+    changes every element, until the next)."""
+    from ddparity.harness.ranks.fingerprint import SLICES, device_sums
+
+    ones = torch.ones(shape, dtype=torch.int32)
+    if layout == "transposed":
+        ones = ones.transpose(0, -1)  # non-contiguous, as a parameter may be
+    counts = [int(device_sums([ones], part)[0]) for part in range(SLICES)]
+    assert sum(counts) == ones.numel() and min(counts) > 0, counts
+    assert int(device_sums([ones], None)[0]) == ones.numel()  # part None: the whole tensor
+
+
 def test_hang_suspects():
     def pos(step, phase, seq, inflight=None):
         return Position(step, phase, inflight, (entry(seq),) if seq >= 0 else ())

@@ -48,9 +48,10 @@ def device_sums(tensors: list[Any], part: int | None = None, slices: int = SLICE
             as_int = _INT_OF_SIZE[t.element_size()]
             bits = t if t.dtype == as_int else t.view(as_int)  # (bool: uint8)
             if part is not None and t.numel() > SLICE_MIN:
-                if bits.dim() == 0 or bits.shape[0] < slices:
+                rows = bits.shape[0] if bits.dim() else 0
+                if (slices - 1) * -(-rows // slices) >= rows:  # a slice of rows would be empty: flat slices
                     bits = bits.reshape(-1)
-                size = -(-bits.shape[0] // slices)  # a slice of rows: of the flat tensor where contiguous
+                size = -(-bits.shape[0] // slices)  # a slice of rows (of the flat tensor where contiguous)
                 bits = bits[(part % slices) * size : (part % slices + 1) * size]
             sums.append(bits.sum(dtype=torch.int64 if as_int == torch.int64 else torch.int32))
     return sums
