@@ -146,6 +146,7 @@ class Binder:
         """Whether calls bind without ``Signature.bind`` (no ``*args`` or positional-only parameters)."""
         self._positional = tuple(p.name for p in params if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self._order = tuple(p.name for p in params)
+        self._names = frozenset(self._order)
         self._required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class Binder:
             if not kwargs:
                 if self._required.issubset(bound):
                     return bound
-            elif not (kwargs.keys() & bound.keys()) and kwargs.keys() <= set(self._order):
+            elif self._names.issuperset(kwargs) and bound.keys().isdisjoint(kwargs):
                 bound.update(kwargs)
                 if self._required.issubset(bound):
                     return {name: bound[name] for name in self._order if name in bound}
