@@ -87,6 +87,24 @@ def distance(a: Any, b: Any) -> float:
     return worst
 
 
+RANDOM_WALK_FROM = 16
+"""The world size from which :func:`summation_ulps` grows as a random walk."""
+
+
+def summation_ulps(world_size: int) -> float:
+    """How many ulps (of the size of its summands) summing ``world_size`` partials may round a
+    correct result by: ``W`` up to :data:`RANDOM_WALK_FROM` ranks (the worst case, what the
+    tolerance sweeps calibrated), ``4 * sqrt(W)`` beyond. The roundings of a long sum are
+    independent and add as a random walk, so their total grows like ``sqrt(W) u`` with high
+    probability (Higham and Mary, "A new approach to probabilistic rounding error analysis",
+    SIAM J. Sci. Comput. 2019); the worst case ``W u`` would pass the value itself in bf16 from
+    W = 128 on (2^7 ulps of 2^-7), leaving no tolerance that tells anything from anything.
+    The twin's nudge and the tolerance's floor both use this one figure."""
+    if world_size <= RANDOM_WALK_FROM:
+        return float(world_size)
+    return math.sqrt(RANDOM_WALK_FROM * world_size)
+
+
 def mismatch(expected: Any, got: Any) -> str:
     """Why :func:`distance` found ``got`` infinitely far from ``expected``, in words."""
     import torch

@@ -246,3 +246,64 @@ def test_cpu_offload_passes_clean_and_a_summed_loss_under_it_is_caught():
     [summed] = check(sharded.offloaded_summed(), modes=("fsdp",), world_sizes=(2,)).runs
     assert summed.status == "diverged" and summed.first_divergence.step == 0
     assert any("a loss summed over the batch" in n for n in summed.notes)
+
+
+# -- the default wrapping on the layouts users write (no Case.fsdp) ------------------------
+
+
+def test_default_wrapping_takes_the_blocks_inside_containers_and_leaves_shared_parameters_to_the_root():
+    from ddparity.fixtures import layouts
+    from ddparity.harness.ranks.modes.fsdp import wrapping_units
+
+    def wrapped(net):
+        units = wrapping_units(net)
+        return [name for name, module in net.named_modules() if any(module is u for u in units)]
+
+    assert wrapped(layouts.ListNet()) == ["inp", "blocks.0", "blocks.1", "blocks.2", "out"]
+    # nanoGPT: the ModuleDict looked into, the tied embedding (wte is lm_head's weight) left to the root
+    assert wrapped(layouts.TiedDictNet()) == ["transformer.wpe", "transformer.h.0", "transformer.h.1",
+                                              "transformer.ln_f"]
+    assert wrapped(layouts.NestedNet()) == ["stages.low.0", "stages.low.1", "stages.high.0", "stages.high.1.0",
+                                            "stages.high.1.1"]
+    # T5: one embedding reached from three places; the stacks looked into, never wrapped whole
+    assert wrapped(layouts.SharedEmbeddingNet()) == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.0",
+                                                     "decoder.layers.1", "head"]
+
+
+@pytest.mark.parametrize("layout", ["module_list", "tied_module_dict", "nested_containers", "shared_embedding"])
+def test_user_layouts_pass_clean_and_catch_a_summed_loss_under_the_default_wrapping(layout):
+    """Before the default wrapping looked into containers, every one of these was a CRASH
+    ("fully_shard does not support containers that do not implement forward", or a
+    parameter "shared with a parameter already managed by another FSDP group") blamed on
+    the user's model."""
+    from ddparity.fixtures.layouts import layout_case
+
+    clean = check(layout_case(layout), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in clean.runs] == ["pass"] * 4, clean.render()
+    summed = check(layout_case(layout, summed=True), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in summed.runs] == ["diverged"] * 4, summed.render()
+    for run in summed.runs:
+        first = run.first_divergence
+        assert first.step == 0 and first.kind == "loss" and first.max_abs / first.tolerance > 100, (run.mode, first)
+
+
+@pytest.mark.parametrize("shard", [1, 4])
+def test_a_module_list_model_on_the_degenerate_hsdp_meshes(shard):
+    from ddparity.fixtures.layouts import layout_case
+
+    [clean] = check(layout_case("module_list"), modes=("hsdp",), world_sizes=(4,), hsdp_shard=shard).runs
+    assert clean.status == "pass" and f"hsdp mesh: {4 // shard} replica(s) x {shard} shard(s)" in clean.notes
+    [summed] = check(layout_case("module_list", summed=True), modes=("hsdp",), world_sizes=(4,),
+                     hsdp_shard=shard).runs
+    assert summed.status == "diverged" and summed.first_divergence.step == 0
+
+
+def test_module_list_accumulation_and_simulated_8_under_the_default_wrapping():
+    from ddparity.fixtures.layouts import layout_case, module_list_accumulation
+
+    accumulated = check(module_list_accumulation(), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in accumulated.runs] == ["pass"] * 4, accumulated.render()
+    for summed, expected in ((False, "pass"), (True, "diverged")):
+        report = check(layout_case("tied_module_dict", summed), modes=("fsdp", "hsdp"), world_sizes=(8,),
+                       backend="threaded")
+        assert [(r.status, r.simulated) for r in report.runs] == [(expected, True)] * 2, report.render()

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.distances import RECORD_KINDS, Reference, distance, max_abs  # noqa: F401 - the measures, re-exported
+from ddparity.distances import RECORD_KINDS, Reference, distance, max_abs, summation_ulps  # noqa: F401 - the measures, re-exported
 
 HEADROOM = 32.0
 """The twin samples *one* reordering; DDP is another. Across our sweep
@@ -64,6 +64,13 @@ itself from W = 16 on; a summed loss, a per-rank normalisation or a missed divis
 is off by at least half the value at any W >= 2, so a tolerance of a quarter still tells
 it by 2x. Where the twin's own noise leaves no room under the cap (:data:`CAP_ROOM`), the
 run is too imprecise to judge at that world size and says so (:class:`Uncalibrated`)."""
+
+NEGLIGIBLE_SHARE = 1 / 64
+"""The most a tensor may be of the largest of its kind and still count as rounding (so go
+uncapped). Rounding is :func:`summation_ulps` ulps of the largest; in bf16 those reach the
+largest itself from W = 128 on, where *every* tensor, the largest included, would count as
+rounding and no cap would hold: a summed loss passed at simulated 128, 256 and 512. 1/64 is
+bf16's rounding at 2 ranks, so nothing changes where the sweeps calibrated it."""
 
 CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
@@ -97,8 +104,17 @@ class Uncalibrated:
     value: float
     world_size: int = 0
     """Set when the run is too imprecise at this world size (the cap), not order-dependent."""
+    bound: float = 0.0
+    """Set when no step-0 loss or gradient has a tolerance below its own size: the rounding
+    bound itself (the tolerance of ``name``), not the twin's noise, leaves nothing to judge."""
 
     def reason(self) -> str:
+        if self.bound:
+            return (f"too imprecise to judge at world size {self.world_size}: the rounding that summing "
+                    f"{self.world_size} partials may add in this precision makes every tolerance of step 0 "
+                    f"larger than the value it bounds ({self.kind} {self.name!r}: {self.bound:.3g}, "
+                    f"{self.bound / self.value:.3g}x its size {self.value:.3g}), so no wrong loss or gradient "
+                    f"would show; check in a higher precision (float32) or at a smaller world size")
         if self.world_size:
             return (f"too imprecise to judge at world size {self.world_size} from step {self.step} on: rounding "
                     f"noise in {self.kind} {self.name!r} (the calibration twin differs by {self.noise:.3g}, "
@@ -119,6 +135,9 @@ class Tolerance:
     description: str
     table: dict[tuple[int, str, str], float]
     uncalibrated: Uncalibrated | None = None
+    loose: str | None = None
+    """Why some kind is judged only loosely (every step-0 gradient's tolerance above its size
+    while the loss is judged tightly): a note for the run, never a verdict."""
 
     def __call__(self, step: int, kind: str, name: str) -> float:
         return self.table.get((step, kind, name), 0.0)
@@ -148,13 +167,16 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
         dtype = low if torch.finfo(low).eps > torch.finfo(dtype).eps else dtype
     eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     headroom = HEADROOM if eps < 1e-6 else LOW_PRECISION_HEADROOM
+    walk = summation_ulps(world_size)
+    slack = max(1e-3, 2 * eps)  # the value is rounded to the dtype, its summands' size (in float64) is not
     table: dict[tuple[int, str, str], float] = {}
     uncalibrated = imprecise = None
     for step in range(len(reference.steps)):
         for kind in RECORD_KINDS:
             ref_e = reference.entries(step, kind)
             largest = max((e.value for _, e in ref_e), default=0.0)
-            negligible = world_size * eps * largest  # a tensor this small is rounding (a softmax-invariant bias)
+            # a tensor this small is rounding (a softmax-invariant bias)
+            negligible = min(walk * eps, NEGLIGIBLE_SHARE) * largest
             rounding = ABOVE_ROUNDING * negligible
             for name, e in ref_e:
                 if not e.floating:
@@ -169,11 +191,11 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
                 # gradients' dtype (not of the result's: partial gradients can cancel); the
                 # larger of the two, the headroom covering their sum.
                 scale = e.scale if kind in ("loss", "grad") and math.isfinite(e.scale) else 0.0
-                floor = max(max(eps, world_size * eps_sum) * max(scale, value), tiny)
+                floor = max(max(eps, walk * eps_sum) * max(scale, value), tiny)
                 tolerance = headroom * max(noise, floor)
                 if kind == "optimizer":
                     tolerance = max(tolerance, OPTIMIZER_SHARE * value)
-                if (step == 0 and kind in ("loss", "grad") and value > negligible and value >= (1 - 1e-3) * scale
+                if (step == 0 and kind in ("loss", "grad") and value > negligible and value >= (1 - slack) * scale
                         and tolerance > SHARE_CAP * value):
                     tolerance = SHARE_CAP * value
                     if imprecise is None and CAP_ROOM * noise > tolerance:
@@ -184,10 +206,40 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
                 if (uncalibrated is None and step == 0 and kind == "grad" and noise >= UNCALIBRATED_SHARE * value
                         and value > rounding):
                     uncalibrated = Uncalibrated(step, kind, name, noise, value)
+    imprecise = imprecise or _vacuous(reference, table, world_size, ("loss", "grad"))
     if imprecise is not None and (uncalibrated is None or imprecise.step < uncalibrated.step):
         uncalibrated = imprecise  # an order-dependent step says more than an imprecise one
     policy = f", the run's own {run_dtype} policy" if run_dtype else ""
-    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated)
+    loose = None
+    if uncalibrated is None and _vacuous(reference, table, world_size, ("grad",)) is not None:
+        loose = (f"gradients judged loosely: in {str(dtype).removeprefix('torch.')} at world size {world_size} the "
+                 f"rounding bound of every step-0 gradient exceeds the gradient itself (they are mean-like sums of "
+                 f"larger terms), so a gradient counts as diverged only beyond that; the loss is judged within "
+                 f"{SHARE_CAP:.0%} of its value and the replicas' agreement bit for bit; a float32 check judges "
+                 f"gradients tightly")
+    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose)
+
+
+def _vacuous(reference: Reference, table: dict[tuple[int, str, str], float], world_size: int,
+             kinds: tuple[str, ...]) -> Uncalibrated | None:
+    """Where no floating tensor of ``kinds`` at step 0 has a tolerance below its own size (a
+    tolerance that would pass its being 0, doubled or of the other sign), the one with the
+    smallest tolerance for its size, as an :class:`Uncalibrated`; else None."""
+    if not reference.steps:
+        return None
+    tightest: tuple[float, str, str, float, float, float] | None = None
+    for (kind, name), e in reference.steps[0].items():
+        if kind not in kinds or not e.floating or not e.value > 0 or not math.isfinite(e.value):
+            continue
+        share = table[(0, kind, name)] / e.value
+        if share < 1:
+            return None
+        if tightest is None or share < tightest[0]:
+            tightest = (share, kind, name, e.noise, e.value, table[(0, kind, name)])
+    if tightest is None:
+        return None
+    _, kind, name, noise, value, bound = tightest
+    return Uncalibrated(0, kind, name, noise, value, world_size, bound)
 
 
 def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any) -> Tolerance:
@@ -210,7 +262,8 @@ def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any) -> Tole
             for name, e in reference.entries(step, kind):
                 if e.floating and (step, kind, name) in table:
                     table[(step, kind, name)] = max(table[(step, kind, name)], share * e.value)
-    return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor", table, tol.uncalibrated)
+    return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor", table, tol.uncalibrated,
+                     tol.loose)
 
 
 def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:

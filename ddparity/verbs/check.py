@@ -188,6 +188,15 @@ def _stop(blowup: NonFinite | None, tol: Any) -> NonFinite | Uncalibrated | None
     return min(stops, key=lambda s: s.step) if stops else None
 
 
+def _until(stop: NonFinite | Uncalibrated | None) -> int | None:
+    """The step before which runs are compared: the stop's, but every step where the stop is
+    only imprecision (a tolerance looser than it should be is still a bound: a run beyond it
+    diverged)."""
+    if stop is None or (isinstance(stop, Uncalibrated) and stop.world_size):
+        return None
+    return stop.step
+
+
 def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> RunResult:
     """A run compared only up to the reference's blow-up (or the end of calibration): never
     a pass."""
@@ -199,6 +208,8 @@ def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> 
     if run.status == "pass":
         matched = f"; steps before {blowup.step} matched" if blowup.step else ""
         run.status, run.reason = "error", blowup.reason() + matched
+    elif isinstance(blowup, Uncalibrated) and blowup.world_size:
+        run.notes.append(f"judged within loose tolerances only: {blowup.reason()}")
     else:
         run.notes.append(f"compared up to step {blowup.step} only: {blowup.reason()}")
     return run
@@ -217,7 +228,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         distances, notes, simulated = results[ws]
         tol = _tolerance(case, opts, reference, ws)
         stop = _stop(blowup, tol)
-        found = divergences(reference, [distances], tol, until=stop.step if stop else None)
+        found = divergences(reference, [distances], tol, until=_until(stop))
         device = "cuda" if backend == "nccl" else "cpu"  # where the reference world runs it
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
@@ -226,6 +237,8 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         if found:
             run.first_divergence, run.worst = found[0], worst(found)
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
+        if tol.loose:
+            run.notes.append(tol.loose)
         runs.append(_compared_up_to(run, stop))
     return runs
 
@@ -325,9 +338,11 @@ def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distanc
     floors = [d.steps for d in (policy if low else None, compile_noise) if d is not None]
     tol = _tolerance(case, opts, reference, ws, low, _larger(floors) if floors else None)
     stop = _stop(blowup, tol)
-    found = divergences(reference, runs, tol, until=stop.step if stop else None)
+    found = divergences(reference, runs, tol, until=_until(stop))
     run.tolerance = tol.description
     run.worst = worst(found)
+    if tol.loose:
+        run.notes.append(tol.loose)
     judged = judge_completed(run, records, found)
     params = reference.params
     unsharded = sorted({n for r in runs for n in r.unsharded})

@@ -135,14 +135,51 @@ def sharded(model: Any, device: str, world_size: int, shard_size: int | None, ap
 
 
 def default_wrapping(model: Any, mesh: Any) -> None:
-    """``fully_shard`` on each direct child that holds parameters, then on the root (the
-    usual per-block wrapping of a model whose children are its blocks)."""
+    """``fully_shard`` on each of the model's blocks, then on the root: the usual per-block
+    wrapping (torchtitan's, nanoGPT's FSDP recipes), found by :func:`wrapping_units`."""
     from torch.distributed.fsdp import fully_shard
 
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    for unit in wrapping_units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def wrapping_units(model: Any) -> list[Any]:
+    """The modules the default wrapping gives a group of their own: each direct child that
+    holds parameters, except that
+
+    * a container without a ``forward`` of its own (``ModuleList``, ``ModuleDict``: nanoGPT's
+      ``transformer``, torchtitan's ``layers``) is looked into, its children taken instead
+      (``fully_shard`` refuses a module that is never called);
+    * a module holding a parameter that is also reachable elsewhere (tied embeddings, T5's
+      embedding shared by encoder and decoder) is looked into too, and a parameter so shared
+      is left to the root's group: one FSDP group may manage a parameter, never two.
+    """
+    from torch import nn
+
+    seen_names: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen_names[id(p)] = seen_names.get(id(p), 0) + 1
+    shared = {pid for pid, count in seen_names.items() if count > 1}
+    units: list[Any] = []
+    taken: set[int] = set()
+
+    def visit(module: Any) -> None:
+        for child in module.children():
+            if id(child) in taken:
+                continue
+            taken.add(id(child))
+            params = list(child.parameters())
+            if not params:
+                continue
+            container = type(child).forward is nn.Module.forward  # ModuleList, ModuleDict, a bare Module
+            if container or any(id(p) in shared for p in params):
+                visit(child)
+            else:
+                units.append(child)
+
+    visit(model)
+    return units
 
 
 def fsdp_no_sync(module: Any) -> Any:

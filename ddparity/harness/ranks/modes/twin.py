@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ddparity.distances import summation_ulps
 from ddparity.harness.ranks.batches import batch_size, cast, map_tensors, reverse_samples, shard
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.randomness import suspended
@@ -184,18 +185,19 @@ def sample_magnitudes(model: Any, loss_fn: Any, inputs: Any, targets: Any) -> tu
 
 def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int, dtype: Any) -> None:
     """Move every gradient towards zero by the rounding a correct W-rank run may add: an
-    ulp of the precision each rank computed its partial in (``dtype``) or ``world_size``
-    ulps of the gradient's own dtype, in which DDP sums the partials, whichever is larger,
-    of the size of its summands (of itself where that is unknown). Under autocast the partials round in bf16
+    ulp of the precision each rank computed its partial in (``dtype``) or the ulps of the
+    gradient's own dtype (in which DDP sums the partials) that summing ``world_size`` of them
+    may add (:func:`~ddparity.distances.summation_ulps`), whichever is larger, of the size of
+    its summands (of itself where that is unknown). Under autocast the partials round in bf16
     but are summed in float32: W bf16 ulps would grow past the value at large W."""
     import torch
 
-    eps = torch.finfo(dtype).eps
+    eps, walk = torch.finfo(dtype).eps, summation_ulps(world_size)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.grad is None:
                 continue
-            ulps = max(eps, world_size * torch.finfo(p.grad.dtype).eps) if p.grad.is_floating_point() else 0.0
+            ulps = max(eps, walk * torch.finfo(p.grad.dtype).eps) if p.grad.is_floating_point() else 0.0
             if p.grad.layout != torch.strided:
                 p.grad = _nudged_sparse(p.grad, grad_scales.get(n), ulps)
                 continue
