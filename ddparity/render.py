@@ -189,6 +189,8 @@ def render_report(case: str, runs: list[RunResult], verb: str = "check") -> str:
         out.append("")
         out.extend(render_run_failure(run, told))
     notes = [line for r in runs if r.ok for line in render_notes(r)]
+    notes += [f"{r.name} world_size={r.world_size}: skipped: {r.reason}" for r in runs
+              if r.status == "skipped" and r.reason]
     if notes:
         out.append("")
         out.extend(line.strip() for line in notes)

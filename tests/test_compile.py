@@ -112,10 +112,30 @@ def test_bad_compile_options_are_usage_errors_before_any_work(monkeypatch):
         check(compiled.wide(), world_sizes=(2,), compile="nope")
 
 
-def test_the_notes_say_when_nothing_of_the_model_was_compiled():
+def test_a_compiled_run_that_compiled_nothing_is_skipped_with_the_reason_never_a_pass():
+    """A bare nn.Sequential: Dynamo traces nothing of torch's own forward under DDP/FSDP, so
+    the compiled rows compared eager code. They were ``pass`` and counted in "OK: 4 of 4"."""
+    report = check(compiled.bare_sequential(), modes=("single", "fsdp", "ddp"), world_sizes=(2,), compile="aot_eager")
+    rows = {(r.name, r.status) for r in report.runs}
+    assert ("fsdp (compiled aot_eager)", "skipped") in rows and ("ddp (compiled aot_eager, ddp_optimizer)",
+                                                                  "skipped") in rows, report.render()
+    skipped = [r for r in report.runs if r.status == "skipped"]
+    assert all(r.compile["ops"] == 0 and "captured nothing of the model" in r.reason and "nn.Sequential" in r.reason
+               for r in skipped)
+    text = report.render()
+    assert f"OK: {len(report.runs) - len(skipped)} of {len(report.runs)} runs equivalent to the reference, " \
+           f"{len(skipped)} skipped" in text
+    assert "fsdp (compiled aot_eager) world_size=2: skipped: not compared compiled: torch.compile captured nothing" \
+        in text  # the reason in the text, not only the JSON
+    # a compiled run that captured nothing and diverged stays diverged (the bug is real), with the note
+    [summed] = [r for r in check(compiled.bare_sequential(summed=True), modes=("ddp",), world_sizes=(2,),
+                                 compile="aot_eager").runs if r.compile]
+    assert summed.status == "diverged" and any("captured nothing" in n for n in summed.notes)
+
+
+def test_the_notes_say_what_compiling_did():
     nothing = CompileSummary("aot_eager", "ddp_optimizer", "ddp", seconds=0.4, graphs=1, ops=0, torch_breaks=2)
     notes = summary_notes([nothing])
-    assert "captured nothing of the model" in notes[1] and "nn.Sequential" in notes[1]
     assert any("2 in DDP's forward" in n and "runs eagerly by design" in n for n in notes)
     split = CompileSummary("inductor", "ddp_optimizer", "ddp", graphs=2, ops=40, ddp_split=[[2**20, 3 * 2**20], [512]],
                            ddp_cap=25 * 2**20, graph_breaks=["m.py:3: Unsupported Tensor.item() call"])
@@ -129,6 +149,8 @@ def test_the_notes_say_when_nothing_of_the_model_was_compiled():
 def test_a_rank_that_drifts_is_named_in_the_compiled_run_rank_0_and_the_last(ws, culprit):
     report = check(bugs.corrupted_grad_on_one_rank(culprit), modes=("single", "ddp"), world_sizes=(ws,),
                    compile="aot_eager")
-    for run in report.runs[2:]:  # ddp, eager then compiled
+    ddp_runs = report.runs[2:]  # ddp, eager then compiled
+    assert [r.name for r in ddp_runs] == ["ddp", "ddp (compiled aot_eager, ddp_optimizer)"], report.render()
+    for run in ddp_runs:
         assert run.status == "desync" and run.desync.ranks == [culprit], report.render()
         assert any(f"rank {culprit} alone drifts" in n for n in run.notes), run.notes

@@ -35,7 +35,7 @@ from ddparity.settings import (
     TIMEOUT_S,
     CheckOptions,
 )
-from ddparity.verbs.compiled import DP_NOT_COMPILED, compiled_single, describe, dropout_drawn, mark, refused_run
+from ddparity.verbs.compiled import DP_NOT_COMPILED, compared_nothing, compiled_single, describe, dropout_drawn, mark, refused_run
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
 
@@ -323,7 +323,8 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
     if simulated:
         run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")
-    return judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy, compile_noise)
+    judged = judge_ddp(case, opts, run, runs, records, reference, blowup, valid, policy, compile_noise)
+    return compared_nothing(judged) if spec is not None else judged
 
 
 def judge_ddp(case: Case, opts: CheckOptions, run: RunResult, runs: list[Distances], records: dict[int, Any],

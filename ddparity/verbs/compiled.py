@@ -24,6 +24,10 @@ from ddparity.verdicts import RunResult
 
 DP_NOT_COMPILED = ("not compiled: DataParallel replicates the module on every forward, which torch.compile does "
                    "not support; PyTorch advises DDP (check --modes ddp --compile ...)")
+NOTHING_COMPILED = ("not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so "
+                    "this run compared no compiled code and says nothing about compiled training (Dynamo does not "
+                    "trace a forward that is torch's own code, e.g. a bare nn.Sequential as the module DDP or FSDP "
+                    "wraps; wrap it in a module of your own with a forward)")
 SPLIT_SHOWN = 8
 """Bucket sizes listed in a note before ``...``."""
 
@@ -47,7 +51,7 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
     run = mark(RunResult(mode="single", world_size=1, backend=world.backend,
                          status="diverged" if found else "pass", seconds=time.perf_counter() - started,
                          tolerance=tol.description, repro=repro), spec)
-    describe(run, [distances.compiled])
+    compared_nothing(describe(run, [distances.compiled]))
     if found:
         run.first_divergence, run.worst = found[0], worst(found)
         run.notes.append("compiling changes the training on one device, before any data parallelism: a compiler "
@@ -55,7 +59,20 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
                          "Python side effects in forward); the compiled data-parallel runs are judged against "
                          "eager's noise alone")
         return run, None
-    return run, distances
+    return run, (distances if run.status == "pass" else None)
+
+
+def compared_nothing(run: RunResult) -> RunResult:
+    """A compiled ``run`` whose compile captured no op compared eager code only: ``skipped``
+    (with the reason), never a pass of compiled training; a divergence found stays one (it is
+    real, though not the compiler's), said in a note."""
+    if run.compile is None or run.compile.get("ops") != 0:
+        return run
+    if run.status == "pass":
+        run.status, run.reason = "skipped", NOTHING_COMPILED
+    else:
+        run.notes.append(NOTHING_COMPILED.replace("not compared compiled: ", "", 1))
+    return run
 
 
 def dropout_drawn(reference: Reference) -> str | None:
@@ -104,10 +121,6 @@ def summary_notes(summaries: list[CompileSummary | None]) -> list[str]:
     notes = [f"compiled with {summary.backend}{' (' + summary.ddp + ')' if summary.ddp else ''}: "
              f"{summary.graphs} graph(s), {summary.ops} op(s) captured, {summary.seconds:.2f} s compiling "
              f"(counted apart from the steps)"]
-    if not summary.ops:
-        notes.append("torch.compile captured nothing of the model: every op ran eagerly, so this run says nothing "
-                     "about compiled training (Dynamo does not trace a forward that is torch's own code, e.g. a "
-                     "bare nn.Sequential as the module DDP wraps; wrap it in a module of your own)")
     if summary.graph_breaks:
         notes.append(f"{len(summary.graph_breaks)} graph break(s) in your code: " + "; ".join(summary.graph_breaks))
     else:
