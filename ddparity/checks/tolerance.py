@@ -75,9 +75,17 @@ bf16's rounding at 2 ranks, so nothing changes where the sweeps calibrated it.""
 CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
 
+COMPILED_ERROR_RATIO = 15.0
+"""How far a compiled run's error against float64 may exceed the eager reference's own, per
+tensor (:func:`compiled_tolerance`). torch's minifier allows 2x (3x in low precision) of the
+*root mean square* error; ddparity compares the *largest* element's error, which a few fused
+elements decide: inductor's GPT-2 (initializer range 1.0) came 4.5x the reference's own
+float64 error on one bias (AVX512 CPU), the fixed 0.1%-of-the-value floor this replaced failed
+it at 1.07x on another CPU. 15x leaves a 3x margin above that and stays orders of magnitude
+under a wrong decomposition's error."""
 COMPILE_SHARE = 1e-3
-"""The least tolerance of a compiled single-device run against the eager reference, as a share
-of each tensor's largest value (see :func:`compiled_tolerance`)."""
+"""Without a float64 run, the least tolerance of a compiled single-device run against the eager
+reference, as a share of each tensor's largest value (see :func:`compiled_tolerance`)."""
 OPTIMIZER_SHARE = 1e-2
 """The least tolerance of an optimizer state tensor, as a share of its largest value. The
 state follows the gradients compared before it (Adam's second moment squares their
@@ -242,28 +250,41 @@ def _vacuous(reference: Reference, table: dict[tuple[int, str, str], float], wor
     return Uncalibrated(0, kind, name, noise, value, world_size, bound)
 
 
-def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any) -> Tolerance:
-    """``tol`` for a compiled single-device run against the eager reference: at least
-    :data:`COMPILE_SHARE` (or 16 ulps of ``dtype``, if more) of each tensor's largest value.
-    A compiler reorders and fuses floating-point math inside ops (matmul blocking, fused
-    softmax, an embedding's gradient summed in another order) where the eager twin only
-    reorders the batch: inductor's GPT-2 differs from eager by 2e-4 of a gradient at step 0
-    in float32, 20x the twin's noise (measured). A compile that changes the math (a wrong
-    decomposition) moves values by far more."""
+def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any,
+                       exact: list[dict[tuple[str, str], float]] | None = None) -> Tolerance:
+    """``tol`` for a compiled single-device run against the eager reference, by the rule of
+    torch's accuracy minifier (``torch._dynamo.utils.same``): a compiled run is as accurate
+    as eager when its error against a float64 run is within a small multiple of eager's own.
+    ``exact``: per step and tensor, the reference's distance to the same training in float64
+    (its rounding error, measured); a compiled run within :data:`COMPILED_ERROR_RATIO` + 1
+    times that of the reference is within the ratio of float64 itself. A compiler reorders and
+    fuses floating-point math inside ops (matmul blocking, fused softmax, a LayerNorm's
+    reductions), by how much depends on the model and on the CPU's vector ISA; a compile that
+    changes the math (a wrong decomposition) moves values by orders of magnitude more.
+    Without ``exact`` (the float64 run could not run), at least :data:`COMPILE_SHARE` of each
+    tensor's largest value (or 16 ulps of ``dtype``), said in the description."""
     import torch
 
+    table = dict(tol.table)
+    if exact is not None:
+        for (step, kind, name), bound in tol.table.items():
+            if step < len(exact):
+                error = exact[step].get((kind, name), 0.0)
+                if math.isfinite(error):
+                    table[(step, kind, name)] = max(bound, (COMPILED_ERROR_RATIO + 1) * error)
+        return Tolerance(f"{tol.description}, compiled: at least {COMPILED_ERROR_RATIO + 1:g}x the reference's own "
+                         f"error against float64", table, tol.uncalibrated, tol.loose)
     eps = torch.finfo(dtype).eps
     if reference.autocast_dtype:
         eps = max(eps, torch.finfo(getattr(torch, reference.autocast_dtype)).eps)
     share = max(COMPILE_SHARE, 16 * eps)
-    table = dict(tol.table)
     for step in range(len(reference.steps)):
         for kind in RECORD_KINDS:
             for name, e in reference.entries(step, kind):
                 if e.floating and (step, kind, name) in table:
                     table[(step, kind, name)] = max(table[(step, kind, name)], share * e.value)
-    return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor", table, tol.uncalibrated,
-                     tol.loose)
+    return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor (no float64 run)", table,
+                     tol.uncalibrated, tol.loose)
 
 
 def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:

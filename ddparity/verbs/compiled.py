@@ -17,7 +17,7 @@ from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
-from ddparity.harness.ranks.tasks import compiled_single_task
+from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_task
 from ddparity.settings import CheckOptions
 from ddparity.verbs.plan import check_repro, failure_run, hsdp_shard
 from ddparity.verdicts import RunResult
@@ -39,13 +39,14 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
     training, and the compiled replica runs are judged against eager's noise alone)."""
     started = time.perf_counter()
     repro = check_repro(case, "single", 1, world.backend, opts.tolerance, compiled=spec)
+    exact = _float64_error(case, opts, world, spool) if opts.tolerance == "auto" else None
     try:
         [distances] = world.run(compiled_single_task, case, spool.path, spec, timeout=opts.timeout)
     except WorldFailure as exc:
         return mark(failure_run("single", 1, world.backend, exc, time.perf_counter() - started, repro), spec), None
     tol = tolerance(case, opts, reference, 1)
     if opts.tolerance == "auto":
-        tol = compiled_tolerance(tol, reference, case.torch_dtype)
+        tol = compiled_tolerance(tol, reference, case.torch_dtype, exact)
     stop = blowup.step if blowup is not None else None
     found = divergences(reference, [distances], tol, until=stop)
     run = mark(RunResult(mode="single", world_size=1, backend=world.backend,
@@ -60,6 +61,17 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
                          "eager's noise alone")
         return run, None
     return run, (distances if run.status == "pass" else None)
+
+
+def _float64_error(case: Case, opts: CheckOptions, world: Any, spool: Any) -> list[dict[tuple[str, str], float]] | None:
+    """The reference's own rounding error, per step and tensor: its distance to the same
+    training in float64 (None where the case cannot train in float64: the compiled run is then
+    judged by a fixed share, said in its tolerance)."""
+    try:
+        [exact] = world.run(float64_single_task, case, spool.path, timeout=opts.timeout)
+    except WorldFailure:
+        return None
+    return exact.steps if not exact.mismatches else None
 
 
 def compared_nothing(run: RunResult) -> RunResult:

@@ -96,6 +96,21 @@ def compiled_single_task(ctx: RankContext, case: Case, spool: str, spec: Compile
                                spec, "single")
 
 
+@names_run("the single-device run in float64")
+def float64_single_task(ctx: RankContext, case: Case, spool: str) -> Distances:
+    """Mode ``single``, eager, with the model and batches in float64: its distance to the
+    reference is the reference's own rounding error, what a compiled run's error is measured
+    against (torch's accuracy minifier's rule, :func:`ddparity.checks.tolerance.compiled_tolerance`)."""
+    import dataclasses
+
+    import torch
+
+    exact = dataclasses.replace(case, dtype=torch.float64)
+    sink = Comparer(spool, "single", 0, 1, WAIT_LIMIT_S)
+    train(exact, spool, ctx.device, SingleMode(case.steps, watch_draws=False), sink)
+    return sink.finish()
+
+
 def _compiled_distances(sink: Comparer, run: Any, spec: CompileSpec | None, mode: str) -> Distances:
     """``run(sink, compiled)`` trains; the distances, with what compiling did (if ``spec``)."""
     compiled = Compiled(spec, mode) if spec is not None else None
