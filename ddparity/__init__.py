@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddparity.case import Case, whole
+    from ddparity.case import Case, batched, whole
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.ranks.stepping import StepContext
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "Case": "ddparity.case",
     "whole": "ddparity.case",
+    "batched": "ddparity.case",
     "StepContext": "ddparity.harness.ranks.stepping",
     "check": "ddparity.verbs.check",
     "DdparityError": "ddparity.errors",
@@ -57,6 +58,7 @@ __all__ = [
     "StepContext",
     "UsageError",
     "World",
+    "batched",
     "check",
     "health",
     "profile",

@@ -152,6 +152,32 @@ def whole(tensor: Any) -> Whole:
     return Whole(tensor)
 
 
+@dataclass(frozen=True, slots=True)
+class Batched:
+    """A tensor of the global batch whose batch dimension is ``dim``, not 0 (time-major data):
+    held batch-major (``tensor``: the batch moved to dim 0) while ddparity shards it; the
+    model gets each share with the batch back at ``dim``."""
+
+    tensor: Any
+    dim: int
+
+
+def batched(tensor: Any, dim: int) -> Batched:
+    """Mark ``tensor`` (in what ``Case.data`` returns) as batched along ``dim`` instead of dim 0:
+    ``ddparity.batched(x, dim=1)`` for an RNN's time-major ``(T, B, F)`` input
+    (``batch_first=False``). Every replica gets its share of that dimension; the model
+    receives a tensor of the same layout, as ``DistributedDataParallel`` users feed it."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise UsageError(f"ddparity.batched() takes a tensor, got {type(tensor).__name__}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -tensor.dim() <= dim < max(tensor.dim(), 1):
+        raise UsageError(f"ddparity.batched(tensor, dim={dim!r}): dim must be an int naming one of the tensor's "
+                         f"{tensor.dim()} dimension(s) (shape {list(tensor.shape)}), e.g. dim=1 for (T, B, F) data")
+    dim %= tensor.dim()
+    return Batched(tensor.movedim(dim, 0), dim)
+
+
 def resolve_loss(loss: str | Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     if callable(loss):
         return loss

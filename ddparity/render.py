@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from ddparity.verdicts import Crash, Desync, Failure, Hang, RankPlace, RunResult
 
 
+SAID_ONCE = 100
+"""A failure's ending (a traceback, a hang's stacks, or a reason longer than this many
+characters) is printed once in a report; later runs that ended the same way point to it."""
+
+
 def _sci(x: float | None) -> str:
     return "inf" if x is None or x != x or x == float("inf") else f"{x:.3g}"
 
@@ -163,8 +168,9 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
                     + (w.mismatch if w.mismatch else f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}")
                 )
     ended = tuple(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
-    if told is not None and len(ended) > 1 and ended in told:
-        lines.append(f"  {ended[0].strip()} (the same as {told[ended]}: printed above)")
+    if told is not None and (len(ended) > 1 or sum(map(len, ended)) > SAID_ONCE) and ended in told:
+        first = ended[0].strip() if len(ended) > 1 else "the same error"
+        lines.append(f"  {first} (the same as {told[ended]}: printed above)")
     else:
         lines.extend(ended)
         if told is not None:

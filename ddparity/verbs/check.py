@@ -35,7 +35,15 @@ from ddparity.settings import (
     TIMEOUT_S,
     CheckOptions,
 )
-from ddparity.verbs.compiled import DP_NOT_COMPILED, compared_nothing, compiled_single, describe, dropout_drawn, mark, refused_run
+from ddparity.verbs.compiled import (
+    DP_NOT_COMPILED,
+    compared_nothing,
+    compiled_single,
+    describe,
+    dropout_drawn,
+    mark,
+    refused_run,
+)
 from ddparity.verbs.plan import cannot_run, check_repro, choose_backend, failure_run, hsdp_shard, run_backend
 from ddparity.verdicts import RunResult
 

@@ -8,27 +8,40 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ddparity.case import Case, Whole
+from ddparity.case import Batched, Case, Whole
 from ddparity.errors import CaseError
 
 
-def map_tensors(obj: Any, fn: Any, whole: Callable[[Any], Any] = lambda w: w) -> Any:
+def map_tensors(obj: Any, fn: Any, whole: Callable[[Any], Any] = lambda w: w,
+                batched: Callable[[Any], Any] | None = None) -> Any:
     """``obj`` with ``fn`` applied to every batched tensor and ``whole`` to every
-    :class:`~ddparity.case.Whole` (kept as is unless told)."""
+    :class:`~ddparity.case.Whole` (kept as is unless told); a :class:`~ddparity.case.Batched`
+    has ``fn`` applied to its batch-major tensor and stays marked, unless ``batched`` says
+    what it becomes."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Whole):
         return whole(obj)
+    if isinstance(obj, Batched):
+        return batched(obj) if batched is not None else Batched(fn(obj.tensor), obj.dim)
     if isinstance(obj, tuple):
-        items = [map_tensors(o, fn, whole) for o in obj]
+        items = [map_tensors(o, fn, whole, batched) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [map_tensors(o, fn, whole) for o in obj]
+        return [map_tensors(o, fn, whole, batched) for o in obj]
     if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn, whole)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn, whole, batched)) for k, v in obj.items())
     return obj
+
+
+def batch_dims(obj: Any) -> set[int]:
+    """The dimensions the batch's tensors are batched along: 0, and each
+    :class:`~ddparity.case.Batched`'s."""
+    dims = {0}
+    map_tensors(obj, lambda t: t, batched=lambda b: dims.add(b.dim))
+    return dims
 
 
 def named_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
@@ -37,6 +50,8 @@ def named_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
 
     if isinstance(obj, torch.Tensor):
         yield path, obj
+    elif isinstance(obj, Batched):
+        yield path, obj.tensor  # batch-major
     elif isinstance(obj, (tuple, list)):
         for i, o in enumerate(obj):
             yield from named_tensors(o, f"{path}[{i}]")
@@ -106,10 +121,11 @@ def reverse_samples(obj: Any, size: int) -> Any:
 
 
 def cast(batch: Any, case: Case, device: str) -> Any:
-    """The batch on ``device``, floating tensors in the case's dtype, :class:`~ddparity.case.Whole` unwrapped."""
+    """The batch on ``device``, floating tensors in the case's dtype, :class:`~ddparity.case.Whole` unwrapped,
+    a :class:`~ddparity.case.Batched` given its batch back at its own dimension."""
 
     def move(t: Any) -> Any:
         t = t.to(device)
         return t.to(case.torch_dtype) if t.is_floating_point() else t
 
-    return map_tensors(batch, move, lambda w: move(w.tensor))
+    return map_tensors(batch, move, lambda w: move(w.tensor), lambda b: move(b.tensor).movedim(0, b.dim))

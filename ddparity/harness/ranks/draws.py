@@ -9,6 +9,7 @@ import contextlib
 from typing import Any
 
 from ddparity.errors import CaseError
+from ddparity.harness.ranks.stacked_rnn import FUSED_DRAW, STACKED
 
 
 class RandomDraws:
@@ -60,8 +61,12 @@ def unaligned_layers(model: Any) -> list[str]:
     for name, m in model.named_modules():
         if not m.training:
             continue
-        if isinstance(m, nn.RNNBase) and m.dropout and m.num_layers > 1:
+        if isinstance(m, nn.RNNBase) and m.dropout and m.num_layers > 1 and not getattr(m, STACKED, False):
             why = f"its inter-layer dropout={m.dropout} runs inside torch's fused RNN kernel"
+        elif isinstance(m, nn.RNNBase) and getattr(m, FUSED_DRAW, False):
+            why = (f"its inter-layer dropout={m.dropout} runs inside torch's fused RNN kernel on a PackedSequence "
+                   f"(ddparity aligns it, layer by layer, on tensors: batch-first, or time-major marked "
+                   f"ddparity.batched(x, dim=1))")
         elif isinstance(m, nn.RReLU):
             why = "its negative slopes are drawn at random per element in training"
         elif isinstance(m, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)) and m._random_samples is None:

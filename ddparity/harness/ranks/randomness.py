@@ -64,6 +64,8 @@ class _Scope:
     """Global sample index of every row of the replica's share (a LongTensor)."""
     sources: list[Any] = field(default_factory=list)
     """The share's batched tensors, to match a forward's input slices against."""
+    dims: list[int] = field(default_factory=lambda: [0])
+    """The dimensions the share is batched along (0, and a ``ddparity.batched``'s)."""
     forward_rows: Any = None
     forward_inputs: Any = None
     forward_calls: int = 0
@@ -103,8 +105,9 @@ class AlignedDropout:
         _install()
         _local.scope = self.scope
 
-    def begin(self, step: int, rows: Any, batch: Any) -> None:
-        """A new step, on the samples ``rows`` (global indices of the share's rows)."""
+    def begin(self, step: int, rows: Any, batch: Any, dims: set[int] | None = None) -> None:
+        """A new step, on the samples ``rows`` (global indices of the share's rows; ``dims``:
+        the dimensions the batch is batched along, 0 and any ``ddparity.batched``'s)."""
         from ddparity.harness.ranks.batches import named_tensors
 
         if not self.enabled:
@@ -115,6 +118,7 @@ class AlignedDropout:
         size = len(rows) if rows is not None else -1
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
+        scope.dims = sorted(dims or {0})
         scope.replays = {}
 
     def close(self) -> int:
@@ -181,7 +185,8 @@ def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
                 offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
                 if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(scope.rows):
                     return scope.rows[offset: offset + t.shape[0]]
-    if isinstance(first, torch.Tensor) and first.shape[0] == len(scope.rows):
+    if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(scope.rows)
+                                               for d in scope.dims):
         return scope.rows
     return None
 

@@ -33,9 +33,10 @@ from typing import Any, Protocol
 
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
-from ddparity.harness.ranks.batches import batch_size, cast
+from ddparity.harness.ranks.batches import batch_dims, batch_size, cast
 from ddparity.harness.ranks.draws import RandomDraws
 from ddparity.harness.ranks.randomness import AlignedDropout
+from ddparity.harness.ranks.stacked_rnn import stack_rnns
 from ddparity.harness.ranks.stepping import (
     AutocastWatch,
     OptimizerWatch,
@@ -153,6 +154,8 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec = mode.recorder
     rec.set_phase(-1, "build")
     model = prepared(case, state, device)
+    if mode.align_dropout and compiled is None:
+        stack_rnns(model)  # their inter-layer dropout aligned too, before any mode wraps them
     wrapped = mode.wrap(model)
     ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=sync_off(wrapped))
     called = compiled.wrap(wrapped) if compiled is not None else wrapped
@@ -186,7 +189,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
             else:
                 shared, batch, rows = drawn[step % case.steps]
             replica.shared_batch = shared
-            dropout.begin(step, rows, batch)
+            dropout.begin(step, rows, batch, batch_dims(shared))
             if mode.watch_draws:
                 naming = mode.name_draws
                 with RandomDraws(name=naming) as draws:

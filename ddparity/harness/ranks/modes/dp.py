@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddparity.errors import CaseError
 from ddparity.harness.ranks import dp_emulation, recorder
+from ddparity.harness.ranks.batches import batch_dims
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_step
 
@@ -58,6 +60,11 @@ class DataParallelMode:
         return not self.real and self.world_size > 1
 
     def share(self, batch: Any, size: int | None) -> Any:
+        if batch_dims(batch) != {0}:
+            raise CaseError(
+                "the batch has tensors batched along another dimension than 0 (ddparity.batched(..., dim=...)), "
+                "which DataParallel scatters only with DataParallel(module, dim=...) for every tensor alike: not "
+                "emulated; check this case in modes single, ddp, fsdp and hsdp (--modes single,ddp)")
         return batch  # DataParallel scatters the whole batch itself
 
     def before_optimizer(self, replica: Replica) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.distances import summation_ulps
-from ddparity.harness.ranks.batches import batch_size, cast, map_tensors, reverse_samples, shard
+from ddparity.harness.ranks.batches import batch_dims, batch_size, cast, map_tensors, reverse_samples, shard
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.randomness import suspended
 from ddparity.harness.ranks.stepping import lowest_precision, record_step
@@ -64,7 +64,9 @@ class TwinMode(SingleMode):
         shows as mean |sample loss| < |batch loss|."""
         model, ws, (inputs, targets) = replica.model, self.twin_world_size, self._batch
         with kept_python_state(model):
-            scales = sample_magnitudes(model, replica.loss_fn, inputs, targets)
+            # per-sample gradients vmap dim 0: not the samples of a ddparity.batched(dim=...) tensor
+            plain = batch_dims(replica.shared_batch) == {0}
+            scales = sample_magnitudes(model, replica.loss_fn, inputs, targets) if plain else None
             if scales is not None and float(scales[0]) < (1 - 1e-3) * float(self._loss_size(replica)):
                 scales = None
             raw = replica.shared_batch  # with its ddparity.whole marks, to cut as DDP does
