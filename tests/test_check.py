@@ -314,3 +314,14 @@ def test_an_error_every_run_raises_alike_prints_its_traceback_once():
     assert text.count("Traceback") == 1 and text.count('raise ValueError("a shape the user got wrong")') == 1, text
     assert text.count("the same as single world_size=1: printed above") == 3, text
     assert text.count("reproduce: ") == 4
+
+
+def test_an_unused_parameter_under_ddp_is_named_with_the_fix():
+    """Was a crash quoting DDP's "Parameter indices ... 2 3" and its generic advice."""
+    report = check(bugs.unused_parameter(), world_sizes=(2,))
+    [ddp] = [r for r in report.runs if r.mode == "ddp"]
+    assert ddp.status == "crash", report.render()
+    assert "received no gradient" in ddp.crash.error and "spare.weight, spare.bias" in ddp.crash.error
+    assert '"find_unused_parameters": True' in ddp.crash.error and "requires_grad=False" in ddp.crash.error
+    found = check(bugs.unused_parameter(find_unused=True), world_sizes=(2,))
+    assert found.ok, found.render()

@@ -77,7 +77,13 @@ class DDPMode:
         import torch.distributed as dist
 
         self._step = step
-        loss, stepped = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
+        try:
+            loss, stepped = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
+        except RuntimeError as exc:
+            named = unused_parameters(self._ddp, str(exc))
+            if named is None:
+                raise
+            raise RuntimeError(named) from None
         # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
         global_loss = loss.to(self.device, copy=True)
         dist.all_reduce(global_loss)
@@ -97,3 +103,29 @@ def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
 
     device_ids = [torch.device(device).index] if device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids, **(options or {}))
+
+
+def unused_parameters(ddp: Any, error: str) -> str | None:
+    """DDP's "did not receive grad" error (a parameter unused in the loss, found at the next
+    forward) in words that name the parameters, by DDP's own indices (its parameters in
+    ``named_parameters`` order, those that require grad, each once), and the fix; None for
+    any other error."""
+    import re
+
+    found = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", error)
+    if found is None:
+        return None
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    names, seen = [], set()
+    for name, p in ddp.module.named_parameters():
+        if p.requires_grad and name not in ignored and id(p) not in seen:
+            seen.add(id(p))
+            names.append(name)
+    indices = [int(i) for i in found.group(2).split()]
+    unused = [names[i] if i < len(names) else f"#{i}" for i in indices]
+    return (f"DistributedDataParallel found parameters that received no gradient in the previous step's backward "
+            f"on rank {found.group(1)}: {', '.join(unused)} (DDP's parameter indices {found.group(2).strip()}). They "
+            f"take no part in the loss, and DDP waits for every parameter's gradient before the next step. Either "
+            f"use them in the loss (or remove them, or set requires_grad=False on frozen ones), or let DDP find them: "
+            f"Case(ddp_options={{\"find_unused_parameters\": True}}) here, "
+            f"DistributedDataParallel(model, find_unused_parameters=True) in your training")
