@@ -47,6 +47,9 @@ class RunTask:
     task_id: int
     payload: bytes  # cloudpickle of (fn, args, kwargs)
     sys_path: tuple[str, ...]  # the controller's import path at submission time
+    pg_timeout_s: float = 0.0
+    """The task's own process-group timeout (its progress timeout and a margin), so that
+    torch's timeout never fires before the controller's report; 0: the world's."""
 
 
 @dataclass(frozen=True, slots=True)

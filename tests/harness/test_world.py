@@ -333,3 +333,29 @@ def test_a_killed_parent_of_forkserver_ranks_busy_in_a_task_leaves_no_process(tm
         proc.kill()
         proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _late_to_the_all_reduce(ctx, late: float):
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        time.sleep(late)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_the_process_group_timeout_follows_the_task_timeout_not_the_worlds(monkeypatch):
+    """The pool built worlds with the world's timeout, so torch's process-group timeout was
+    always its own: a task allowed more (``--timeout 600``: a long compile) met gloo's
+    timeout first, with gloo's message instead of ddparity's report. Here the world's PG
+    timeout is 1 + 1 s; a task allowed 20 s whose rank 1 is 4 s late completes."""
+    from ddparity.harness.world import world as world_module
+
+    monkeypatch.setattr(world_module, "PG_TIMEOUT_MARGIN_S", 1.0)
+    with World(2, timeout=1.0) as world:
+        assert world.run(_late_to_the_all_reduce, 4.0, timeout=20.0) == [2.0, 2.0]
+        # and a task allowed less than the delay is the controller's report, not gloo's error
+        with pytest.raises(TaskTimeout):
+            world.run(_late_to_the_all_reduce, 30.0, timeout=2.0)

@@ -7,6 +7,7 @@ only through the messages of :mod:`ddparity.harness.protocol` and the side chann
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -128,10 +129,32 @@ def encode_exception(exc: BaseException) -> bytes:
         return cloudpickle.dumps(RemoteError(type(exc).__name__, str(exc), tb))
 
 
+def follow_task_timeout(seconds: float) -> None:
+    """The default process group's timeout (and its store's) set to ``seconds``: a task
+    allowed a longer wait than the world was built with (``--timeout 600`` for a long
+    compile) is stopped by the controller's report, never first by gloo's own timeout."""
+    import torch.distributed as dist
+
+    if not seconds or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    setter = getattr(c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if setter is not None:
+        with contextlib.suppress(Exception):  # a backend that cannot change it keeps the world's
+            setter(timeout)
+    store = getattr(c10d._get_default_store(), "set_timeout", None) if hasattr(c10d, "_get_default_store") else None
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store(timeout)
+
+
 def _run_task(msg: RunTask, ctx: RankContext) -> TaskDone:
     import cloudpickle
 
     sys.path[:] = list(msg.sys_path)
+    follow_task_timeout(msg.pg_timeout_s)
     started = time.perf_counter()
     try:
         fn, args, kwargs = cloudpickle.loads(msg.payload)

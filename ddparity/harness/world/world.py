@@ -274,7 +274,7 @@ class World:
         ranks = self._ranks
         channel = FileTaskChannel(self._side_dir(), self._store_prefix, task_id, self.spec.world_size)
         channel.prepare()
-        msg = RunTask(task_id, payload, tuple(sys.path))
+        msg = RunTask(task_id, payload, tuple(sys.path), limit + PG_TIMEOUT_MARGIN_S)
         for conn in ranks.controls:
             try:
                 conn.send(msg)
