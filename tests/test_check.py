@@ -85,11 +85,36 @@ def test_summed_loss_is_equivalent_at_world_size_one():
     assert report.ok, report.render()
 
 
+def _step_checking_ddp_options(model, batch, optimizer, ctx):
+    """The built-in step, after checking that DDP got the case's options (raises if not)."""
+    import torch.nn.functional as F
+
+    if ctx.mode == "ddp":
+        got = {"gradient_as_bucket_view": model.gradient_as_bucket_view, "static_graph": model.static_graph,
+               "bucket_bytes_cap": model.bucket_bytes_cap, "broadcast_buffers": model.broadcast_buffers,
+               "find_unused_parameters": model.find_unused_parameters}
+        want = {"gradient_as_bucket_view": True, "static_graph": True, "bucket_bytes_cap": 2**20,
+                "broadcast_buffers": False, "find_unused_parameters": False}
+        if got != want:
+            raise RuntimeError(f"DDP built with {got}, not {want}")
+    x, y = batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def test_ddp_options_are_passed_through():
-    case = models.mlp_sgd()
-    case.ddp_options = {"gradient_as_bucket_view": True, "static_graph": True, "bucket_cap_mb": 1,
-                        "broadcast_buffers": False, "find_unused_parameters": False}
-    assert check(case, modes=("ddp",), world_sizes=(2,)).ok
+    case = Case(model=models.MLP, data=models.vectors, optimizer="sgd", lr=0.1, steps=2,
+                train_step=_step_checking_ddp_options,
+                ddp_options={"gradient_as_bucket_view": True, "static_graph": True, "bucket_cap_mb": 1,
+                             "broadcast_buffers": False, "find_unused_parameters": False})
+    report = check(case, modes=("ddp",), world_sizes=(2,))
+    assert report.ok, report.render()
+    case.ddp_options = {"bucket_cap_mb": 1}  # the step's check can fail: other options are other DDPs
+    failed = check(case, modes=("ddp",), world_sizes=(2,))
+    assert failed.runs[0].status in ("crash", "error") and "DDP built with" in failed.render()
 
 
 def test_an_unused_parameter_needs_find_unused_parameters():

@@ -6,9 +6,12 @@ from ddparity.errors import RemoteError, TaskTimeout
 from ddparity.harness import protocol
 
 MESSAGES = [
-    protocol.RankSpec(0, 2, "gloo", "cpu", "127.0.0.1", 1234, "ddparity/gen1", 60.0, 1, "lo"),
+    protocol.RankSpec(rank=0, world_size=2, backend="gloo", device="cpu", rendezvous="/tmp/ddparity-x/rdzv-1",
+                      store_prefix="ddparity/gen1", pg_timeout_s=360.0, threads=1, loopback_ifname="lo",
+                      controller_pid=4242, side_dir="/tmp/ddparity-x/side"),
     protocol.RankContext(1, 2, "gloo", "cpu"),
     protocol.RunTask(7, b"payload", ("/a", "/b")),
+    protocol.RunTask(8, b"payload", ("/a",), pg_timeout_s=660.0),
     protocol.Shutdown(),
     protocol.RankReady(1, 4242, 0.25),
     protocol.RankStartFailed(1, "RuntimeError: x", "Traceback..."),
@@ -19,6 +22,21 @@ MESSAGES = [
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(message):
     assert pickle.loads(pickle.dumps(message)) == message
+
+
+def test_a_rank_spec_holds_what_its_fields_say():
+    """Each field the type its annotation names (the spec a World builds, not positional
+    values of an older design)."""
+    import dataclasses
+    import typing
+
+    spec = MESSAGES[0]
+    hints = typing.get_type_hints(protocol.RankSpec)
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        expected = hints[field.name]
+        allowed = typing.get_args(expected) or (expected,)
+        assert isinstance(value, tuple(t for t in allowed if isinstance(t, type))), (field.name, value)
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
@@ -99,6 +117,6 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
     assert set(found) == {"prepare_task", "reference_task", "dp_task", "ddp_task", "profile_task",
                           "threaded_ddp_task", "threaded_fsdp_task", "threaded_hsdp_task", "health_task", "fsdp_task",
-                          "hsdp_task", "compiled_single_task"}
+                          "hsdp_task", "compiled_single_task", "float64_single_task"}
     assert all(n.label != name for name, n in found.items()), found
     assert found["threaded_ddp_task"] == RunName("ddp (simulated)", sized=True, simulated=True)
