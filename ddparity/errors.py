@@ -7,6 +7,8 @@ report's verdict (a hang or crash among its runs: ``Exit.HANG_OR_CRASH``) decide
 
 from __future__ import annotations
 
+from typing import Any
+
 import signal
 from enum import IntEnum
 
@@ -81,10 +83,17 @@ class WorldStartError(WorldFailure):
 class TaskTimeout(WorldFailure):
     """Some ranks did not answer within the task's timeout; the world was rebuilt."""
 
-    def __init__(self, message: str, pending_ranks: list[int], stacks: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, pending_ranks: list[int], stacks: dict[int, str] | None = None,
+                 suspect_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.pending_ranks = pending_ranks
         self.stacks = stacks or {}
+        self.suspect_ranks = suspect_ranks or []
+        """The ranks behind the others in the collective sequence (the others wait for them);
+        empty when every rank is at the same place."""
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.pending_ranks, self.stacks, self.suspect_ranks), self.__dict__)
 
 
 class TaskStopped(WorldFailure):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import pathlib
 import shutil
 import signal
@@ -359,3 +360,27 @@ def test_the_process_group_timeout_follows_the_task_timeout_not_the_worlds(monke
         # and a task allowed less than the delay is the controller's report, not gloo's error
         with pytest.raises(TaskTimeout):
             world.run(_late_to_the_all_reduce, 30.0, timeout=2.0)
+
+
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_a_hang_names_the_rank_behind_in_the_collective_sequence(culprit):
+    """A rank that never reaches the all-reduce the others wait in is the suspect (rank 0
+    and the last rank, not only rank 1); the message said only "rank(s) [0, 1, 2] made no
+    progress"."""
+    with World(3) as world:
+        with pytest.raises(TaskTimeout) as caught:
+            world.run(_late_to_the_all_reduce_on, culprit, timeout=2.0)
+    err = caught.value
+    assert err.suspect_ranks == [culprit] and f"suspect rank(s) [{culprit}]" in str(err), str(err)
+    assert sorted(err.pending_ranks) == [0, 1, 2]
+    again = pickle.loads(pickle.dumps(err))
+    assert again.suspect_ranks == [culprit] and again.pending_ranks == err.pending_ranks
+
+
+def _late_to_the_all_reduce_on(ctx, culprit: int):
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == culprit:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1))

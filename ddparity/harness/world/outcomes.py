@@ -105,14 +105,19 @@ def crashed(ranks: spawn.Ranks, kill: Callable[[], None], rank: int, task_id: in
 
 
 def stuck(ranks: spawn.Ranks, kill: Callable[[], None], pending: list[int], task_id: int,
-          outcomes: list[RankOutcome | None], limit: float, timed_out: bool, error_grace: float) -> None:
-    """Ranks still running at the deadline: a hang (``timed_out``, raises), or bystanders
+          outcomes: list[RankOutcome | None], limit: float, timed_out: bool, error_grace: float,
+          progress: list[str] | None = None) -> None:
+    """Ranks still running at the deadline: a hang (``timed_out``, raises, naming the ranks
+    behind in the collective sequence from each rank's ``progress`` record), or bystanders
     of a failed rank, whose outcomes become :class:`StillRunning` with their stacks."""
     stacks = dump_stacks(ranks, pending, native=timed_out)
     kill()
     if timed_out:
         head = f"rank(s) {pending} made no progress for {limit:g} s; the world was rebuilt"
-        raise TaskTimeout(with_stacks(head, stacks), pending, stacks)
+        suspects, why = behind(progress or [], pending)
+        if suspects:
+            head += f"\nsuspect rank(s) {suspects}: {why}"
+        raise TaskTimeout(with_stacks(head, stacks), pending, stacks, suspects)
     failed = [o.rank for o in outcomes if o is not None and not o.ok]
     for r in pending:
         outcomes[r] = RankOutcome(
@@ -124,6 +129,25 @@ def stuck(ranks: spawn.Ranks, kill: Callable[[], None], pending: list[int], task
             ),
             output=stacks.get(r, ""),
         )
+
+
+def behind(progress: list[str], pending: list[int]) -> tuple[list[int], str]:
+    """The pending ranks that issued fewer collectives than another rank (it waits for them),
+    and why, from each rank's progress record; none when all issued as many."""
+    from ddparity.records import parse_progress
+
+    issued = {}
+    for rank, text in enumerate(progress):
+        pos = parse_progress(text)
+        issued[rank] = pos.seq + 1 if pos is not None else 0
+    if not issued or len(set(issued.values())) < 2:
+        return [], ""
+    most = max(issued.values())
+    ahead = sorted(r for r, n in issued.items() if n == most)
+    suspects = sorted(r for r, n in issued.items() if n < most and r in pending)
+    counts = ", ".join(f"rank {r}: {issued[r]}" for r in sorted(issued))
+    return suspects, (f"behind in the collective sequence: rank(s) {ahead} issued collective #{most - 1} and wait "
+                      f"for them (collectives issued, {counts})")
 
 
 def interrupted(progress: list[str], kill: Callable[[], None]) -> Interrupted:

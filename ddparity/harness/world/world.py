@@ -359,7 +359,8 @@ class World:
             outcomes.stopped(ranks, self._kill, sorted(pending), task_id, stop_reason or "")
         if pending:
             outcomes.stuck(ranks, self._kill, sorted(pending), task_id, results, limit,
-                           timed_out=ending is Ending.TIMED_OUT, error_grace=self.spec.error_grace)
+                           timed_out=ending is Ending.TIMED_OUT, error_grace=self.spec.error_grace,
+                           progress=self._progress(task) if ending is Ending.TIMED_OUT else None)
         final = [o for o in results if o is not None]
         outcomes.raise_if_failed(final)
         return final
