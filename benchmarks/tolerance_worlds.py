@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ddparity import Case, check
 from ddparity.fixtures import models

@@ -7,10 +7,9 @@ report's verdict (a hang or crash among its runs: ``Exit.HANG_OR_CRASH``) decide
 
 from __future__ import annotations
 
-from typing import Any
-
 import signal
 from enum import IntEnum
+from typing import Any
 
 
 class Exit(IntEnum):

@@ -78,9 +78,9 @@ def test_stacked_rnns_with_dropout_pass_clean_and_catch_a_summed_loss_in_every_m
 
 
 def test_faults_on_rank_0_and_the_last_rank_are_named_with_time_major_data():
-    from ddparity.fixtures import bugs
-
     import dataclasses
+
+    from ddparity.fixtures import bugs
 
     for culprit in (0, 3):
         base = bugs.corrupted_grad_on_one_rank(culprit)  # a comm hook corrupting one rank's gradient from step 2

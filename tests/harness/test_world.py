@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import pickle
 import pathlib
+import pickle
 import shutil
 import signal
 import subprocess
