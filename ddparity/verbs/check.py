@@ -80,8 +80,12 @@ def check(
         try:
             return _check(case, opts, chosen, pool, report, spool, doing)
         except KeyboardInterrupt as exc:  # Ctrl-C: the runs finished so far, and where the ranks were
-            raise Interrupted(getattr(exc, "places", []), Report(case.label, [*report.runs, *doing.finished]),
-                              doing.run) from None
+            places = list(getattr(exc, "places", []))
+            others = pool.interrupt()  # runs that trained alongside the one waited on
+            if others:
+                places = [f"{doing.run}: {p}" for p in places] + [f"{label}: {p}" for label, found in others
+                                                                   for p in found]
+            raise Interrupted(places, Report(case.label, [*report.runs, *doing.finished]), doing.run) from None
 
 
 @dataclass

@@ -450,3 +450,54 @@ def test_piped_a_run_without_progress_gets_one_plain_line():
     notes(snap)
     notes(Snapshot(RunName("ddp", sized=True), 2, "gloo", [stuck, stuck], 14.0, 60.0))  # said once
     assert out.getvalue().splitlines() == [describe(snap)]
+
+
+SLOW_CASE = """
+import time
+import torch
+import torch.nn.functional as F
+from ddparity import Case
+from ddparity.fixtures.models import MLP, vectors
+
+
+def slow_step(model, batch, optimizer, ctx):
+    time.sleep(0.5)
+    x, y = batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def case():
+    return Case(model=MLP, data=vectors, train_step=slow_step, steps=60)
+"""
+
+
+def test_ctrl_c_while_runs_train_side_by_side_prints_every_rank_of_each(tmp_path):
+    """The reference and the first DDP run train side by side: Ctrl-C printed where the
+    reference's rank 0 was, not the ranks of the DDP run in progress (docs/cli.md promises
+    every rank)."""
+    (tmp_path / "slow.py").write_text(SLOW_CASE)
+    proc = subprocess.Popen([sys.executable, "-m", "ddparity", "check", "slow.py:case", "--world-sizes", "4",
+                             "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        import glob
+        import tempfile
+
+        first_step = os.path.join(tempfile.gettempdir(), f"ddparity-spool-{proc.pid}-*", "a0.json")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not glob.glob(first_step):  # the reference is training
+            time.sleep(0.2)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert "the single-device reference: rank 0: step" in err, err
+    for rank in range(4):
+        assert f"ddp world_size=4 (gloo): rank {rank}: " in err, err

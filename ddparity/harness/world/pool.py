@@ -50,6 +50,11 @@ class WorldPool:
         """The rank processes of every live world in the pool."""
         return {pid for world in self._worlds.values() for pid in world.pids}
 
+    def interrupt(self) -> list[tuple[str, list[str]]]:
+        """Ctrl-C: for every world still running a task (runs train side by side), the run
+        and where each of its ranks was; those ranks stopped."""
+        return [found for world in list(self._worlds.values()) if world.busy and (found := world.interrupt())[1]]
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()

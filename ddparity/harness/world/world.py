@@ -115,6 +115,19 @@ class World:
         """A task was submitted and its result not yet collected."""
         return self._pending is not None
 
+    def interrupt(self) -> tuple[str, list[str]]:
+        """Ctrl-C elsewhere while this world runs a task: what the task is and where each of
+        its ranks was (from their progress records); the ranks are stopped and the world
+        rebuilt before its next task. ``("", [])`` when it runs none."""
+        task = self._pending
+        if task is None:
+            return "", []
+        name = task._name
+        label = f"{name.label} world_size={self.spec.world_size} ({self.backend})" if name.sized else name.label
+        places = outcomes.interrupted(self._progress(task) or [], self._kill).places
+        self._pending = None
+        return label, places
+
     @property
     def generation(self) -> int:
         return self._generation
