@@ -158,14 +158,15 @@ def test_a_factory_that_raises_is_an_error_for_every_run():
 def slow_data(step, generator):
     import time
 
-    time.sleep(0.25)  # e.g. a tokenizer or a file read per batch
+    time.sleep(0.5)  # e.g. a tokenizer or a file read per batch
     return models.vectors(step, generator)
 
 
 def test_drawing_many_slow_batches_before_training_is_progress_not_a_hang():
-    """The set-up draws every step's global batch first (to check its shards): 6 x 0.25 s
-    with a 1 s timeout was a hang of the reference before."""
-    report = check(Case(model=models.MLP, data=slow_data, steps=6), world_sizes=(2,), timeout=1)
+    """The set-up draws every step's global batch first (to check its shards): 12 x 0.5 s
+    with a 4 s timeout (each batch 8x within it, even on a loaded machine) was a hang of the
+    reference before."""
+    report = check(Case(model=models.MLP, data=slow_data, steps=12), world_sizes=(2,), timeout=4)
     assert report.ok, report.render()
 
 

@@ -17,7 +17,7 @@ from ddparity.harness.ranks import spool
 from ddparity.harness.world.pool import WorldPool
 from tests.conftest import stray_processes
 
-TIMEOUT = 3.0  # seconds without progress before a run counts as a hang
+TIMEOUT = 8.0  # seconds without progress before a run counts as a hang (a step takes ~0.1 s, even loaded)
 
 
 def _temp_entries() -> set[str]:

@@ -47,11 +47,12 @@ def test_what_crosses_grows_with_steps_by_numbers_only():
 
 
 def test_a_step_longer_than_the_timeout_is_progress_not_a_hang():
-    report = check(large.slow_steps(layers=8, seconds=0.25), world_sizes=(1, 2), timeout=1.5)
+    # 12 layers of 0.5 s: a step of 6 s, each layer's progress 8x within the 4 s timeout
+    report = check(large.slow_steps(layers=12, seconds=0.5), world_sizes=(1, 2), timeout=4)
     assert report.ok, report.render()
 
 
 def test_a_reference_stuck_in_one_place_is_still_a_hang():
-    report = check(large.slow_steps(layers=1, seconds=4.0), world_sizes=(2,), timeout=1.5)
+    report = check(large.slow_steps(layers=1, seconds=30.0), world_sizes=(2,), timeout=4)
     assert report.exit_code == 3, report.render()
     assert "hang" in report.render().lower()

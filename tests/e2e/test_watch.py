@@ -24,7 +24,7 @@ DDP = "ddparity.fixtures.scripts.ddp_train"
 FSDP = "ddparity.fixtures.scripts.fsdp_train"
 
 
-def watch(folder, nproc: int, *script: str, timeout: float = 8, module: bool = True,  # noqa: ANN001
+def watch(folder, nproc: int, *script: str, timeout: float = 60, module: bool = True,  # noqa: ANN001
           flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = folder / "watch.json"
     cmd = [sys.executable, "-m", "ddparity", "watch", "--nproc-per-node", str(nproc), "--timeout", f"{timeout:g}",
@@ -215,10 +215,19 @@ def test_killing_the_launcher_mid_hang_leaves_no_rank_behind(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "ddparity", "watch", "--nproc-per-node", "2", "--timeout", "120",
                                  "-m", DDP, "--fault", "hang", "--on", "1"], cwd=tmp_path, env=_env(tmp_path),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(_ours(tmp_path) - {launcher.pid}) < 2 and time.monotonic() < deadline:
+    import threading
+
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(launcher.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    # rank 0 prints "step 1" after the step's all-reduce; rank 1 then sleeps at step 2
+    # before its backward, rank 0 waits for it there: both ranks are mid-hang (not assumed
+    # from a sleep: on a loaded machine the imports alone may take longer)
+    while not any(line.startswith("step 1:") for line in printed) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(6)  # both ranks are training; rank 1 is stuck
+    assert any(line.startswith("step 1:") for line in printed), printed
+    time.sleep(0.5)
     ranks = _ours(tmp_path) - {launcher.pid}
     assert len(ranks) >= 2
     launcher.send_signal(signal.SIGKILL)
