@@ -351,3 +351,15 @@ def test_an_unused_parameter_under_ddp_is_named_with_the_fix():
     assert '"find_unused_parameters": True' in ddp.crash.error and "requires_grad=False" in ddp.crash.error
     found = check(bugs.unused_parameter(find_unused=True), world_sizes=(2,))
     assert found.ok, found.render()
+
+
+def test_the_same_long_error_is_printed_once_in_a_report():
+    """An error every run shares (here an RNN's dropout drawn inside torch's kernel on a
+    PackedSequence) was printed 3-4 times, once per run; later runs now point to it."""
+    from ddparity.fixtures import recurrent
+
+    report = check(recurrent.packed_case(), modes=("single", "ddp"), world_sizes=(1, 2, 4))
+    text = report.render()
+    assert [r.status for r in report.runs] == ["error"] * 4, text
+    assert text.count("runs inside torch's fused RNN kernel on a PackedSequence") == 1, text
+    assert text.count("(the same as single world_size=1: printed above)") == 3, text

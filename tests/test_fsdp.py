@@ -312,3 +312,30 @@ def test_module_list_accumulation_and_simulated_8_under_the_default_wrapping():
         report = check(layout_case("tied_module_dict", summed), modes=("fsdp", "hsdp"), world_sizes=(8,),
                        backend="threaded")
         assert [(r.status, r.simulated) for r in report.runs] == [(expected, True)] * 2, report.render()
+
+
+MESHES = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
+"""(world size, shard size): every HSDP mesh at 2 and 4 ranks (2x1, 1x2, 4x1, 2x2, 1x4)."""
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("layout", ["module_list", "tied_module_dict", "nested_containers", "shared_embedding"])
+def test_every_layout_on_every_hsdp_mesh_at_2_and_4(layout):
+    from ddparity.fixtures.layouts import layout_case
+
+    for ws, shard in MESHES:
+        for summed in (False, True):
+            [run] = check(layout_case(layout, summed), modes=("hsdp",), world_sizes=(ws,), hsdp_shard=shard).runs
+            assert f"hsdp mesh: {ws // shard} replica(s) x {shard} shard(s)" in run.notes
+            if not summed:
+                assert run.status == "pass", (layout, ws, shard, run)
+            else:
+                d = run.first_divergence
+                assert run.status == "diverged" and d.step == 0 and d.max_abs > 100 * d.tolerance, (ws, shard, d)
+
+
+def test_a_skipped_run_says_why_in_the_text_report():
+    """``hsdp 1 gloo skipped 0.00``: the reason was only in the JSON."""
+    report = check(models.mlp_sgd(), modes=("hsdp",), world_sizes=(1, 2))
+    text = report.render()
+    assert "hsdp world_size=1: skipped: " in text and "divisible by the shard size 2" in text, text

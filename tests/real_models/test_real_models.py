@@ -92,3 +92,20 @@ def test_real_models_compiled_with_inductor_pass_clean_and_catch_the_bug(name):
     d = compiled_ddp.first_divergence
     assert d.step == 0 and d.max_abs >= 100 * d.tolerance, d
     assert any(COMPILED_BUGS[name] in n for n in compiled_ddp.notes if n.startswith("likely cause"))
+
+
+@pytest.mark.real_models
+def test_t5_with_embeddings_shared_by_encoder_and_decoder_under_the_default_fsdp_wrapping():
+    """T5's default wrapping crashed: "Parameter 'encoder.embed_tokens.weight' is shared with a
+    parameter already managed by another FSDP group". The shared embedding is left to the
+    root; clean passes, a summed loss is caught at step 0."""
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs transformers")
+    from ddparity.fixtures import layouts
+
+    clean = check(layouts.t5_case(), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in clean.runs] == ["pass"] * 4, clean.render()
+    summed = check(layouts.t5_case(summed=True), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in summed.runs] == ["diverged"] * 4, summed.render()
+    assert all(r.first_divergence.step == 0 and r.first_divergence.max_abs > 100 * r.first_divergence.tolerance
+               for r in summed.runs), summed.render()
