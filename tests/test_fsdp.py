@@ -339,3 +339,12 @@ def test_a_skipped_run_says_why_in_the_text_report():
     report = check(models.mlp_sgd(), modes=("hsdp",), world_sizes=(1, 2))
     text = report.render()
     assert "hsdp world_size=1: skipped: " in text and "divisible by the shard size 2" in text, text
+
+
+@pytest.mark.parametrize("culprit", [0, 3])
+def test_a_drifting_shard_on_rank_0_or_the_last_is_named_under_the_default_wrapping(culprit):
+    from ddparity.fixtures.layouts import drifting_layout
+
+    for layout in ("module_list", "tied_module_dict"):
+        [run] = check(drifting_layout(layout, culprit), modes=("hsdp",), world_sizes=(4,)).runs
+        assert run.status == "desync" and run.desync.ranks == [culprit], (layout, run)
