@@ -17,10 +17,8 @@ REFRESH_S = 0.25
 
 def describe(snap: progress.Snapshot) -> str:
     """``ddp world_size=4 (gloo): step 2, backward`` and, when quiet, how long until a hang."""
-    run = snap.task.label
-    if snap.task.sized:
-        size = len(snap.progress) - 1 if snap.task.simulated else snap.world_size
-        run = f"{run} world_size={size} ({snap.backend})"
+    size = len(snap.progress) - 1 if snap.task.simulated else snap.world_size
+    run = snap.task.shown(size, snap.backend)
     places = snap.positions()
     where = ""
     if places:

@@ -101,6 +101,10 @@ class RunName:
     simulated: bool = False
     """Its ranks are threads of one process: its world size is the simulated ranks' count."""
 
+    def shown(self, world_size: int, backend: str) -> str:
+        """``ddp world_size=4 (gloo)``, or the label alone where the run is not sized."""
+        return f"{self.label} world_size={world_size} ({backend})" if self.sized else self.label
+
 
 _Task = TypeVar("_Task", bound=Callable[..., Any])
 

@@ -9,6 +9,7 @@ generation of rank processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -148,6 +149,20 @@ def behind(progress: list[str], pending: list[int]) -> tuple[list[int], str]:
     counts = ", ".join(f"rank {r}: {issued[r]}" for r in sorted(issued))
     return suspects, (f"behind in the collective sequence: rank(s) {ahead} issued collective #{most - 1} and wait "
                       f"for them (collectives issued, {counts})")
+
+
+def died_after_task(ranks: spawn.Ranks) -> bool:
+    """Whether a rank died after its last task finished (a crash in teardown, a background
+    thread, the OOM killer): logged with how it died and its last output."""
+    dead = [(r, p.exitcode) for r, p in enumerate(ranks.procs) if not p.is_alive()]
+    if not dead:
+        return False
+    rank, code = dead[0]
+    output = ranks.readers[rank].take_all(settle=0.5)
+    logging.getLogger("ddparity").warning(
+        "rank %d died after its last task finished (%s); the world is rebuilt.%s", rank, signal_name(code),
+        f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
+    return True
 
 
 def interrupted(progress: list[str], kill: Callable[[], None]) -> Interrupted:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ddparity.errors import UsageError, WorldFailure, signal_name
+from ddparity.errors import UsageError, WorldFailure
 from ddparity.harness.deadlines import Ending, TaskClock
 from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunName, RunTask, Shutdown, TaskDone, run_name
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
@@ -116,17 +116,13 @@ class World:
         return self._pending is not None
 
     def interrupt(self) -> tuple[str, list[str]]:
-        """Ctrl-C elsewhere while this world runs a task: what the task is and where each of
-        its ranks was (from their progress records); the ranks are stopped and the world
-        rebuilt before its next task. ``("", [])`` when it runs none."""
-        task = self._pending
+        """Ctrl-C elsewhere while this world runs a task: the run, where each of its ranks
+        was; the ranks stopped (the world rebuilt before its next task). ``("", [])``: none."""
+        task, self._pending = self._pending, None
         if task is None:
             return "", []
-        name = task._name
-        label = f"{name.label} world_size={self.spec.world_size} ({self.backend})" if name.sized else name.label
         places = outcomes.interrupted(self._progress(task) or [], self._kill).places
-        self._pending = None
-        return label, places
+        return task._name.shown(self.spec.world_size, self.backend), places
 
     @property
     def generation(self) -> int:
@@ -250,14 +246,8 @@ class World:
         """
         return self.submit(fn, *args, timeout=timeout, **kwargs).result()
 
-    def submit(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        timeout: float | None = None,
-        watch: Callable[[list[str]], str | None] | None = None,
-        **kwargs: Any,
-    ) -> PendingTask:
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+               watch: Callable[[list[str]], str | None] | None = None, **kwargs: Any) -> PendingTask:
         """Start ``fn(ctx, *args, **kwargs)`` on every rank and return at once.
 
         The world runs one task at a time; other worlds can run theirs meanwhile.
@@ -289,10 +279,8 @@ class World:
         channel.prepare()
         msg = RunTask(task_id, payload, tuple(sys.path), limit + PG_TIMEOUT_MARGIN_S)
         for conn in ranks.controls:
-            try:
+            with contextlib.suppress(OSError):  # the rank died; its sentinel reports it below
                 conn.send(msg)
-            except OSError:
-                pass  # the rank died; its sentinel reports it below
         self._pending = PendingTask(self, task_id, limit, channel, watch)
         self._pending._name = run_name(fn)
         return self._pending
@@ -400,14 +388,8 @@ class World:
         self._live = False
 
     def _replace_dead_ranks(self) -> None:
-        """A rank that died after its last task finished (a crash in teardown, a
-        background thread, the OOM killer) is reported and the world rebuilt: every rank
-        is judged, not only rank 0, and never handed a task it cannot run."""
-        dead = [(r, p.exitcode) for r, p in enumerate(self._ranks.procs) if not p.is_alive()]
-        if dead:
-            rank, code = dead[0]
-            output = self._ranks.readers[rank].take_all(settle=0.5)
-            log.warning("rank %d died after its last task finished (%s); the world is rebuilt.%s", rank,
-                        signal_name(code), f"\nIts last output:\n{output.rstrip()}" if output.strip() else "")
+        """A rank that died after its last task finished is reported and the world rebuilt:
+        every rank is judged, not only rank 0, and never handed a task it cannot run."""
+        if outcomes.died_after_task(self._ranks):
             self.restart()
 
