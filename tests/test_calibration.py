@@ -67,3 +67,57 @@ def test_a_skipped_grad_scaler_step_is_recorded_as_not_stepped():
     assert reference.stepped == [False, True, True]
     assert not reference.entries(0, "grad") and reference.entries(1, "grad")
     assert trained.autocast_dtype == "float16"
+
+
+def _mlp_case(dtype, summed: bool, batch: int):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from ddparity import Case
+    from ddparity.fixtures.layouts import summed_cross_entropy
+
+    def data(step, generator):
+        return torch.randn(batch, 16, generator=generator), torch.randint(0, 4, (batch,), generator=generator)
+
+    return Case(model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), data=data,
+                loss=summed_cross_entropy if summed else F.cross_entropy, optimizer="sgd", lr=1e-3, steps=2,
+                dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.breadth)])
+def test_a_summed_loss_in_low_precision_is_caught_at_simulated_128(dtype):
+    """The issue's case: an MLP (16-32-4) in bf16 with a summed loss was caught at 2, 16 and
+    64, then passed at simulated 128, 256 and 512 with nothing in ``worst``: W ulps of bf16
+    had reached the largest gradient itself, so every tensor counted as rounding and none
+    was capped. Caught now at step 0, at about 4x its tolerance (the cap: a quarter of the
+    value, the error 1 - 1/W of it); the clean twin passes."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    [summed] = check(_mlp_case(dt, True, 256), modes=("ddp",), world_sizes=(128,)).runs
+    d = summed.first_divergence
+    assert summed.status == "diverged" and summed.simulated, summed
+    assert d.step == 0 and d.max_abs > 3 * d.tolerance, d
+    [clean] = check(_mlp_case(dt, False, 256), modes=("ddp",), world_sizes=(128,)).runs
+    assert clean.status == "pass", clean
+
+
+def test_a_step_whose_every_tolerance_exceeds_its_value_is_too_imprecise_never_a_pass():
+    """A reference whose step-0 loss and gradients all have tolerances above their own size
+    judges nothing: an error that says so (a run beyond even those tolerances still diverges)."""
+    from ddparity.checks.tolerance import auto_tolerance
+    from ddparity.distances import Entry, Reference
+
+    entries = {("loss", "loss"): Entry(1.0, True, noise=0.0, scale=5.0),   # a cancelled sum: uncapped
+               ("grad", "w"): Entry(0.01, True, noise=0.02, scale=0.5),
+               ("param", "w"): Entry(1.0, True)}
+    reference = Reference(steps=[entries])
+    import torch
+
+    tol = auto_tolerance(reference, 128, torch.bfloat16)
+    assert tol.uncalibrated is not None and tol.uncalibrated.world_size == 128, tol
+    assert "too imprecise to judge at world size 128" in tol.uncalibrated.reason()
+    precise = Reference(steps=[{**entries, ("grad", "w"): Entry(0.01, True, noise=1e-8, scale=0.5)}])
+    fine = auto_tolerance(precise, 2, torch.float32)  # the same sizes in float32 at 2 ranks: judged
+    assert fine.uncalibrated is None and fine(0, "loss", "loss") < 1.0 and fine(0, "grad", "w") < 0.01
