@@ -87,8 +87,8 @@ COMPILED_ERROR_RATIO = 15.0
 tensor (:func:`compiled_tolerance`). torch's minifier allows 2x (3x in low precision) of the
 *root mean square* error; ddparity compares the *largest* element's error, which a few fused
 elements decide: inductor's GPT-2 (initializer range 1.0) came 4.5x the reference's own
-float64 error on one bias (AVX512 CPU), the fixed 0.1%-of-the-value floor this replaced failed
-it at 1.07x on another CPU. 15x leaves a 3x margin above that and stays orders of magnitude
+float64 error on one bias (an AVX2 CPU); the fixed 0.1%-of-the-value floor this replaced failed
+a clean compiled GPT-2 at 1.07x on an AVX512 CPU. 15x leaves a 3x margin above that and stays orders of magnitude
 under a wrong decomposition's error."""
 COMPILE_SHARE = 1e-3
 """Without a float64 run, the least tolerance of a compiled single-device run against the eager
@@ -229,9 +229,9 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
     if uncalibrated is None and _vacuous(reference, table, world_size, ("grad",)) is not None:
         loose = (f"gradients judged loosely: in {str(dtype).removeprefix('torch.')} at world size {world_size} the "
                  f"rounding bound of every step-0 gradient exceeds the gradient itself (they are mean-like sums of "
-                 f"larger terms), so a gradient counts as diverged only beyond that; the loss is judged within "
-                 f"{SHARE_CAP:.0%} of its value and the replicas' agreement bit for bit; a float32 check judges "
-                 f"gradients tightly")
+                 f"larger terms), so a gradient counts as diverged only beyond that; the loss is judged within a "
+                 f"tolerance below its own size and the replicas' agreement bit for bit; a float32 check judges "
+                 f"gradients more tightly")
     return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose)
 
 

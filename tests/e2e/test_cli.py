@@ -342,6 +342,24 @@ def test_each_verbs_help_has_a_description_its_defaults_examples_and_exit_codes(
     assert "(default" in text
 
 
+def _ctrl_c_once_written(proc: subprocess.Popen, spooled: str, then: float) -> tuple[str, str]:
+    """Ctrl-C to a running check ``then`` seconds after its reference wrote ``spooled`` to the
+    check's spool; its stdout and stderr."""
+    import glob
+    import tempfile
+
+    try:
+        written = os.path.join(tempfile.gettempdir(), f"ddparity-spool-{proc.pid}-*", spooled)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not glob.glob(written):
+            time.sleep(0.2)
+        time.sleep(then)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+
+
 def test_ctrl_c_prints_the_runs_finished_so_far_and_where_each_rank_was():
     """Ctrl-C printed `ddparity: interrupted` and threw away the finished reference run and
     every rank's position."""
@@ -349,19 +367,8 @@ def test_ctrl_c_prints_the_runs_finished_so_far_and_where_each_rank_was():
                              "--world-sizes", "2", "--timeout", "120"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored
-    try:
-        import glob
-        import tempfile
-
-        last_step = os.path.join(tempfile.gettempdir(), f"ddparity-spool-{proc.pid}-*", "a2.json")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not glob.glob(last_step):  # the reference wrote its last step
-            time.sleep(0.2)
-        time.sleep(2)  # rank 1 is stuck at step 1, its peer waits for it
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    # once the reference wrote its last step, rank 1 is stuck at step 1, its peer waits for it
+    out, err = _ctrl_c_once_written(proc, "a2.json", then=2)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err, err
     assert re.search(r"single\s+1\s+gloo\s+pass", out) and "INTERRUPTED: 1 run(s) finished" in out, out
@@ -483,19 +490,7 @@ def test_ctrl_c_while_runs_train_side_by_side_prints_every_rank_of_each(tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "ddparity", "check", "slow.py:case", "--world-sizes", "4",
                              "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        import glob
-        import tempfile
-
-        first_step = os.path.join(tempfile.gettempdir(), f"ddparity-spool-{proc.pid}-*", "a0.json")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not glob.glob(first_step):  # the reference is training
-            time.sleep(0.2)
-        time.sleep(3)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    out, err = _ctrl_c_once_written(proc, "a0.json", then=3)  # the reference is training, the DDP run too
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err, err
     assert "the single-device reference: rank 0: step" in err, err
