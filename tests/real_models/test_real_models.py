@@ -109,3 +109,17 @@ def test_t5_with_embeddings_shared_by_encoder_and_decoder_under_the_default_fsdp
     assert [r.status for r in summed.runs] == ["diverged"] * 4, summed.render()
     assert all(r.first_divergence.step == 0 and r.first_divergence.max_abs > 100 * r.first_divergence.tolerance
                for r in summed.runs), summed.render()
+
+
+@pytest.mark.real_models
+def test_gpt2_with_its_tied_head_under_the_default_fsdp_wrapping():
+    """GPT-2 as transformers builds it (``transformer.h`` a ModuleList, ``lm_head`` tied to
+    ``wte``), no ``Case.fsdp``: the blocks wrapped one by one, the tied embedding left to the
+    root; clean passes with dropout on, a summed loss is caught at step 0."""
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs transformers")
+    clean = check(real_models.gpt2_clean(), modes=("fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in clean.runs] == ["pass"] * 4, clean.render()
+    summed = check(real_models.gpt2_summed(), modes=("fsdp", "hsdp"), world_sizes=(2,))
+    assert [r.status for r in summed.runs] == ["diverged"] * 2, summed.render()
+    assert all(r.first_divergence.step == 0 for r in summed.runs)
