@@ -10,8 +10,8 @@ from ddparity.cli import build_parser
 def test_exported_names_are_pinned():
     assert sorted(ddparity.__all__) == [
         "Case", "DdparityError", "Divergence", "HealthReport", "ParityError", "ProfileReport", "RankContext",
-        "RankOutcome", "Report", "RunResult", "StepContext", "UsageError", "World", "check", "health", "profile",
-        "whole",
+        "RankOutcome", "Report", "RunResult", "StepContext", "UsageError", "World", "batched", "check", "health",
+        "profile", "whole",
     ]
     for name in ddparity.__all__:
         assert getattr(ddparity, name) is not None
