@@ -29,7 +29,7 @@ import torch.multiprocessing as tmp
 from ddparity import check
 from ddparity.fixtures import models
 from ddparity.harness.ranks.spool import Spool
-from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
 from ddparity.harness.world.pool import WorldPool
 
 STEPS = 5
@@ -104,7 +104,7 @@ def main() -> None:
                 pool.get(1, "gloo", role="reference").run(reference_task, case, spool.path, (ws,))
                 for _ in range(args.checks):
                     t = time.perf_counter()
-                    world.run(ddp_task, case, spool.path)
+                    world.run(replica_task, case, spool.path, "ddp")
                     raw.append(time.perf_counter() - t)
             rows.append((ws, spawn_times, warm_times, raw))
     finally:

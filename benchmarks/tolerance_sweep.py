@@ -19,7 +19,7 @@ from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance
 from ddparity.fixtures import models
 from ddparity.harness.ranks.spool import Spool
-from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
 from ddparity.harness.world.pool import WorldPool
 
 
@@ -27,7 +27,7 @@ def worst_ratio(case: Case, ws: int, pool: WorldPool) -> float:
     with Spool() as spool:
         pool.get(1, "gloo").run(prepare_task, case, spool.path)
         [reference] = pool.get(1, "gloo").run(reference_task, case, spool.path, (ws,))
-        runs = pool.get(ws, "gloo").run(ddp_task, case, spool.path)
+        runs = pool.get(ws, "gloo").run(replica_task, case, spool.path, "ddp")
     tol = auto_tolerance(reference, ws, case.torch_dtype)
     ratio = 0.0
     for step, entries in enumerate(reference.steps):

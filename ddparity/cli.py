@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddparity import cli_progress, settings
-from ddparity.cli_parser import build_parser
+from ddparity.cli_parser import BadFlag, build_parser
 from ddparity.errors import Exit, UsageError
+from ddparity.run_kinds import kind
 
 
 class _Out:
@@ -295,7 +296,7 @@ def _demo_faults(args: argparse.Namespace) -> int:
             _show(report.render())
             _show()
             for run in report.runs:
-                if run.mode == "ddp":
+                if kind(run.mode).buckets:  # the fault matrix's DDP rows
                     as_expected = run.status == fault.status and reported_ranks(run) == fault.suspects(run.world_size)
                     rows.append((fault.name, str(run.world_size), fault.status, run.status,
                                  str(reported_ranks(run)), f"{run.seconds:.2f}", "yes" if as_expected else "NO"))
@@ -352,7 +353,10 @@ def _interrupted(exc: KeyboardInterrupt) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except BadFlag as bad:
+            raise bad.error from None
         if args.version:
             from ddparity import __version__
 

@@ -62,11 +62,24 @@ class _Help(argparse.RawDescriptionHelpFormatter):
     """Descriptions and epilogs as written (examples, exit codes)."""
 
 
+class BadFlag(Exception):  # noqa: N818 - carries the UsageError past argparse
+    """A flag's value refused by its setting's parser: ``error`` is the UsageError that says
+    why. Not a ValueError, so argparse (which turns a ``type``'s ValueError into its own
+    "invalid value" line) lets it through to the CLI, which reports ``error`` as it is."""
+
+    def __init__(self, error: UsageError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _text(parse: Callable[..., Any], where: str, *args: Any) -> Callable[[str], Any]:
     """An argparse ``type``: the setting's own parser, its errors naming the flag."""
 
     def convert(text: str) -> Any:
-        return parse(text, where, *args)
+        try:
+            return parse(text, where, *args)
+        except UsageError as exc:
+            raise BadFlag(exc) from None
 
     convert.__name__ = parse.__name__
     return convert

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import UsageError
+from ddparity.run_kinds import kind
 
 COMPILE_DDP = ("ddp_optimizer", "python_reducer")
 """Dynamo's ways of compiling a DDP model (``torch._dynamo.config.optimize_ddp``): the graph
@@ -32,11 +33,11 @@ class CompileSpec:
 
     def for_mode(self, mode: str) -> dict[str, Any]:
         """The run's JSON ``compile``: the backend, and the DDP path where the mode is ddp."""
-        return {"backend": self.backend, "ddp": self.ddp if mode == "ddp" else None}
+        return {"backend": self.backend, "ddp": self.ddp if kind(mode).buckets else None}
 
     def label(self, mode: str) -> str:
         """How a row names its compiled run: ``compiled aot_eager`` (ddp: ``, python_reducer``)."""
-        return f"compiled {self.backend}" + (f", {self.ddp}" if mode == "ddp" else "")
+        return f"compiled {self.backend}" + (f", {self.ddp}" if kind(mode).buckets else "")
 
     def flags(self) -> str:
         """The CLI flags that ask for this again."""

@@ -44,8 +44,10 @@ class DdparityError(Exception):
     """Root of every error ddparity raises on purpose."""
 
 
-class UsageError(DdparityError):
-    """The input cannot be run as given (bad target, bad option, bad Case)."""
+class UsageError(DdparityError, ValueError):
+    """The input cannot be run as given (bad target, bad option, bad Case). A ``ValueError``
+    too, so that code catching bad arguments the built-in way (Hypothesis, argparse-style
+    wrappers, ``except ValueError``) catches ddparity's."""
 
 
 class CaseError(UsageError):
@@ -83,16 +85,19 @@ class TaskTimeout(WorldFailure):
     """Some ranks did not answer within the task's timeout; the world was rebuilt."""
 
     def __init__(self, message: str, pending_ranks: list[int], stacks: dict[int, str] | None = None,
-                 suspect_ranks: list[int] | None = None) -> None:
+                 suspect_ranks: list[int] | None = None, limit_s: float | None = None) -> None:
         super().__init__(message)
         self.pending_ranks = pending_ranks
         self.stacks = stacks or {}
         self.suspect_ranks = suspect_ranks or []
         """The ranks behind the others in the collective sequence (the others wait for them);
         empty when every rank is at the same place."""
+        self.limit_s = limit_s
+        """How long no rank made progress before the task was declared hung."""
 
     def __reduce__(self) -> Any:
-        return (type(self), (str(self), self.pending_ranks, self.stacks, self.suspect_ranks), self.__dict__)
+        return (type(self), (str(self), self.pending_ranks, self.stacks, self.suspect_ranks, self.limit_s),
+                self.__dict__)
 
 
 class TaskStopped(WorldFailure):

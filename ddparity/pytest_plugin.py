@@ -27,6 +27,7 @@ import pytest
 
 from ddparity import settings
 from ddparity.errors import UsageError
+from ddparity.run_kinds import kind
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,7 +234,7 @@ def parity(request: pytest.FixtureRequest, ddparity_pool: Any) -> Any:
         _record(request, report)
         if not report.ok:
             pytest.fail(_failure_text(request, report), pytrace=False)
-        compared = [r for r in report.runs if r.mode != "single" or r.compile]
+        compared = [r for r in report.runs if not kind(r.mode).reference or r.compile]
         if compared and all(r.status == "skipped" for r in compared):
             # nothing was compared here (e.g. nccl with fewer GPUs than the world size)
             pytest.skip("ddparity: " + "; ".join(sorted({f"{r.name} ws{r.world_size}: {r.reason}" for r in compared})))
@@ -249,7 +250,7 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
         runs.append(dict(run.to_json(), case=report.case, test=request.node.nodeid))
     props = request.node.user_properties
     for run in report.runs:
-        if run.mode == "single" and not run.compile:
+        if kind(run.mode).reference and not run.compile:
             continue
         tag = f"ddparity[{run.name} ws{run.world_size}]"
         props.append((f"{tag} status", run.status))

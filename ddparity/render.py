@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ddparity.run_kinds import kind
+
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
     from ddparity.checks.health import Bandwidth, Check
@@ -249,7 +251,7 @@ def render_profile(label: str, runs: list[WorldProfile]) -> str:
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
         where = f"{r.mode} world size {r.world_size}"
-        if r.mode != "ddp" or any(c["op"] != "all_reduce" for c in r.collectives or []):
+        if not kind(r.mode).buckets or any(c["op"] != "all_reduce" for c in r.collectives or []):
             for c in r.collectives or []:
                 bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"
                 lines.append(f"  {where}: {c['op']} x{c['calls']} a step, {_size(c['bytes'])} in "

@@ -18,16 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.errors import UsageError
+from ddparity.run_kinds import MODES
 
 # -- choices -----------------------------------------------------------------------------
 
-MODES = ("single", "dp", "ddp", "fsdp", "hsdp")
-"""Ways to train a Case: one device (the reference), DataParallel, DistributedDataParallel,
-FSDP2 on a 1-D mesh, FSDP2 on a (replicate, shard) mesh."""
-REPLICA_MODES = ("ddp", "fsdp", "hsdp")
-"""The modes whose every rank is a process of the world (a run per world size)."""
-SHARDED_MODES = ("fsdp", "hsdp")
-"""FSDP2's modes: each rank holds shards of the parameters and optimizer state."""
 HSDP_SHARD = 2
 """Mode hsdp's shard size S when neither the Case nor ``--hsdp-shard`` says."""
 
@@ -79,6 +73,8 @@ a long evaluation without collectives: that is no hang)."""
 CHECK_MODES = ("single", "ddp")
 CHECK_WORLD_SIZES = (1, 2, 4)
 PROFILE_WORLD_SIZES = (1, 2, 4, 8)
+PROFILE_MODES = ("ddp",)
+"""What ``profile`` times unless ``--modes`` says otherwise."""
 PROFILE_STEPS = 10
 """Measured iterations per world size."""
 PROFILE_WARMUP = 2
@@ -363,6 +359,9 @@ class WorldSpec:
     """Seconds a task may go without progress (see :meth:`ddparity.World.submit`)."""
     start_timeout: float = WORLD_START_TIMEOUT_S
     threads_per_rank: int = 1
+    clean_start: bool = False
+    """Start the ranks from the forkserver (a process that only imported torch), never
+    forked from the controller: for a process that runs many threads of torch work."""
     error_grace: float = 0.5
     """After a rank raised, how long the others may keep running before they are stopped."""
 

@@ -11,7 +11,7 @@ import pytest
 from ddparity import check
 from ddparity.fixtures import large
 from ddparity.harness.ranks.spool import Spool
-from ddparity.harness.ranks.tasks import ddp_task, prepare_task, reference_task
+from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
 from ddparity.harness.world.pool import default_pool
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -24,7 +24,7 @@ def _sent_and_spooled(case):
     with Spool() as spool:
         pool.get(1, "gloo", role="reference").run(prepare_task, case, spool.path)
         [reference] = pool.get(1, "gloo", role="reference").run(reference_task, case, spool.path, (2,))
-        runs = pool.get(2, "gloo").run(ddp_task, case, spool.path)
+        runs = pool.get(2, "gloo").run(replica_task, case, spool.path, "ddp")
         disk = sum(os.path.getsize(os.path.join(spool.path, f)) for f in os.listdir(spool.path))
     return len(pickle.dumps(reference)) + sum(len(pickle.dumps(r)) for r in runs), disk
 

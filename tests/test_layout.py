@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "ddparity"
 MAX_LINES = 400
 LEAVES = ("ddparity.errors", "ddparity.settings", "ddparity.compile_spec", "ddparity.case", "ddparity.distances", "ddparity.records", "ddparity.frames",
-          "ddparity.measurements", "ddparity.verdicts")
+          "ddparity.measurements", "ddparity.verdicts", "ddparity.run_kinds")
 """Value types: they import nothing from ddparity but each other."""
 JUDGING_OR_REPORTING = ("ddparity.checks", "ddparity.verbs", "ddparity.report", "ddparity.render",
                         "ddparity.cli", "ddparity.pytest_plugin", "ddparity.plot")
@@ -121,14 +121,12 @@ def room_graph() -> dict[str, set[str]]:
     return edges
 
 
-def test_no_room_imports_a_room_that_imports_it_back():
-    """No circle of any length between rooms, top-level modules included (Tarjan's
-    strongly connected components of the room graph)."""
-    edges = room_graph()
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of any length in a graph (Tarjan's strongly connected components)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    circles: list[list[str]] = []
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -147,13 +145,28 @@ def test_no_room_imports_a_room_that_imports_it_back():
                 if w == v:
                     break
             if len(component) > 1:
-                circles.append(sorted(component))
+                found.append(sorted(component))
 
     for v in list(edges):
         if v not in index:
             visit(v)
-    assert not circles, f"rooms that import each other, round a circle: {circles}"
+    return found
+
+
+def test_no_room_imports_a_room_that_imports_it_back():
+    """No circle of any length between rooms, top-level modules included."""
+    edges = room_graph()
+    assert not circles(edges), f"rooms that import each other, round a circle: {circles(edges)}"
     assert len(edges) >= 10  # the walk finds the rooms
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    """Nor between files, lazy imports included (the training loop once imported FSDP's
+    no_sync back from the mode that imports the loop)."""
+    edges = {name: {m for m in ddparity_imports(path) if m in MODULES and m not in (name, "ddparity")}
+             for name, path in MODULES.items()}
+    assert not circles(edges), f"modules that import each other, round a circle: {circles(edges)}"
+    assert sum(map(len, edges.values())) >= 100  # the walk finds the imports
 
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "ddparity"])
@@ -216,3 +229,28 @@ def test_every_phase_a_rank_sets_is_ordered():
     from ddparity.records import Position
 
     assert Position(1, "compare").order() > Position(1, "optimizer").order() > Position(1, "forward").order()
+
+
+def mode_literal_comparisons(tree: ast.AST) -> list[int]:
+    """Lines where a mode's name (a literal) is compared (``==``, ``!=``, ``in``) with
+    anything, or a container of mode names is tested for membership."""
+    from ddparity.run_kinds import MODES
+
+    def names_a_mode(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in MODES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(names_a_mode(e) for e in node.elts)
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)
+            and any(names_a_mode(side) for side in (node.left, *node.comparators))]
+
+
+def test_modes_are_told_apart_by_their_row_not_their_name():
+    """What differs between modes is a field of its row in ``ddparity.run_kinds``: a new
+    mode is a row there (and a mode file), not a hunt for every ``mode == "hsdp"``."""
+    found = {name: lines for name, path in MODULES.items() if not name.startswith("ddparity.fixtures")
+             and name != "ddparity.run_kinds" and (lines := mode_literal_comparisons(ast.parse(path.read_text())))}
+    assert found == {}, f"compare a mode's row, not its name (kind(mode).sharded, asked(modes, 'mesh')): {found}"
+    planted = ast.parse('a = run.mode == "hsdp"\nb = "dp" in opts.modes\nc = m not in ("fsdp", "x")\nd = m == "x"\n')
+    assert sorted(mode_literal_comparisons(planted)) == [1, 2, 3]  # each way of writing it; not another name

@@ -20,7 +20,7 @@ that names the likely cause and its fix.
 
 from __future__ import annotations
 
-from ddparity.settings import SHARDED_MODES
+from ddparity.run_kinds import kind
 from ddparity.verdicts import Desync, Divergence
 
 SIGNATURE_REL_TOL = 1e-3
@@ -101,7 +101,7 @@ def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], 
                    unsharded: list[str]) -> str | None:
     """FSDP's own signatures: a gradient left out of sharding never reduced; no gradient
     reaching the optimizer because the sync stayed off."""
-    if mode not in SHARDED_MODES or first.kind != "grad":
+    if not kind(mode).sharded or first.kind != "grad":
         return None
     left_out = sorted(n for n in names if n in unsharded)
     if left_out and first.name in unsharded:
@@ -111,7 +111,7 @@ def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], 
     missing = {d.name for d in grads if d.mismatch and d.mismatch.startswith("missing")}
     if first.step == 0 and missing and len(missing) >= MISSED_SYNC_SHARE * max(params, 1):
         replicas = (" or, in HSDP, its all-reduce across replicas (set_requires_all_reduce(False): FSDP2 then keeps "
-                    "the partial gradient for a later all-reduce)") if mode == "hsdp" else ""
+                    "the partial gradient for a later all-reduce)") if kind(mode).mesh else ""
         return (f"likely cause: no gradient reached the optimizer ({len(missing)} of {params} missing at step 0): "
                 f"{mode.upper()}'s gradient sync was off (set_requires_gradient_sync(False), ctx.no_sync()){replicas} "
                 f"through the last backward, so no gradient reached the sharded parameters; turn it back on before "

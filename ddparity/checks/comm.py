@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ddparity.measurements import BucketTiming, RankProfile
+from ddparity.run_kinds import kind
 from ddparity.verdicts import Crash, Hang, json_or_none
 
 
@@ -157,7 +158,7 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
         out.notes.append(f"messages of {per_message / 1e3:.0f} kB on average: at this size latency, not the link, "
                          f"decides a collective's time, so bus bandwidth says little about the interconnect "
                          f"(it means something from about {SMALL_MESSAGE_BYTES / 2**20:g} MiB a message up)")
-    if n > 1 and ops and ops != ["all_reduce"] and mode == "ddp":
+    if n > 1 and ops and ops != ["all_reduce"] and kind(mode).buckets:
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
     if step_s > 0:

@@ -21,17 +21,16 @@ from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.spool import Spool
-from ddparity.harness.ranks.tasks import ddp_task, dp_task, fsdp_task, hsdp_task, prepare_task, reference_task
-from ddparity.harness.ranks.threaded import as_simulated, threaded_ddp_task, threaded_fsdp_task, threaded_hsdp_task
+from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
+from ddparity.harness.ranks.threaded import as_simulated, threaded_task
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
+from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import (
     CHECK_MODES,
     CHECK_WORLD_SIZES,
     REAL_RANKS_LIMIT,
-    REPLICA_MODES,
-    SHARDED_MODES,
     TIMEOUT_S,
     CheckOptions,
 )
@@ -101,7 +100,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     started = time.perf_counter()
     replicas = [run for run in _planned(opts) if run[0] in REPLICA_MODES]
     ddp_sizes = tuple(sorted({ws for _, ws, _ in replicas}))
-    dp_sizes = opts.world_sizes if "dp" in opts.modes else ()
+    dp_sizes = opts.world_sizes if asked(opts.modes, "one_process") else ()
     try:
         ref_world = pool.get(1, chosen, role="reference")
         [(batch_sizes, valid)] = ref_world.run(prepare_task, case, spool.path, timeout=opts.timeout)
@@ -128,7 +127,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                 pass
         return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     blowup = first_non_finite(reference)
-    if "single" in opts.modes:
+    if asked(opts.modes, "reference"):
         report.runs.append(
             RunResult(mode="single", world_size=1, backend=chosen, status="error" if blowup else "pass",
                       reason=blowup.reason() if blowup else None, seconds=time.perf_counter() - started,
@@ -145,7 +144,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
             single = refused_run(case, opts, opts.compile, "single", 1, chosen, refused)
             plan.update({(mode, ws, spec): refused_run(case, opts, spec, mode, ws, backends[ws], refused)
                          for (mode, ws, spec), reason in plan.items() if spec is not None and reason is None})
-        if "single" in opts.modes:
+        if asked(opts.modes, "reference"):
             report.runs.append(single)
     dp_started = time.perf_counter()
     dp_pending = ref_world.submit(dp_task, case, spool.path, dp_sizes, timeout=opts.timeout) if dp_sizes else None
@@ -157,7 +156,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         doing.run = f"{mode} world_size={ws} ({backends[ws]}{', ' + spec.label(mode) if spec else ''})"
         launched = early if (mode, ws, spec) == first and early is not None else _start_ddp(
             case, opts, backends[ws], (mode, ws, spec), pool, spool)
-        floor = policy if mode in SHARDED_MODES else None
+        floor = policy if kind(mode).sharded else None
         ddp_runs.append(_finish_ddp(case, opts, backends[ws], (mode, ws, spec), launched, reference, blowup, valid,
                                     floor, noise if spec is not None else None))
     doing.run = f"dp world sizes {list(dp_sizes)}"
@@ -176,7 +175,7 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
 def sharded(opts: CheckOptions) -> bool:
     """Whether a sharded mode is checked: the reference then writes its optimizer's state,
     which they compare (DDP's ranks publish theirs as fingerprints, compared across ranks)."""
-    return any(m in SHARDED_MODES for m in opts.modes)
+    return any(kind(m).sharded for m in opts.modes)
 
 
 def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Distances | None:
@@ -187,7 +186,8 @@ def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Dis
     if case.fsdp is None:
         return None
     try:
-        [distances] = world.run(fsdp_task, case, spool.path, timeout=opts.timeout)
+        [distances] = world.run(replica_task, case, spool.path, "fsdp", 1, timeout=opts.timeout,
+                                shown_as=replica_run_name("fsdp"))
     except WorldFailure:
         return None
     return distances if distances.computed_dtype else None
@@ -269,9 +269,8 @@ def case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, ex
 
 def _planned(opts: CheckOptions) -> list[tuple[str, int, CompileSpec | None]]:
     compiles = (None, opts.compile) if opts.compile is not None else (None,)
-    plan = [("single", 1, spec) for spec in compiles] if "single" in opts.modes else []
-    if "dp" in opts.modes:
-        plan += [("dp", ws, None) for ws in opts.world_sizes]
+    plan = [(mode, 1, spec) for mode in asked(opts.modes, "reference") for spec in compiles]
+    plan += [(mode, ws, None) for mode in asked(opts.modes, "one_process") for ws in opts.world_sizes]
     plan += [(mode, ws, spec) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes
              for spec in compiles]
     return plan
@@ -283,20 +282,14 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
     mode, ws, spec = run
     started = time.perf_counter()
     try:
+        shard_size = kind(mode).shard_size(ws, hsdp_shard(case, opts))
         if backend == "threaded":
             host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
-            if mode in SHARDED_MODES:
-                simulated = threaded_fsdp_task if mode == "fsdp" else threaded_hsdp_task
-                return started, host.submit(simulated, case, spool.path, ws, hsdp_shard(case, opts),
-                                            timeout=opts.timeout)
-            return started, host.submit(threaded_ddp_task, case, spool.path, ws, timeout=opts.timeout)
+            return started, host.submit(threaded_task, replica_task, case, spool.path, ws, mode, shard_size,
+                                        timeout=opts.timeout, shown_as=replica_run_name(mode, simulated=True))
         world = pool.get(ws, backend)
-        if mode in SHARDED_MODES:
-            task = fsdp_task if mode == "fsdp" else hsdp_task
-            return started, world.submit(task, case, spool.path, hsdp_shard(case, opts), compiled=spec,
-                                         timeout=opts.timeout, watch=LiveWatch())
-        return started, world.submit(ddp_task, case, spool.path, compiled=spec, timeout=opts.timeout,
-                                     watch=LiveWatch())
+        return started, world.submit(replica_task, case, spool.path, mode, shard_size, compiled=spec,
+                                     timeout=opts.timeout, watch=LiveWatch(), shown_as=replica_run_name(mode))
     except WorldStartError as exc:
         return started, RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=str(exc),
                                   simulated=backend == "threaded",
@@ -329,9 +322,9 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
                     seconds=time.perf_counter() - started, repro=repro)
     if spec is not None:
         describe(mark(run, spec), [r.compiled for r in runs])  # no compile_noise: eager's noise alone
-    if mode == "hsdp":
-        s = hsdp_shard(case, opts)
-        run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
+    mesh = kind(mode).mesh_note(ws, hsdp_shard(case, opts))
+    if mesh:
+        run.notes.append(mesh)
     if simulated:
         run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if opts.backend == 'auto' else ''}")

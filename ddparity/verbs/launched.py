@@ -37,7 +37,8 @@ from ddparity.errors import Exit, UsageError, WorldFailure
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
-from ddparity.settings import REPLICA_MODES, SHARDED_MODES, CheckOptions, needs_newer_torch
+from ddparity.run_kinds import REPLICA_MODES, asked, kind
+from ddparity.settings import CheckOptions, needs_newer_torch
 from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
@@ -61,21 +62,24 @@ def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend
                          "machine (ddparity check TARGET --modes single,ddp --compile BACKEND --world-sizes 2,4)")
     if world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
-    if "dp" in modes:
-        raise UsageError("mode dp (DataParallel) runs in one process over its GPUs: run it without torchrun "
-                         "(ddparity check TARGET --modes dp)")
     if backend == "threaded":
         raise UsageError("--backend threaded simulates ranks in one process; under torchrun the launched "
                          "processes are the ranks: use auto, gloo or nccl")
-    return CheckOptions.validated("check", modes=modes, world_sizes=(launch_world_size(),), backend=backend,
+    opts = CheckOptions.validated("check", modes=modes, world_sizes=(launch_world_size(),), backend=backend,
                                   timeout=timeout, tolerance=tolerance, steps=steps, hsdp_shard=hsdp_shard)
+    in_one_process = asked(opts.modes, "one_process")
+    if in_one_process:
+        mode = in_one_process[0]
+        raise UsageError(f"mode {mode} (DataParallel) runs in one process over its GPUs: run it without torchrun "
+                         f"(ddparity check TARGET --modes {mode})")
+    return opts
 
 
 def _repro(case: Case, backend: str, opts: CheckOptions, mode: str = "ddp") -> str:
     from ddparity.verbs.plan import hsdp_shard
 
     target = case.target or "TARGET"
-    mesh = f" --hsdp-shard {hsdp_shard(case, opts)}" if mode == "hsdp" else ""
+    mesh = kind(mode).cli_flags(hsdp_shard(case, opts))
     return (f"{PROGRAM} check {target} --modes {mode}{mesh} --backend {backend} --steps {case.steps} "
             f"--tolerance {opts.tolerance}")
 
@@ -112,7 +116,7 @@ class _LaunchedCheck:
     def reference_stage(self) -> dict[str, Any]:
         from ddparity.harness.ranks.rank import released
         from ddparity.harness.ranks.spool import Spool
-        from ddparity.harness.ranks.tasks import fsdp_task, prepare_task, reference_task
+        from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
         from ddparity.verbs.check import sharded
         from ddparity.verbs.plan import cannot_run
 
@@ -131,9 +135,10 @@ class _LaunchedCheck:
                 self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,), sharded(self.opts))
                 self.ref_seconds = time.perf_counter() - self.started
                 self.blowup = first_non_finite(self.reference)
-            if case.fsdp is not None and any(m in SHARDED_MODES and m not in skipped for m in self.modes):
+            if case.fsdp is not None and any(kind(m).sharded and m not in skipped for m in self.modes):
                 released()
-                self.policy = policy_noise(fsdp_task(dataclasses.replace(ctx, world_size=1), case, self.spool.path))
+                alone = dataclasses.replace(ctx, world_size=1)
+                self.policy = policy_noise(replica_task(alone, case, self.spool.path, "fsdp", 1))
         released()
         self.recorder.end_task()
         nonce = secrets.token_hex(16)
@@ -182,7 +187,7 @@ class _LaunchedCheck:
     def replica_stage(self, index: int, mode: str) -> Any:
         """Every rank's run of ``mode``, compared step by step with the reference."""
         from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
-        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, ddp_task, fsdp_task, hsdp_task
+        from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, replica_task
         from ddparity.verbs.plan import hsdp_shard
 
         ctx = self.ctx
@@ -196,12 +201,9 @@ class _LaunchedCheck:
             remote = None
         self.recorder.begin_task(2 + index)
         open_step = remote.open_step if remote else None
-        if mode == "ddp":
-            distances = ddp_task(ctx, self.case, self.spool_path, open_step=open_step, state=self.state)
-        else:
-            task = fsdp_task if mode == "fsdp" else hsdp_task
-            distances = task(ctx, self.case, self.spool_path, hsdp_shard(self.case, self.opts), open_step=open_step,
-                             state=self.state)
+        shard_size = kind(mode).shard_size(ctx.world_size, hsdp_shard(self.case, self.opts))
+        distances = replica_task(ctx, self.case, self.spool_path, mode, shard_size, open_step=open_step,
+                                 state=self.state)
         self.recorder.end_task()
         if remote is not None:
             remote.close()
@@ -250,12 +252,12 @@ class _LaunchedCheck:
                                  f"by rank 0 over the network")
             assert self.reference is not None
             report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
-                                         self.valid, self.policy if mode in SHARDED_MODES else None))
+                                         self.valid, self.policy if kind(mode).sharded else None))
         return self._emit(report)
 
     def _single_run(self) -> dict[str, Any] | None:
         """The reference's run as rank 0 saw it (any rank may have to report it)."""
-        if "single" not in self.opts.modes or self.reference is None:
+        if not asked(self.opts.modes, "reference") or self.reference is None:
             return None
         blowup = self.blowup
         return {"status": "error" if blowup else "pass", "reason": blowup.reason() if blowup else None,
@@ -282,11 +284,11 @@ class _LaunchedCheck:
                         seconds=time.perf_counter() - self.mode_started.get(mode, self.started),
                         repro=_repro(self.case, ctx.backend, self.opts, mode))
         run.notes.append(f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
-        if mode == "hsdp":
-            from ddparity.verbs.plan import hsdp_shard
+        from ddparity.verbs.plan import hsdp_shard
 
-            shard = hsdp_shard(self.case, self.opts)
-            run.notes.append(f"hsdp mesh: {ctx.world_size // shard} replica(s) x {shard} shard(s)")
+        mesh = kind(mode).mesh_note(ctx.world_size, hsdp_shard(self.case, self.opts))
+        if mesh:
+            run.notes.append(mesh)
         return run
 
     def _report_failure(self, exc: WorldFailure, stage: int) -> int:

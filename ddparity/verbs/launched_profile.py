@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile
 from ddparity.errors import UsageError, WorldFailure
-from ddparity.settings import REPLICA_MODES, CheckOptions, needs_newer_torch
+from ddparity.run_kinds import REPLICA_MODES, kind
+from ddparity.settings import CheckOptions, needs_newer_torch
 from ddparity.verbs.launched import everyone, launch_world_size, processes
 
 
@@ -39,7 +40,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
         raise UsageError("profile times ddp, fsdp and hsdp (--modes); single and dp have no communication to time")
     case = case.validate()
     shard = shard_size(case, opts)
-    ran = [m for m in opts.modes if m != "hsdp" or opts.world_sizes[0] % shard == 0]
+    ran = [m for m in opts.modes if kind(m).skip_reason(opts.world_sizes[0], shard) is None]
     started = time.perf_counter()
     runs: list[Any] = []
     timing = [ran[0] if ran else "ddp"]  # the mode being timed, for a failure's report
@@ -53,7 +54,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
 
     def baseline() -> None:
         for mode in ran:
-            if mode == "hsdp" and shard != 1:
+            if kind(mode).skip_reason(1, shard) is not None:
                 continue  # no (replicate, shard) mesh of one rank but the degenerate one
             timing[0] = mode
             one = summarize([me.alone(profile_task, case, initial_state(case), steps, warmup, mode, shard)],
@@ -76,14 +77,14 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
         run.seconds = time.perf_counter() - started
         run.notes.append(f"launched: {processes(me.ctx.world_size)}; bus bandwidth over the launch's own "
                          f"interconnect")
-        if mode == "hsdp":
-            run.notes.append(f"hsdp mesh: {me.ctx.world_size // shard} replica(s) x {shard} shard(s)")
+        mesh = kind(mode).mesh_note(me.ctx.world_size, shard)
+        if mesh:
+            run.notes.append(mesh)
         runs.append(run)
     for mode in opts.modes:
         if mode not in ran:
             runs.append(WorldProfile(world_size=me.ctx.world_size, backend=me.ctx.backend, mode=mode,
-                                     status="skipped", reason=f"hsdp's (replicate, shard) mesh needs a world size "
-                                                              f"divisible by the shard size {shard}"))
+                                     status="skipped", reason=kind(mode).skip_reason(me.ctx.world_size, shard)))
     report = ProfileReport(case.label, sorted(runs, key=lambda r: REPLICA_MODES.index(r.mode)))
     add_scaling(report.runs)
     emit(report)

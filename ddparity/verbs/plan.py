@@ -14,7 +14,8 @@ from ddparity.checks.judge import judge_failure
 from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness.world import rendezvous
-from ddparity.settings import HSDP_SHARD, REAL_RANKS_LIMIT, CheckOptions
+from ddparity.run_kinds import kind
+from ddparity.settings import HSDP_SHARD, PROFILE_MODES, REAL_RANKS_LIMIT, CheckOptions
 from ddparity.verdicts import Failure, RunResult
 
 # -- planning ----------------------------------------------------------------------------
@@ -57,10 +58,9 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
                          reason=f"compiled runs need real rank processes: Dynamo's caches and compiled autograd are "
                                 f"per process, and simulated ranks are threads of one; check compiled at world "
                                 f"sizes up to {REAL_RANKS_LIMIT} (real processes)")
-    if mode == "hsdp" and ws % shard:
-        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro,
-                         reason=f"hsdp's (replicate, shard) mesh needs a world size divisible by the shard size "
-                                f"{shard}; use --hsdp-shard with a divisor of {ws} (1 and {ws} included)")
+    skip = kind(mode).skip_reason(ws, shard)
+    if skip is not None:
+        return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, reason=skip)
     if any(size < 1 for size in sizes):
         return RunResult(mode=mode, world_size=ws, backend=backend, status="error", repro=repro,
                          reason="cannot find the batch dimension: the data function's inputs hold no tensor "
@@ -147,14 +147,14 @@ def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any, sh
     """The command (or call) that runs this one run again (``shard``: hsdp's shard size;
     ``compiled``: the CompileSpec of a compiled run)."""
     if case.target:
-        mesh = f" --hsdp-shard {shard}" if mode == "hsdp" and shard else ""
+        mesh = kind(mode).cli_flags(shard)
         return (
             f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
             f"--steps {case.steps} --tolerance {tolerance}{mesh}{compiled.flags() if compiled else ''}"
         )
-    mesh = f", hsdp_shard={shard}" if mode == "hsdp" and shard else ""
+    mesh = kind(mode).call_args(shard)
     if compiled:
-        mesh += f", compile={compiled.backend!r}" + (f", compile_ddp={compiled.ddp!r}" if mode == "ddp" else "")
+        mesh += f", compile={compiled.backend!r}" + (f", compile_ddp={compiled.ddp!r}" if kind(mode).buckets else "")
     return (
         f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
         f"tolerance={tolerance!r}{mesh})  # seed={case.seed}, steps={case.steps}"
@@ -166,13 +166,13 @@ def hsdp_shard(case: Case, opts: CheckOptions) -> int:
     return opts.hsdp_shard or case.hsdp_shard or HSDP_SHARD
 
 
-def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float, mode: str = "ddp",
+def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float, mode: str = PROFILE_MODES[0],
                   shard: int = 0) -> str:
     if case.target:
-        modes = f" --modes {mode}" + (f" --hsdp-shard {shard}" if mode == "hsdp" and shard else "") if mode != "ddp" else ""
+        modes = f" --modes {mode}{kind(mode).cli_flags(shard)}" if (mode,) != PROFILE_MODES else ""
         return (f"ddparity profile {case.target}{modes} --world-sizes {ws} --backend {backend} --steps {steps} "
                 f"--warmup {warmup} --timeout {timeout:g}")
-    modes = f"modes=({mode!r},), " + (f"hsdp_shard={shard}, " if mode == "hsdp" and shard else "") if mode != "ddp" else ""
+    modes = f"modes=({mode!r},){kind(mode).call_args(shard)}, " if (mode,) != PROFILE_MODES else ""
     return (f"ddparity.profile(case, {modes}world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
             f"steps={steps}, warmup={warmup})  # seed={case.seed}")
 

@@ -19,12 +19,13 @@ from ddparity.harness.ranks.tasks import prepare_task, profile_task
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.render import render_failure
 from ddparity.report import ProfileReport
+from ddparity.run_kinds import REPLICA_MODES, kind
 from ddparity.settings import (
+    PROFILE_MODES,
     PROFILE_STEPS,
     PROFILE_WARMUP,
     PROFILE_WORLD_SIZES,
     REAL_RANKS_LIMIT,
-    REPLICA_MODES,
     TIMEOUT_S,
     CheckOptions,
     validate_count,
@@ -41,7 +42,7 @@ def profile(
     steps: int = PROFILE_STEPS,
     warmup: int = PROFILE_WARMUP,
     pool: WorldPool | None = None,
-    modes: tuple[str, ...] | list[str] = ("ddp",),
+    modes: tuple[str, ...] | list[str] = PROFILE_MODES,
     hsdp_shard: int | None = None,
 ) -> ProfileReport:
     """Time ``case`` under DDP (and/or ``modes`` ``fsdp``, ``hsdp``: FSDP2) at every world
@@ -113,15 +114,15 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[st
         run.notes.append(f"oversubscribed: {ws} ranks on {cpus} CPUs; communication waits for descheduled ranks")
     if ws == 1:
         run.notes.append(one_rank_note(mode))
-    if mode == "hsdp":
-        s = shard(case, opts)
-        run.notes.append(f"hsdp mesh: {ws // s} replica(s) x {s} shard(s)")
+    mesh = kind(mode).mesh_note(ws, shard(case, opts))
+    if mesh:
+        run.notes.append(mesh)
     return run
 
 
 def one_rank_note(mode: str) -> str:
     """What a one-rank profile's exposed time is."""
-    if mode == "ddp":
+    if kind(mode).buckets:
         return ("one rank: no bus bandwidth; its exposed time is DDP's own synchronisation work (bucket copies, the "
                 "comm hook, a local all-reduce), the floor for larger worlds")
     return ("one rank: no bus bandwidth; its exposed time is FSDP's own work around its collectives (copies in and "
@@ -129,8 +130,8 @@ def one_rank_note(mode: str) -> str:
 
 
 def shard(case: Case, opts: CheckOptions) -> int:
-    """Mode hsdp's shard size (0 where no hsdp run is asked for)."""
-    return hsdp_shard(case, opts) if "hsdp" in opts.modes else 0
+    """Mode hsdp's shard size (0 where no run on a (replicate, shard) mesh is asked for)."""
+    return hsdp_shard(case, opts) if any(kind(m).mesh for m in opts.modes) else 0
 
 
 def failed_run(ws: int, backend: str, exc: WorldFailure, seconds: float, mode: str = "ddp") -> WorldProfile:

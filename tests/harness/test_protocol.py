@@ -115,8 +115,9 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
 
     found = {name: run_name(fn) for module in (tasks, threaded, health_probe) for name, fn in vars(module).items()
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
-    assert set(found) == {"prepare_task", "reference_task", "dp_task", "ddp_task", "profile_task",
-                          "threaded_ddp_task", "threaded_fsdp_task", "threaded_hsdp_task", "health_task", "fsdp_task",
-                          "hsdp_task", "compiled_single_task", "float64_single_task"}
+    assert set(found) == {"prepare_task", "reference_task", "dp_task", "replica_task", "profile_task",
+                          "threaded_task", "health_task", "compiled_single_task", "float64_single_task"}
     assert all(n.label != name for name, n in found.items()), found
-    assert found["threaded_ddp_task"] == RunName("ddp (simulated)", sized=True, simulated=True)
+    # one task trains every replicated mode: each run is shown as its mode
+    assert tasks.replica_run_name("hsdp", simulated=True) == RunName("hsdp (simulated)", sized=True, simulated=True)
+    assert tasks.replica_run_name("ddp").shown(4, "gloo") == "ddp world_size=4 (gloo)"

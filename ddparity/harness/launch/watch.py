@@ -325,7 +325,8 @@ class LaunchWatch:
             failure = self._task_failed(raised, ranks)
         elif ending is Ending.TIMED_OUT:
             pending = self._pending(ranks)
-            failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending)
+            failure = TaskTimeout(f"ranks {pending} made no progress for {self.timeout:g} s", pending,
+                                  limit_s=self.timeout)
         elif ending is None and self._term_at is not None and now - self._term_at > DEAD_S + 1:
             failure = TaskStopped("the launcher stopped every rank (SIGTERM) before the check ended",
                                   "stopped by the launcher", ranks)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddparity.compile_spec import CompileSpec, CompileSummary
+from ddparity.run_kinds import kind
 
 GRAPH_BREAK_LOGGERS = tuple(f"torch._dynamo.{m}.__graph_breaks" for m in ("symbolic_convert", "exc", "convert_frame"))
 """Dynamo's ``graph_breaks`` artifact loggers: each break, with the user's file and line."""
@@ -35,7 +36,7 @@ class Compiled:
 
     def __init__(self, spec: CompileSpec, mode: str) -> None:
         self.spec, self.mode = spec, mode
-        self.summary = CompileSummary(spec.backend, spec.ddp if mode == "ddp" else None, mode)
+        self.summary = CompileSummary(spec.backend, spec.ddp if kind(mode).buckets else None, mode)
         self._stack = contextlib.ExitStack()
 
     def wrap(self, wrapped: Any) -> Any:
@@ -52,7 +53,7 @@ class Compiled:
         self._stats = _stats()
         self._stack.enter_context(_graph_breaks(self.summary))
         self._stack.enter_context(_ticking_while_compiling())
-        if self.mode == "ddp":
+        if kind(self.mode).buckets:
             self._stack.enter_context(torch._dynamo.config.patch(optimize_ddp=self.spec.ddp))
             self._stack.enter_context(_ddp_split(self.summary))
             if self.spec.ddp == "python_reducer":

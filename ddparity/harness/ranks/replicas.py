@@ -45,8 +45,8 @@ class Replicas:
         self.recorder = recorder
         self.world_size = world_size
         self.steps = 0
-        self.modules: list[tuple[Any, str, tuple[int, ...]]] = []
-        """(module, "ddp" | "fsdp", the DDP's group ranks or ())"""
+        self.modules: list[tuple[Any, bool, tuple[int, ...]]] = []
+        """(module, sharded (FSDP2's) or not (DDP's), the DDP's group ranks or ())"""
         self.unmatched = 0
         """Parameters an optimizer stepped that belong to no DDP or FSDP2 module (not compared)."""
         self.replicated = 0
@@ -59,19 +59,20 @@ class Replicas:
 
     # -- what the script's modules tell us ------------------------------------------
 
-    def built(self, module: Any, kind: str, ranks: tuple[int, ...] = ()) -> None:
+    def built(self, module: Any, sharded: bool, ranks: tuple[int, ...] = ()) -> None:
+        """``module`` was wrapped: by ``fully_shard`` (``sharded``) or DDP (over ``ranks``)."""
         import torch.distributed as dist
 
-        self.modules.append((module, kind, ranks))
+        self.modules.append((module, sharded, ranks))
         if not self.backend and dist.is_initialized():
             self.backend = str(dist.get_backend())
 
     @property
     def mode(self) -> str:
         """The data parallelism the script used: ddp, fsdp, hsdp (a 2-D mesh), or ddp when none was seen."""
-        kinds = {kind for _, kind, _ in self.modules}
-        if "fsdp" in kinds:
-            return "hsdp" if any(self._mesh_dims(m) > 1 for m, kind, _ in self.modules if kind == "fsdp") else "fsdp"
+        meshes = [self._mesh_dims(m) for m, sharded, _ in self.modules if sharded]
+        if meshes:
+            return "hsdp" if max(meshes) > 1 else "fsdp"
         return "ddp"
 
     @staticmethod
@@ -88,10 +89,10 @@ class Replicas:
             return
         self._known = len(self.modules)
         names: dict[int, tuple[str, str, int]] = {}
-        for module, kind, ranks in sorted(self.modules, key=lambda m: -sum(1 for _ in m[0].parameters())):
-            inner = module.module if kind == "ddp" else module
-            tag = "" if kind != "ddp" or len(ranks) in (0, self.world_size) else f"{SHARD_TAG}ddp group {list(ranks)}]"
-            holders = len(ranks) if kind == "ddp" else 0
+        for module, sharded, ranks in sorted(self.modules, key=lambda m: -sum(1 for _ in m[0].parameters())):
+            inner = module if sharded else module.module
+            tag = "" if sharded or len(ranks) in (0, self.world_size) else f"{SHARD_TAG}ddp group {list(ranks)}]"
+            holders = 0 if sharded else len(ranks)
             for name, p in inner.named_parameters():
                 if id(p) not in names:
                     names[id(p)] = (name, tag, holders)
@@ -229,7 +230,7 @@ def install(recorder: StepRecorder, world_size: int) -> Replicas:
         original_init(self, *args, **kwargs)
         import torch.distributed as dist
 
-        replicas.built(self, "ddp", tuple(dist.get_process_group_ranks(self.process_group)))
+        replicas.built(self, False, tuple(dist.get_process_group_ranks(self.process_group)))
         replicas.record_buckets(self)
 
     DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
@@ -256,7 +257,7 @@ def _wrap_fully_shard(replicas: Replicas) -> None:
     def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
         out = original_shard(module, *args, **kwargs)
         for m in (module if isinstance(module, (list, tuple)) else [module]):
-            replicas.built(m, "fsdp")
+            replicas.built(m, True)
         return out
 
     for where in (fsdp_pkg, composable, inner):

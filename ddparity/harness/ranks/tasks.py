@@ -9,7 +9,8 @@ writes the reference's tensors to the check's spool or compares a run's with the
 * :func:`reference_task` trains on one device with the whole global batch (mode
   ``single``), writing every step, then as the calibration twin
   (:mod:`ddparity.harness.ranks.modes.twin`), compared step by step;
-* :func:`dp_task` and :func:`ddp_task` train as DataParallel and under DDP, compared;
+* :func:`dp_task` trains as DataParallel, :func:`replica_task` under DDP, FSDP2 or HSDP
+  (a replicated row of :mod:`ddparity.run_kinds`), compared;
 * :func:`profile_task` times DDP or FSDP2 steps (:mod:`ddparity.harness.ranks.modes.timed`).
 """
 
@@ -20,7 +21,8 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
-from ddparity.harness.protocol import RankContext, names_run
+from ddparity.errors import UsageError
+from ddparity.harness.protocol import RankContext, RunName, names_run
 from ddparity.harness.ranks.batches import batch_size, valid_counts
 from ddparity.harness.ranks.compiling import Compiled
 from ddparity.harness.ranks.modes.ddp import DDPMode
@@ -34,6 +36,7 @@ from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
 from ddparity.measurements import RankProfile
+from ddparity.run_kinds import REPLICA_MODES, kind
 
 WAIT_LIMIT_S = 3600.0
 """The longest a run waits for the reference to reach a step (the controller stops a
@@ -136,52 +139,40 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
     return out
 
 
-@names_run("ddp", sized=True)
-def ddp_task(ctx: RankContext, case: Case, spool: str, settle: Any = None,
-             open_step: Any = None, state: Any = None, compiled: CompileSpec | None = None) -> Distances:
-    """Mode ``ddp``: this rank's shard of every global batch under DDP (with phases, the
-    bucket ledger and fingerprints, see :mod:`ddparity.harness.ranks.modes.ddp`; ``settle``: called once the replica is built, before training); its distance to the
-    reference, compared step by step as it trains (``open_step``, ``state``: the
-    reference's steps and the initial state from elsewhere than ``spool``, see
-    :mod:`ddparity.harness.launch.refserve`; ``compiled``: the step calls ``torch.compile``
-    of the DDP module)."""
-    mode = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
-                   case.ddp_options, settle=settle)
-    sink = Comparer(spool, "ddp", ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
-    return _compiled_distances(sink, lambda s, c: train(case, spool if state is None else state, ctx.device, mode,
-                                                         s, c), compiled, "ddp")
-
-
-@names_run("fsdp", sized=True)
-def fsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int = 0,
-              open_step: Any = None, state: Any = None, settle: Any = None,
-              compiled: CompileSpec | None = None) -> Distances:
-    """Mode ``fsdp``: this rank's shard of every global batch under FSDP2 on a 1-D mesh of
-    every rank (``shard_size`` is hsdp's, unused here); each local shard compared with the
-    same slice of the reference (:mod:`ddparity.harness.ranks.modes.fsdp`; ``settle``:
-    called once the model is sharded, before training; ``compiled``: the step calls
-    ``torch.compile`` of the sharded root)."""
-    return _sharded(ctx, case, spool, "fsdp", ctx.world_size, open_step, state, settle, compiled)
-
-
-@names_run("hsdp", sized=True)
-def hsdp_task(ctx: RankContext, case: Case, spool: str, shard_size: int,
-              open_step: Any = None, state: Any = None, settle: Any = None,
-              compiled: CompileSpec | None = None) -> Distances:
-    """Mode ``hsdp``: as :func:`fsdp_task` on a (W / ``shard_size`` replicas, ``shard_size``
-    shards) mesh."""
-    return _sharded(ctx, case, spool, "hsdp", shard_size, open_step, state, settle, compiled)
-
-
-def _sharded(ctx: RankContext, case: Case, spool: str, name: str, shard_size: int, open_step: Any,
-             state: Any, settle: Any = None, compiled: CompileSpec | None = None) -> Distances:
-    mode = FSDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=name,
-                    settle=settle)
-    sink = Comparer(spool, name, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
+@names_run("replicas", sized=True)  # shown as the run's mode (see replica_run_name)
+def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size: int = 0,
+                 open_step: Any = None, state: Any = None, settle: Any = None,
+                 compiled: CompileSpec | None = None) -> Distances:
+    """A replicated mode (a row of :mod:`ddparity.run_kinds` with ``replicated``) on this
+    rank: its shard of every global batch under DDP (phases, the bucket ledger and
+    fingerprints, :mod:`ddparity.harness.ranks.modes.ddp`) or FSDP2 on the row's mesh
+    (``shard_size``: :meth:`~ddparity.run_kinds.RunKind.shard_size`; each local shard
+    compared with the same slice of the reference, :mod:`ddparity.harness.ranks.modes.fsdp`);
+    its distance to the reference, compared step by step as it trains. ``settle``: called
+    once the replica is built, before training; ``open_step``, ``state``: the reference's
+    steps and the initial state from elsewhere than ``spool``
+    (:mod:`ddparity.harness.launch.refserve`); ``compiled``: the step calls
+    ``torch.compile`` of what the mode wrapped."""
+    row = kind(mode)
+    if not row.replicated:
+        raise UsageError(f"mode {mode!r} does not run a replica on every rank; use one of {', '.join(REPLICA_MODES)}")
+    if row.sharded:
+        trains: Any = FSDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=mode,
+                               settle=settle)
+    else:
+        trains = DDPMode(case.steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
+                         case.ddp_options, settle=settle)
+    sink = Comparer(spool, mode, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
     distances = _compiled_distances(sink, lambda s, c: train(case, spool if state is None else state, ctx.device,
-                                                              mode, s, c), compiled, name)
-    distances.unsharded, distances.computed_dtype = mode.unsharded, mode.computed_dtype
+                                                              trains, s, c), compiled, mode)
+    if row.sharded:
+        distances.unsharded, distances.computed_dtype = trains.unsharded, trains.computed_dtype
     return distances
+
+
+def replica_run_name(mode: str, simulated: bool = False) -> RunName:
+    """How a run of ``mode`` is shown while it runs (``ddp world_size=4 (gloo)``)."""
+    return RunName(f"{mode} (simulated)" if simulated else mode, sized=True, simulated=simulated)
 
 
 @names_run("profile", sized=True)
@@ -190,7 +181,7 @@ def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: i
     """Time ``warmup + steps`` iterations of the case under DDP (or ``name`` ``fsdp``,
     ``hsdp`` with ``shard_size``: FSDP2, :mod:`ddparity.harness.ranks.modes.timed_sharded`);
     keep the last ``steps``."""
-    if name == "ddp":
+    if not kind(name).sharded:
         mode = TimedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, case.comm_hook, case.comm_hook_state,
                          case.ddp_options)
     else:

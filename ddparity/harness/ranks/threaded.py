@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -169,35 +169,18 @@ class ThreadRecorder:
         self._changed()
 
 
-@names_run("ddp (simulated)", sized=True, simulated=True)
-def threaded_ddp_task(ctx: RankContext, case: Case, spool: str, world_size: int) -> tuple[list[Any], dict[int, Any]]:
-    """Mode ``ddp`` at ``world_size`` simulated ranks: their distances to the reference and
-    their records (progress, ledger, fingerprints), by rank."""
-    return _threaded(case, spool, world_size, "ddp", 0)
-
-
-@names_run("fsdp (simulated)", sized=True, simulated=True)
-def threaded_fsdp_task(ctx: RankContext, case: Case, spool: str, world_size: int,
-                       shard_size: int = 0) -> tuple[list[Any], dict[int, Any]]:
-    """Mode ``fsdp`` at ``world_size`` simulated ranks (FSDP2 runs on the threaded process
-    group: its meshes, all-gathers and reduce-scatters), as :func:`threaded_ddp_task`."""
-    return _threaded(case, spool, world_size, "fsdp", shard_size)
-
-
-@names_run("hsdp (simulated)", sized=True, simulated=True)
-def threaded_hsdp_task(ctx: RankContext, case: Case, spool: str, world_size: int,
-                       shard_size: int = 0) -> tuple[list[Any], dict[int, Any]]:
-    """Mode ``hsdp`` at ``world_size`` simulated ranks, a (W / ``shard_size``, ``shard_size``) mesh."""
-    return _threaded(case, spool, world_size, "hsdp", shard_size)
-
-
-def _threaded(case: Case, spool: str, world_size: int, mode: str, shard_size: int) -> tuple[list[Any], dict[int, Any]]:
+@names_run("simulated ranks", sized=True, simulated=True)  # shown as the run's mode (tasks.replica_run_name)
+def threaded_task(ctx: RankContext, task: Callable[..., Any], case: Case, spool: str, world_size: int,
+                  *task_args: Any) -> tuple[list[Any], dict[int, Any]]:
+    """``task(ctx, case, spool, *task_args, settle=...)`` on ``world_size`` simulated ranks
+    (threads on the threaded process group): their results and their records (progress,
+    ledger, fingerprints), by rank. ``settle`` is called by each once its replica is built:
+    no thread trains while another still builds its own."""
     import torch
     import torch.distributed as dist
 
     from ddparity.case import make_optimizer
     from ddparity.harness.ranks import recorder
-    from ddparity.harness.ranks.tasks import ddp_task, fsdp_task, hsdp_task
     from ddparity.harness.ranks.training import build_model
 
     module = threaded_pg()
@@ -229,12 +212,8 @@ def _threaded(case: Case, spool: str, world_size: int, mode: str, shard_size: in
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                ctx = RankContext(rank, world_size, "threaded", "cpu")
-                if mode == "ddp":
-                    runs[rank] = ddp_task(ctx, case, spool, settle=built.wait)
-                else:
-                    task = fsdp_task if mode == "fsdp" else hsdp_task
-                    runs[rank] = task(ctx, case, spool, shard_size, settle=built.wait)
+                runs[rank] = task(RankContext(rank, world_size, "threaded", "cpu"), case, spool, *task_args,
+                                  settle=built.wait)
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:
@@ -294,10 +273,9 @@ def as_simulated(exc: WorldFailure) -> WorldFailure:
     pending = [r for r in sorted(sim.records) if r not in done]
     out: WorldFailure = exc
     if isinstance(exc, TaskTimeout):
-        limit = re.search(r"for ([0-9.e+]+ s)", str(exc))
-        out = TaskTimeout(f"simulated ranks {pending} made no progress for {limit.group(1) if limit else 'the timeout'}"
-                          " (threads of one process, which was replaced)", pending,
-                          {r: stacks.get(r, "") for r in pending})
+        limit = f"{exc.limit_s:g} s" if exc.limit_s is not None else "the timeout"
+        out = TaskTimeout(f"simulated ranks {pending} made no progress for {limit} (threads of one process, which "
+                          "was replaced)", pending, {r: stacks.get(r, "") for r in pending}, limit_s=exc.limit_s)
     elif isinstance(exc, RankCrashed):
         how = signal_name(exc.exitcode)
         current = re.search(r"Current thread (0x[0-9a-fA-F]+)", exc.output)

@@ -45,6 +45,7 @@ from ddparity.harness.ranks.stepping import (
     default_step,
     never_stepped,
 )
+from ddparity.run_kinds import kind
 
 
 class Sink(Protocol):
@@ -110,6 +111,11 @@ class Mode(Protocol):
     def wrap(self, model: Any) -> Any:
         """What the step calls: the model, or the model wrapped."""
 
+    def sync_off(self, wrapped: Any) -> Callable[[], Any] | None:
+        """What ``ctx.no_sync()`` enters for ``wrapped`` (what :meth:`wrap` returned): a
+        context factory in which backward communicates nothing (DDP's ``no_sync``, FSDP2's
+        equivalent), or None where there is nothing to turn off."""
+
     def share(self, batch: Any, size: int | None) -> Any:
         """This replica's share of one global batch."""
 
@@ -157,7 +163,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     if mode.align_dropout and compiled is None:
         stack_rnns(model)  # their inter-layer dropout aligned too, before any mode wraps them
     wrapped = mode.wrap(model)
-    ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=sync_off(wrapped))
+    ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=mode.sync_off(wrapped))
     called = compiled.wrap(wrapped) if compiled is not None else wrapped
     replica = Replica(case, model, called, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
                       device, ctx, sink=sink if sink is not None else NoSink())
@@ -165,7 +171,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
                                    lambda: replica.sink.grads(ctx.step, model))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
-    replica.precision = AutocastWatch(model, device) if mode.name == "single" and compiled is None else None
+    replica.precision = AutocastWatch(model, device) if kind(mode.name).reference and compiled is None else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes: list[int] = []
@@ -219,6 +225,18 @@ def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
     replica.sink.after(step, loss, stepped, replica.model, replica.optimizer)
 
 
+def finish_shared_step(mode: Mode, replica: Replica, step: int, loss: Any, stepped: bool) -> None:
+    """:func:`finish_step` for a rank of a data-parallel world (DDP, FSDP2, HSDP): the loss
+    recorded is the objective data parallelism optimises, the mean of the ranks' losses
+    (all-reduced in float32, whatever the loss's dtype)."""
+    import torch.distributed as dist
+
+    global_loss = loss.detach().to(replica.device, copy=True).float()
+    dist.all_reduce(global_loss)
+    mode.recorder.set_phase(step, "compare")
+    finish_step(replica, step, (global_loss / mode.world_size).cpu(), stepped)
+
+
 def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
     """The case's loss of ``outputs``; a named loss given a model output that is not a
     tensor (a transformers ``ModelOutput``, a dict, a tuple) is a :class:`CaseError`
@@ -241,18 +259,6 @@ def compute_loss(replica: Replica, outputs: Any, targets: Any) -> Any:
         raise CaseError(f"the loss must be a tensor with one element, got {got} (a reduction='none' loss? "
                         f"reduce it, e.g. .mean(), as your training does)")
     return loss
-
-
-def sync_off(wrapped: Any) -> Callable[[], Any] | None:
-    """DDP's ``no_sync`` (or FSDP2's equivalent) for ``ctx.no_sync()``; None for anything else."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(wrapped, FSDPModule):
-        from ddparity.harness.ranks.modes.fsdp import fsdp_no_sync
-
-        return fsdp_no_sync(wrapped)
-    return wrapped.no_sync if isinstance(wrapped, DistributedDataParallel) else None
 
 
 def user_step(case: Case) -> Callable[..., Any] | None:

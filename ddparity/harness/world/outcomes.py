@@ -118,7 +118,7 @@ def stuck(ranks: spawn.Ranks, kill: Callable[[], None], pending: list[int], task
         suspects, why = behind(progress or [], pending)
         if suspects:
             head += f"\nsuspect rank(s) {suspects}: {why}"
-        raise TaskTimeout(with_stacks(head, stacks), pending, stacks, suspects)
+        raise TaskTimeout(with_stacks(head, stacks), pending, stacks, suspects, limit_s=limit)
     failed = [o.rank for o in outcomes if o is not None and not o.ok]
     for r in pending:
         outcomes[r] = RankOutcome(

@@ -28,7 +28,8 @@ class WorldPool:
         key = (world_size, backend, role)
         world = self._worlds.pop(key, None)
         if world is None:
-            world = World(world_size, backend)
+            # simulated ranks' host: many threads of torch in one process, started clean
+            world = World(world_size, backend, clean_start=role == "threads")
         if not world.pids:
             self._make_room(world_size)
         self._worlds[key] = world

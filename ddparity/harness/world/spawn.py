@@ -55,14 +55,18 @@ FORK_JOIN_S = 15.0
 the forkserver (see ``World._launch``)."""
 
 
-def start_method(backend: str, threads_per_rank: int) -> str:
+def start_method(backend: str, threads_per_rank: int, clean_start: bool = False) -> str:
     """Fork from here when it is safe, else from a forkserver that preloaded torch.
 
-    Unsafe: a CUDA world, a process whose CUDA driver is initialised, and ranks with
-    more than one intra-op thread (libgomp hangs in a child forked after the parent
-    ran a parallel region; with one thread it never enters one).
+    Unsafe: a CUDA world, a process whose CUDA driver is initialised, ranks with more
+    than one intra-op thread (libgomp hangs in a child forked after the parent ran a
+    parallel region; with one thread it never enters one), and a world asked to start
+    clean (``clean_start``: the host of simulated ranks, many threads running torch at
+    once. Forked from a long-lived controller, a pytest worker hundreds of tests in, it
+    died with SIGSEGV in four fresh-CI runs, each time in plain forward or DDP work that
+    40 runs from a fresh controller never broke: what the fork inherits is suspect).
     """
-    if backend == "gloo" and threads_per_rank == 1 and not rendezvous.cuda_driver_initialized():
+    if backend == "gloo" and threads_per_rank == 1 and not clean_start and not rendezvous.cuda_driver_initialized():
         return "fork"
     return "forkserver"
 

@@ -209,7 +209,7 @@ class World:
     def _launch(self) -> None:
         started = time.perf_counter()
         spawn.preload()
-        method = spawn.start_method(self.backend, self.spec.threads_per_rank)
+        method = spawn.start_method(self.backend, self.spec.threads_per_rank, self.spec.clean_start)
         if method == "fork":
             try:
                 self._start_ranks("fork", min(self.spec.start_timeout, spawn.FORK_JOIN_S))
@@ -247,7 +247,8 @@ class World:
         return self.submit(fn, *args, timeout=timeout, **kwargs).result()
 
     def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-               watch: Callable[[list[str]], str | None] | None = None, **kwargs: Any) -> PendingTask:
+               watch: Callable[[list[str]], str | None] | None = None, shown_as: RunName | None = None,
+               **kwargs: Any) -> PendingTask:
         """Start ``fn(ctx, *args, **kwargs)`` on every rank and return at once.
 
         The world runs one task at a time; other worlds can run theirs meanwhile.
@@ -255,7 +256,9 @@ class World:
         a phase, a collective, a finished rank) for that long; a task that keeps
         progressing is stopped after ``HARD_LIMIT_FACTOR`` timeouts. ``watch`` is called
         with the ranks' progress records while the task runs; a string it returns stops
-        the task (:class:`TaskStopped`). ``PendingTask.result()`` collects the outcomes.
+        the task (:class:`TaskStopped`). ``shown_as``: how the run is shown while it runs,
+        where not as the task declares (:func:`~ddparity.harness.protocol.names_run`).
+        ``PendingTask.result()`` collects the outcomes.
         """
         import cloudpickle
 
@@ -282,7 +285,7 @@ class World:
             with contextlib.suppress(OSError):  # the rank died; its sentinel reports it below
                 conn.send(msg)
         self._pending = PendingTask(self, task_id, limit, channel, watch)
-        self._pending._name = run_name(fn)
+        self._pending._name = shown_as or run_name(fn)
         return self._pending
 
     def _collect(self, task: PendingTask) -> list[RankOutcome]:

@@ -19,7 +19,7 @@ from ddparity.harness.ranks import ddp_buckets, recorder
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.fingerprint import fingerprint
 from ddparity.harness.ranks.stepping import record_step
-from ddparity.harness.ranks.training import Replica, finish_step
+from ddparity.harness.ranks.training import Replica, finish_shared_step
 
 
 @dataclass
@@ -67,6 +67,9 @@ class DDPMode:
         if self._buckets is not None and ddp.require_backward_grad_sync:
             self.recorder.ddp_buckets(self._buckets.current())
 
+    def sync_off(self, wrapped: Any) -> Any:
+        return wrapped.no_sync
+
     def share(self, batch: Any, size: int | None) -> Any:
         return shard(batch, self.rank, self.world_size, size)
 
@@ -74,8 +77,6 @@ class DDPMode:
         self.recorder.set_phase(self._step, "optimizer")
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
-        import torch.distributed as dist
-
         self._step = step
         try:
             loss, stepped = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
@@ -84,11 +85,7 @@ class DDPMode:
             if named is None:
                 raise
             raise RuntimeError(named) from None
-        # The objective DDP optimises is the mean of the ranks' losses (it averages grads).
-        global_loss = loss.to(self.device, copy=True)
-        dist.all_reduce(global_loss)
-        self.recorder.set_phase(step, "compare")
-        finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
+        finish_shared_step(self, replica, step, loss, stepped)
         self.recorder.set_phase(step, "fingerprint")
         part = None if step == self.steps - 1 else step  # everything at the last step
         rec_buffers = not self._ddp.broadcast_buffers

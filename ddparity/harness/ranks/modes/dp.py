@@ -38,6 +38,9 @@ class DataParallelMode:
         self.recorder = recorder.active()  # phases only: progress for the controller
         self.recorder.pause()
 
+    def sync_off(self, wrapped: Any) -> None:
+        return None  # one process: nothing to communicate
+
     def wrap(self, model: Any) -> Any:
         import torch
 

@@ -23,7 +23,8 @@ from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.fingerprint import shard_fingerprint
 from ddparity.harness.ranks.shards import is_sharded
 from ddparity.harness.ranks.stepping import record_step
-from ddparity.harness.ranks.training import Replica, finish_step
+from ddparity.harness.ranks.training import Replica, finish_shared_step
+from ddparity.run_kinds import kind
 
 _MESHES: dict[tuple[Any, ...], Any] = {}
 """Meshes made in this rank process, reused by later checks in the same warm world (a 2-D
@@ -60,11 +61,11 @@ class FSDPMode:
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "fsdp")
-        model, mesh = sharded(model, self.device, self.world_size, self.shard_size if self.name == "hsdp" else None,
+        model, mesh = sharded(model, self.device, self.world_size, self.shard_size if kind(self.name).mesh else None,
                               self.apply)
         model.register_forward_hook(self._after_forward)
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
-        self.shard_index = mesh.get_local_rank("shard") if self.name == "hsdp" and mesh.size(0) > 1 else None
+        self.shard_index = mesh.get_local_rank("shard") if kind(self.name).mesh and mesh.size(0) > 1 else None
         stored = {p.dtype for p in model.parameters()}
         for module in model.modules():  # after FSDP's own pre-forward hooks: the all-gathered parameters
             if any(True for _ in module.parameters(recurse=False)):
@@ -84,6 +85,9 @@ class FSDPMode:
     def _after_forward(self, module: Any, args: Any, outputs: Any) -> None:
         self.recorder.set_phase(self._step, "backward")
 
+    def sync_off(self, wrapped: Any) -> Any:
+        return fsdp_no_sync(wrapped)
+
     def share(self, batch: Any, size: int | None) -> Any:
         return shard(batch, self.rank, self.world_size, size)
 
@@ -91,14 +95,9 @@ class FSDPMode:
         self.recorder.set_phase(self._step, "optimizer")
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
-        import torch.distributed as dist
-
         self._step = step
         loss, stepped = record_step(step, replica, batch)  # FSDP's reduce-scatters end inside backward
-        global_loss = loss.detach().to(self.device, copy=True).float()
-        dist.all_reduce(global_loss)  # the objective data parallelism optimises: the ranks' mean loss
-        self.recorder.set_phase(step, "compare")
-        finish_step(replica, step, (global_loss / self.world_size).cpu(), stepped)
+        finish_shared_step(self, replica, step, loss, stepped)
         if self.shard_index is not None:  # the replicas of each shard: the same bits
             self.recorder.set_phase(step, "fingerprint")
             part = None if step == self.steps - 1 else step  # everything at the last step
@@ -112,14 +111,14 @@ def device_mesh(device: str, world_size: int, shard_size: int | None) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    kind = torch.device(device).type
+    device_type = torch.device(device).type
     shape = (world_size,) if shard_size is None else (world_size // shard_size, shard_size)
     names = ("shard",) if shard_size is None else ("replicate", "shard")
     if dist.get_backend() == "threaded":  # a simulated rank: its process group ends with the run
-        return init_device_mesh(kind, shape, mesh_dim_names=names)
-    key = (kind, shape, id(dist.group.WORLD))
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    key = (device_type, shape, id(dist.group.WORLD))
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(kind, shape, mesh_dim_names=names)
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _MESHES[key]
 
 
@@ -184,7 +183,12 @@ def wrapping_units(model: Any) -> list[Any]:
 
 def fsdp_no_sync(module: Any) -> Any:
     """``ctx.no_sync()`` under FSDP2: gradients accumulate unreduced until the context ends
-    (``set_requires_gradient_sync``), as DDP's ``no_sync`` does."""
+    (``set_requires_gradient_sync``), as DDP's ``no_sync`` does; None where the root is not
+    an FSDP module (the case's own ``Case.fsdp`` left it unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
 
     @contextmanager
     def no_sync() -> Any:

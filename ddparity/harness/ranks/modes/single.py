@@ -31,6 +31,9 @@ class SingleMode:
     def wrap(self, model: Any) -> Any:
         return model
 
+    def sync_off(self, wrapped: Any) -> None:
+        return None
+
     def share(self, batch: Any, size: int | None) -> Any:
         return batch
 

@@ -145,6 +145,9 @@ class TimedMode:
         ddp.register_comm_hook(self.timer, _timed_hook)
         return ddp
 
+    def sync_off(self, wrapped: Any) -> Any:
+        return wrapped.no_sync
+
     # what a sharded mode times otherwise (:mod:`.timed_sharded`)
 
     def no_comm(self, wrapped: Any) -> Any:

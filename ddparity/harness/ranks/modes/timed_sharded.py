@@ -23,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks.modes.fsdp import sharded
+from ddparity.harness.ranks.modes.fsdp import fsdp_no_sync, sharded
 from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.ranks.recorder import set_collective_timer
 from ddparity.measurements import BucketTiming
+from ddparity.run_kinds import kind
 
 OPS = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
        "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
@@ -80,11 +81,14 @@ class TimedShardedMode(TimedMode):
     """``Case.fsdp``: the user's own ``fully_shard`` calls."""
 
     def wrap(self, model: Any) -> Any:
-        model, _ = sharded(model, self.device, self.world_size, self.shard_size if self.name == "hsdp" else None,
+        model, _ = sharded(model, self.device, self.world_size, self.shard_size if kind(self.name).mesh else None,
                            self.apply)
         self.times = CollectiveTimes(self.clock)
         set_collective_timer(self.times)  # this rank process runs the profile and nothing else meanwhile
         return model
+
+    def sync_off(self, wrapped: Any) -> Any:
+        return fsdp_no_sync(wrapped)
 
     @contextmanager
     def no_comm(self, wrapped: Any) -> Any:
