@@ -37,8 +37,8 @@ def steps_task(ctx, detect: bool, steps: int) -> list[tuple[float, float, float]
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.fixtures.models import MLP
-    from ddparity.harness.ranks import ddp_buckets, recorder
-    from ddparity.harness.ranks.fingerprint import fingerprint
+    from ddparity.harness.recording import ddp_buckets, recorder
+    from ddparity.harness.recording.fingerprint import fingerprint
 
     torch.manual_seed(0)
     model = MLP(SIZES)

@@ -17,8 +17,8 @@ def task(ctx):  # noqa: ANN001, ANN201
     from torch.nn.parallel import DistributedDataParallel
 
     from ddparity.fixtures.models import MLP
-    from ddparity.harness.ranks import ddp_buckets, recorder
-    from ddparity.harness.ranks.fingerprint import fingerprint
+    from ddparity.harness.recording import ddp_buckets, recorder
+    from ddparity.harness.recording.fingerprint import fingerprint
 
     model = MLP((512, 2048, 1024, 512)).to(ctx.device)
     on_gpu = ctx.device.startswith("cuda")

@@ -13,7 +13,7 @@ from typing import Any
 
 
 class Exit(IntEnum):
-    """The exit codes of every ddparity command and rank process (SPEC.md), in one place."""
+    """The exit codes of every ddparity command and rank process (docs/cli.md lists them), in one place."""
 
     OK = 0
     """equivalent, healthy, profiled"""
@@ -71,10 +71,26 @@ class WorldFailure(DdparityError):
     hang) each rank's own Flight Recorder state.
     """
 
-    records: dict = {}  # noqa: RUF012 - replaced per instance by the World
-    simulated: object = None
-    stacks: dict = {}  # noqa: RUF012
-    flight: dict = {}  # noqa: RUF012
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.records: dict = {}
+        self.simulated: object = None
+        self.stacks: dict = {}
+        self.flight: dict = {}
+
+    def with_evidence(self, records: dict | None = None, simulated: object = None, stacks: dict | None = None,
+                      flight: dict | None = None) -> WorldFailure:
+        """This failure with the evidence gathered once it was decided (the ranks' records,
+        read after they were stopped; stacks; Flight Recorder states), before it is raised."""
+        if records is not None:
+            self.records = records
+        if simulated is not None:
+            self.simulated = simulated
+        if stacks is not None:
+            self.stacks = stacks
+        if flight is not None:
+            self.flight = flight
+        return self
 
 
 class WorldStartError(WorldFailure):

@@ -8,7 +8,7 @@ Three records per rank and task (see :mod:`ddparity.harness.sidechannel` for the
 * the **ledger**: one line per collective, appended;
 * the **fingerprints**: one line per training step, appended.
 
-The rank side (:mod:`ddparity.harness.ranks.recorder`) writes them with the ``encode_*``
+The rank side (:mod:`ddparity.harness.recording.recorder`) writes them with the ``encode_*``
 functions; the judging side (:mod:`ddparity.checks`) reads them with the ``parse_*``
 ones. A leaf module: plain data, no torch, no harness.
 """
@@ -170,6 +170,25 @@ replica, compared only among the ranks that hold the same shard."""
 
 def encode_fingerprints(step: int, values: dict[str, int]) -> str:
     return json.dumps({"step": step, "fp": values}, separators=(",", ":"))
+
+
+_STEP_HEAD = '{"step":'
+"""How :func:`encode_fingerprints` begins a line: read without parsing the whole window."""
+
+
+def last_fingerprint_step(text: str) -> int | None:
+    """The step of the last line of a fingerprints record (the live watch reads a rank's
+    window at every poll; None while it holds none)."""
+    line = text.rstrip("\n").rsplit("\n", 1)[-1]
+    if not line.startswith(_STEP_HEAD):
+        return None
+    return int(line[len(_STEP_HEAD):line.index(",")])
+
+
+def fingerprint_line(text: str, step: int) -> str:
+    """The line of a fingerprints record for ``step``, as encoded ("" if it holds none)."""
+    head = f"{_STEP_HEAD}{step},"
+    return next((line for line in text.splitlines() if line.startswith(head)), "")
 
 
 def parse_fingerprints(text: str) -> dict[int, dict[str, int]]:

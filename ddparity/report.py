@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddparity.errors import Exit, ParityError
-from ddparity.verdicts import RunResult, exit_code
+from ddparity.verdicts import Failure, RunResult, exit_code, json_or_none
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
@@ -90,7 +90,9 @@ class HealthReport:
     checks: list[Check] = field(default_factory=list)
     bandwidth: list[Bandwidth] = field(default_factory=list)
     ranks: list[RankHealth] = field(default_factory=list)
-    failure: dict[str, Any] | None = None  # {"status": "hang"|"crash"|"error", "reason", "hang", "crash"}
+    failure: Failure | None = None
+    """Why the health check could not finish (``hang``, ``crash``, ``error``); its reason the
+    rendered failure."""
     repro: str = ""
 
     @property
@@ -101,13 +103,13 @@ class HealthReport:
     def exit_code(self) -> int:
         """0 healthy, 1 a check failed, 2 bad input, 3 a hang or crash."""
         if self.failure is not None:
-            return Exit.USAGE if self.failure["status"] == "error" else Exit.HANG_OR_CRASH
+            return Exit.USAGE if self.failure.status == "error" else Exit.HANG_OR_CRASH
         return Exit.OK if self.healthy else Exit.FAILED
 
     def render(self) -> str:
         header = f"ddparity health: {self.world_size} rank(s), {self.backend}, {self.launcher}"
         if self.failure is not None:
-            return f"{header}\n{self.failure['status'].upper()}: {self.failure['reason']}\nreproduce: {self.repro}\n"
+            return f"{header}\n{self.failure.status.upper()}: {self.failure.reason}\nreproduce: {self.repro}\n"
         from ddparity.render import render_health
 
         text = render_health(self.checks, self.bandwidth, self.ranks, header)
@@ -117,7 +119,9 @@ class HealthReport:
         data: dict[str, Any] = {"version": 1, "launcher": self.launcher, "backend": self.backend,
                                 "world_size": self.world_size}
         if self.failure is not None:
-            return {**data, "healthy": False, "failure": self.failure, "checks": [], "bandwidth": [], "ranks": []}
+            failed = {"status": self.failure.status, "reason": self.failure.reason,
+                      "hang": json_or_none(self.failure.hang), "crash": json_or_none(self.failure.crash)}
+            return {**data, "healthy": False, "failure": failed, "checks": [], "bandwidth": [], "ranks": []}
         return {**data, "healthy": self.healthy,
                 "checks": [asdict(c) for c in self.checks],
                 "bandwidth": [asdict(b) for b in self.bandwidth],

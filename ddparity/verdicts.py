@@ -2,8 +2,8 @@
 :class:`Desync` across ranks, a :class:`Hang`, a :class:`Crash`, and the
 :class:`Straggler` notes of a passing run, and the :class:`RunResult` of one run that
 carries them (with its status, and :func:`exit_code` from statuses). Decided once in :mod:`ddparity.checks`; the
-same objects become the text (:mod:`ddparity.render`), the JSON (``to_json``: the SPEC's
-version-1 fields, pinned byte for byte by ``tests/test_report_json.py``), the JUnit
+same objects become the text (:mod:`ddparity.render`), the JSON (``to_json``: the
+version-1 fields of docs/cli.md, pinned byte for byte by ``tests/test_report_json.py``), the JUnit
 properties and the exit code.
 
 Each verdict also reads like its version-1 JSON object (``run.hang["suspect_ranks"]``),
@@ -53,7 +53,7 @@ class Divergence(_ReadsAsJson):
 
     step: int
     kind: str
-    """loss | grad | param | buffer"""
+    """loss | grad | param | optimizer | buffer (``distances.RECORD_KINDS``)"""
     name: str
     rank: int
     max_abs: float
@@ -307,7 +307,7 @@ class RunResult:
 
 
 def exit_code(statuses: set[str]) -> int:
-    """SPEC exit codes from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
+    """The exit codes (docs/cli.md) from run statuses: 3 hang/crash, 2 bad input, 1 divergence/desync,
     0 otherwise (equivalent, profiled, skipped)."""
     if statuses & {"hang", "crash"}:
         return Exit.HANG_OR_CRASH

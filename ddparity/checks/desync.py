@@ -1,7 +1,7 @@
 """Desync: ranks that should hold identical replicas no longer do.
 
 :func:`first_desync` finds the first step at which the ranks' fingerprints (taken by
-:mod:`ddparity.harness.ranks.fingerprint`, decoded by :mod:`ddparity.records`) differ, names
+:mod:`ddparity.harness.recording.fingerprint`, decoded by :mod:`ddparity.records`) differ, names
 the tensors that differ and the ranks in the minority.
 """
 

@@ -1,6 +1,6 @@
 """When a running task has failed, and how: one rule for a local
 :class:`~ddparity.harness.world.world.World` (its ranks' pipes and process sentinels) and a
-launch's watch thread (:class:`~ddparity.harness.launch.watch.LaunchWatch`: the launch's
+launch's watch thread (:class:`~ddparity.harness.launch.watchdog.LaunchWatch`: the launch's
 store). Each gathers the evidence its own way; both ask :class:`TaskClock` the same
 question at every poll, so a hang, a crash or a raise ends a task the same way wherever it
 runs."""

@@ -43,19 +43,10 @@ def task_prefix(world_prefix: str, task_id: int) -> str:
     return f"{world_prefix}/side/t{task_id}/"
 
 
-def result_key(stage: int, rank: int) -> str:
-    """Where ``rank`` publishes its result of the every-rank task of ``stage``."""
-    return f"R{stage}/{rank}"
-
-
-def prepare_keys(store: Any, rank: int, tasks: tuple[int, ...], node: str) -> None:
-    """This rank's keys, created before any process reads them (a TCPStore get of a
-    missing key blocks); ``I<r>`` says where it runs (node, pid)."""
-    keys = [f"{task_prefix('', t)}{kind}{rank}" for t in tasks for kind in KEY_LETTERS]
-    values = [""] * len(keys)
-    keys += [f"B{rank}", f"S{rank}", f"I{rank}"]
-    values += ["0", "", f"{node}\n{os.getpid()}"]
-    store.multi_set(keys, values)
+def record_keys(rank: int, tasks: tuple[int, ...]) -> list[str]:
+    """``rank``'s record keys of each of a launch's ``tasks`` (created before anyone reads
+    them: :func:`ddparity.harness.store_keys.prepare`)."""
+    return [f"{task_prefix('', t)}{kind}{rank}" for t in tasks for kind in KEY_LETTERS]
 
 
 class RankEnd(Protocol):

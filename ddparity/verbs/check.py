@@ -22,8 +22,9 @@ from ddparity.distances import Distances, Reference
 from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
-from ddparity.harness.ranks.threaded import as_simulated, threaded_task
+from ddparity.harness.ranks.threaded import threaded_task
 from ddparity.harness.world.pool import WorldPool, default_pool
+from ddparity.harness.world.simulated import as_simulated
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind

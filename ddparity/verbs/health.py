@@ -27,7 +27,7 @@ from ddparity.settings import (
     validate_world_size,
 )
 from ddparity.verbs.plan import failure, health_repro
-from ddparity.verdicts import json_or_none
+from ddparity.verdicts import Failure
 
 
 def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
@@ -69,7 +69,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     """This process's part of a torchrun-launched health check: every launched process
     measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
     to ``emit``; every process exits with its code. Hangs and crashes are found by the
-    launch's watch threads (:mod:`ddparity.harness.launch.watch`)."""
+    launch's watch threads (:mod:`ddparity.harness.launch.watchdog`)."""
     from ddparity.verbs.launched import everyone
 
     opts = options(sizes_mib)
@@ -96,8 +96,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
 
 def _failed(report: HealthReport, exc: WorldFailure) -> HealthReport:
     ended = failure(exc)
-    report.failure = {"status": ended.status, "reason": render_failure(ended), "hang": json_or_none(ended.hang),
-                      "crash": json_or_none(ended.crash)}
+    report.failure = Failure(ended.status, render_failure(ended), hang=ended.hang, crash=ended.crash)
     return report
 
 

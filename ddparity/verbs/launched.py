@@ -14,14 +14,13 @@ For ``check``:
    writes the JSON; every process exits with the verdict's code.
 
 A hang, a crash or a collective mismatch anywhere is found by the processes' watch threads
-(:mod:`ddparity.harness.launch.watch`) and reported the same way, by the lowest rank alive.
+(:mod:`ddparity.harness.launch.watchdog`) and reported the same way, by the lowest rank alive.
 ``profile`` in a launch: :mod:`ddparity.verbs.launched_profile`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
 import shutil
@@ -34,6 +33,7 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.equivalence import NonFinite, first_non_finite
 from ddparity.distances import Distances, Reference
 from ddparity.errors import Exit, UsageError, WorldFailure
+from ddparity.harness import store_keys
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
@@ -146,15 +146,15 @@ class _LaunchedCheck:
             f.write(nonce)
         go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "skipped": skipped,
               "run": [m for m in self.modes if m not in skipped], "single": self._single_run()}
-        store.set("go", json.dumps(go))
+        store.set(store_keys.CHECK_PLAN, store_keys.encode_plan(go))
         self.go = go
         return go
 
     def wait_for_reference(self) -> dict[str, Any]:
         store = self.launch.store
-        while not store.check(["go"]):  # the watch reports rank 0 should it hang or die meanwhile
+        while not store.check([store_keys.CHECK_PLAN]):  # the watch reports rank 0 should it hang or die meanwhile
             time.sleep(0.05)
-        self.go = json.loads(store.get("go"))
+        self.go = store_keys.decode_plan(store.get(store_keys.CHECK_PLAN))
         return self.go
 
     # -- every rank's replicas ---------------------------------------------------------
@@ -182,7 +182,7 @@ class _LaunchedCheck:
                     remote.fetch_state(own.path)
                     self.state = load_state(own.path)
             remote.close()
-        launch.store.set(f"N{ctx.rank}", "served" if self.served else "spool")
+        launch.store.set(store_keys.reference_read(ctx.rank), store_keys.SERVED if self.served else store_keys.IN_PLACE)
 
     def replica_stage(self, index: int, mode: str) -> Any:
         """Every rank's run of ``mode``, compared step by step with the reference."""
@@ -237,7 +237,8 @@ class _LaunchedCheck:
         elif not self.watch.claim():
             self.watch.idle()
         report = self._report()
-        served = [r for r in range(n) if store.get(f"N{r}") == b"served"] if ran else []
+        served = [r for r in range(n) if store.get(store_keys.reference_read(r)).decode() == store_keys.SERVED] if ran \
+            else []
         assert self.reference is not None or not ran
         for mode in self.modes:
             if mode not in ran:

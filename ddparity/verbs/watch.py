@@ -2,11 +2,11 @@
 of a launch, watched for hangs, crashes, mismatched collectives and replicas drifting apart.
 
 Each process joins the launch's store (:func:`ddparity.harness.launch.torchrun.connect`),
-records every collective (:mod:`ddparity.harness.ranks.recorder`, the keys kept to the
+records every collective (:mod:`ddparity.harness.recording.recorder`, the keys kept to the
 last few: :class:`~ddparity.harness.sidechannel.RingRankChannel`), learns the script's DDP
 and FSDP2 modules and fingerprints their parameters after each ``optimizer.step()``
-(:mod:`ddparity.harness.ranks.replicas`), starts its watch thread
-(:class:`~ddparity.harness.launch.watch.LaunchWatch`) and runs the script
+(:mod:`ddparity.harness.recording.replicas`), starts its watch thread
+(:class:`~ddparity.harness.launch.watchdog.LaunchWatch`) and runs the script
 (:func:`ddparity.harness.launch.watched.run_script`). The reporter's watch thread judges
 live with :class:`WatchLive`: ranks that issued different collectives, replicas whose
 fingerprints differ, a rank whose place has not moved for the timeout. When every rank's
@@ -27,7 +27,8 @@ from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.desync import ReplicaDrift, first_desync
 from ddparity.checks.judge import judge_completed, state_desync
 from ddparity.errors import Exit, TaskStopped, UsageError, WorldFailure
-from ddparity.records import parse_fingerprints
+from ddparity.harness import store_keys
+from ddparity.records import fingerprint_line, last_fingerprint_step, parse_fingerprints
 from ddparity.report import Report
 from ddparity.verdicts import Failure, RunResult
 
@@ -71,14 +72,14 @@ class WatchLive:
         if self.n < 2:
             return None
         texts = [v.decode() for v in self.store.multi_get(self._keys)]
-        lasts = [_last_step(t) for t in texts]
+        lasts = [last_fingerprint_step(t) for t in texts]
         if any(s is None for s in lasts):
             return None
         common = min(s for s in lasts if s is not None)
         if common <= self._compared:
             return None
         self._compared = common
-        if len({_line_of(t, common) for t in texts}) == 1:
+        if len({fingerprint_line(t, common) for t in texts}) == 1:
             return None  # byte-identical: every rank holds the same names and values
         return first_desync({r: parse_fingerprints(t) for r, t in enumerate(texts)})
 
@@ -89,24 +90,12 @@ class WatchLive:
             if r not in self._since or self._since[r][0] != text:
                 self._since[r] = (text, now)
         late = [r for r in range(self.n) if r not in self._finished and now - self._since[r][1] > self.timeout]
-        self._finished.update(r for r in late if self.store.check([f"R{STAGE}/{r}"]))
+        self._finished.update(r for r in late if self.store.check([store_keys.result(STAGE, r)]))
         stalled = [r for r in late if r not in self._finished]
         if not stalled:
             return None
         return (f"rank(s) {stalled} made no progress for {self.timeout:g} s (no collective, no optimizer step, "
                 f"their Python standing still)")
-
-
-def _last_step(text: str) -> int | None:
-    line = text.rstrip("\n").rsplit("\n", 1)[-1]
-    if not line.startswith('{"step":'):
-        return None
-    return int(line[len('{"step":'):line.index(",")])
-
-
-def _line_of(text: str, step: int) -> str:
-    head = f'{{"step":{step},'
-    return next((line for line in text.splitlines() if line.startswith(head)), "")
 
 
 class _Watched:
@@ -116,9 +105,9 @@ class _Watched:
     def __init__(self, script: str, args: list[str], timeout: float, emit: Callable[[Report], None],
                  module: bool = False, flight_recorder: str | None = None) -> None:
         from ddparity.harness.launch import torchrun
-        from ddparity.harness.launch.watch import LaunchWatch
-        from ddparity.harness.ranks.recorder import install_recorder
-        from ddparity.harness.ranks.replicas import install
+        from ddparity.harness.launch.watchdog import LaunchWatch
+        from ddparity.harness.recording.recorder import install_recorder
+        from ddparity.harness.recording.replicas import install
         from ddparity.harness.sidechannel import RingRankChannel
 
         self.script, self.args, self.timeout, self._emit_to, self.module = script, args, timeout, emit, module
@@ -140,7 +129,6 @@ class _Watched:
         """Run the script; return its exit code once the verdict passed (a failing verdict
         ends the process with the verdict's code)."""
         from ddparity.harness.launch.watched import FrameTicker, from_script, run_script
-        from ddparity.harness.sidechannel import result_key
 
         self.recorder.begin_task(STAGE)
         self.recorder.set_phase(0, "")
@@ -156,12 +144,12 @@ class _Watched:
             self.watch.fail(from_script(exc, self.file))
         ticker.stop()
         self.recorder.end_task()
-        self.store.set(result_key(STAGE, self.rank), json.dumps(self._summary(code)))
+        self.store.set(store_keys.result(STAGE, self.rank), json.dumps(self._summary(code)))
         if self.rank != 0:
             self.watch.await_verdict()
             self._dump(finished=True)
             return code
-        while not self.store.check([result_key(STAGE, r) for r in range(self.n)]):
+        while not self.store.check([store_keys.result(STAGE, r) for r in range(self.n)]):
             time.sleep(0.05)
         if not self.watch.claim():
             self.watch.idle()
@@ -175,7 +163,7 @@ class _Watched:
     def _dump(self, finished: bool) -> None:
         """This rank's ledger as a Flight Recorder dump, where ``--flight-recorder`` asked."""
         from ddparity.harness.launch.flight import fr_dump, write_fr_dump
-        from ddparity.harness.ranks.calls import GROUP_RANKS
+        from ddparity.harness.recording.calls import GROUP_RANKS
 
         if self.flight_recorder:
             backend = self._summary(0)["backend"] or "gloo"
@@ -224,9 +212,9 @@ class _Watched:
             [*(["-m"] if self.module else []), self.script, *self.args])
 
     def _report_completed(self) -> int:
-        from ddparity.harness.sidechannel import TaskChannel, result_key
+        from ddparity.harness.sidechannel import TaskChannel
 
-        results = [json.loads(self.store.get(result_key(STAGE, r))) for r in range(self.n)]
+        results = [json.loads(self.store.get(store_keys.result(STAGE, r))) for r in range(self.n)]
         records = TaskChannel(self.store, "", STAGE, self.n).read()
         run = judge_completed(self._run("pass", results), records, [])
         return self._emit(run)
@@ -267,7 +255,7 @@ def watch_launched(script: str, args: list[str], timeout: float, emit: Callable[
 def watch_locally(nproc: int, rank_argv: list[str]) -> int:
     """``ddparity watch --nproc-per-node N``: the ranks started here (this process holds the
     store, as torchrun's agent would); the verdict's exit code, else the script's own."""
-    from ddparity.harness.launch.watch import ACK_WAIT_S, TERM_GRACE_S
+    from ddparity.harness.launch.watchdog import ACK_WAIT_S, TERM_GRACE_S
     from ddparity.harness.launch.watched import launch_locally
     from ddparity.harness.sidechannel import private_root
 

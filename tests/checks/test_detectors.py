@@ -12,7 +12,7 @@ from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
 from ddparity.checks.hang import flight_finding, stragglers, suspect_ranks
 from ddparity.frames import tidy_stack
-from ddparity.harness.ranks.fingerprint import fingerprint
+from ddparity.harness.recording.fingerprint import fingerprint
 from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
 
 
@@ -154,7 +154,7 @@ def test_rotating_slices_cover_every_element_once_and_none_is_empty(shape, layou
     """A large tensor is fingerprinted a slice a step: over SLICES steps every element
     once, and every step some (a step whose slice were empty would miss a desync that
     changes every element, until the next)."""
-    from ddparity.harness.ranks.fingerprint import SLICES, device_sums
+    from ddparity.harness.recording.fingerprint import SLICES, device_sums
 
     ones = torch.ones(shape, dtype=torch.int32)
     if layout == "transposed":
@@ -257,7 +257,7 @@ def test_tidy_stack_hides_ddparitys_own_threads_unless_verbose(monkeypatch):
     raw = """Thread 12 (idle): "MainThread"
     train (model.py:10)
 Thread 13 (idle): "ddparity-ledger"
-    Recorder._publish_loop (ddparity/harness/ranks/recorder.py:179)
+    Recorder._publish_loop (ddparity/harness/recording/recorder.py:179)
 Thread 14 (idle): "ddparity-simulated-rank3"
     forward (model.py:20)
 """

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddparity.harness.ranks.calls import RECORDED, Binder
+from ddparity.harness.recording.calls import RECORDED, Binder
 
 OPS = [op for op in RECORDED if callable(getattr(dist, op, None))]
 

@@ -19,7 +19,7 @@ def collectives(ctx):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddparity.harness.ranks import ddp_buckets
+    from ddparity.harness.recording import ddp_buckets
 
     t = torch.ones(3)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -68,7 +68,7 @@ def test_nothing_is_recorded_outside_tasks_and_the_next_task_starts_afresh(world
 def test_a_call_site_is_named_by_its_import_path_from_any_working_directory(tmp_path, monkeypatch):
     """Call sites were relative to the working directory (``../../x.py`` became ``a/x.py``,
     a run from elsewhere named the same line differently)."""
-    from ddparity.harness.ranks.calls import call_site
+    from ddparity.harness.recording.calls import call_site
 
     here = call_site(1)
     monkeypatch.chdir(tmp_path)

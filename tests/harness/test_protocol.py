@@ -69,14 +69,15 @@ def _declared(proto):
 
 def _implementations():
     from ddparity.harness import sidechannel as side
-    from ddparity.harness.ranks import recorder, spool, training
+    from ddparity.harness.ranks import spool, training
     from ddparity.harness.ranks.modes.ddp import DDPMode
     from ddparity.harness.ranks.modes.dp import DataParallelMode
     from ddparity.harness.ranks.modes.fsdp import FSDPMode
     from ddparity.harness.ranks.modes.single import SingleMode
     from ddparity.harness.ranks.modes.timed import TimedMode
     from ddparity.harness.ranks.modes.twin import TwinMode
-    from ddparity.harness.ranks.threaded import ThreadRecorder
+    from ddparity.harness.recording import recorder
+    from ddparity.harness.recording.threads import ThreadRecorder
 
     return [(recorder.StepRecorder, impl) for impl in (recorder.Recorder, ThreadRecorder, type(recorder.DISABLED))] + \
         [(side.RankEnd, impl) for impl in (side.RankChannel, side.FileRankChannel)] + \

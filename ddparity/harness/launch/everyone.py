@@ -11,10 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ddparity.errors import Exit, WorldFailure
+from ddparity.harness import store_keys
 from ddparity.harness.launch import torchrun
-from ddparity.harness.launch.watch import LaunchWatch
-from ddparity.harness.ranks.recorder import install_recorder
-from ddparity.harness.sidechannel import RankChannel, result_key
+from ddparity.harness.launch.watchdog import LaunchWatch
+from ddparity.harness.recording.recorder import install_recorder
+from ddparity.harness.sidechannel import RankChannel
 
 
 class Everyone:
@@ -47,8 +48,8 @@ class Everyone:
             if ctx.rank == 0:
                 if first is not None:
                     first()
-                store.set("go", "1")
-            while not store.check(["go"]):
+                store.set(store_keys.STAGE_ONE_DONE, "1")
+            while not store.check([store_keys.STAGE_ONE_DONE]):
                 time.sleep(0.05)
             self.watch.stage = 2
             torchrun.form_world(self.launch, self.timeout)
@@ -66,7 +67,7 @@ class Everyone:
         """This rank's result of the every-rank task of the stage it is in."""
         import cloudpickle
 
-        self.store.set(result_key(self.watch.stage, self.ctx.rank), cloudpickle.dumps(value))
+        self.store.set(store_keys.result(self.watch.stage, self.ctx.rank), cloudpickle.dumps(value))
 
     def gather(self) -> list[Any]:
         """Rank 0: every rank's published result of the stage they are in, once it holds
@@ -75,7 +76,7 @@ class Everyone:
         n, stage = self.ctx.world_size, self.watch.stage
         if self.ctx.rank != 0:
             self.watch.idle()
-        while not self.store.check([result_key(stage, r) for r in range(n)]):  # one round trip: all there?
+        while not self.store.check([store_keys.result(stage, r) for r in range(n)]):  # one round trip: all there?
             time.sleep(0.05)
         if not self.watch.claim():
             self.watch.idle()
@@ -85,4 +86,4 @@ class Everyone:
         """Every rank's result of ``stage``, published before the stage in progress began."""
         import cloudpickle
 
-        return [cloudpickle.loads(self.store.get(result_key(stage, r))) for r in range(self.ctx.world_size)]
+        return [cloudpickle.loads(self.store.get(store_keys.result(stage, r))) for r in range(self.ctx.world_size)]

@@ -3,7 +3,7 @@ this process is, the launch's store, its process group, and a process group of o
 
 On a cluster the launcher owns the processes. :func:`connect` reaches the launch's store
 (torchrun's agent holds it; rank 0 under srun) before any process group exists, so the
-watch threads (:mod:`ddparity.harness.launch.watch`) can see every rank from the start;
+watch threads (:mod:`ddparity.harness.launch.watchdog`) can see every rank from the start;
 :func:`form_world` then joins the group the model trains on (and a gloo group of
 ddparity's own); :func:`alone` gives rank 0 a group of its own for work that must not wait
 for the other ranks (the reference). A rank that cannot reach the store is ended by a
@@ -123,7 +123,7 @@ class Launch:
 
 def _pg_timeout(timeout: float) -> timedelta:
     """The process group's own timeout stays out of the watch's way: the watch ends a hang first."""
-    from ddparity.harness.launch.watch import DEAD_S
+    from ddparity.harness.launch.watchdog import DEAD_S
 
     return timedelta(seconds=timeout + 4 * DEAD_S + 60)
 
@@ -137,7 +137,8 @@ def connect(backend: str, timeout: float, tasks: tuple[int, ...]) -> Launch:
     import torch
     import torch.distributed as dist
 
-    from ddparity.harness.sidechannel import prepare_keys
+    from ddparity.harness import store_keys
+    from ddparity.harness.sidechannel import record_keys
 
     ctx = context(backend)
     if ctx.device.startswith("cuda"):
@@ -152,9 +153,9 @@ def connect(backend: str, timeout: float, tasks: tuple[int, ...]) -> Launch:
         run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'launch')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         store = dist.PrefixStore(f"ddparity/{run_id}/", root)
         node = node_id()
-        prepare_keys(store, ctx.rank, tasks, node)
-        store.add("joined", 1)
-        while int(store.add("joined", 0)) < ctx.world_size:
+        store_keys.prepare(store, ctx.rank, node, record_keys(ctx.rank, tasks))
+        store.add(store_keys.JOINED, 1)
+        while int(store.add(store_keys.JOINED, 0)) < ctx.world_size:
             time.sleep(0.05)
     return Launch(ctx, store, node, root)
 

@@ -129,7 +129,7 @@ def _ticking_while_compiling() -> Iterator[None]:
     ticks every :data:`COMPILE_TICK_S` while Dynamo compiles."""
     import torch._dynamo.callback as callback
 
-    from ddparity.harness.ranks import recorder
+    from ddparity.harness.recording import recorder
 
     rec = recorder.active()
     compiling = threading.Event()

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddparity.harness.ranks.recorder import Recorder
+    from ddparity.harness.recording.recorder import Recorder
 
 from ddparity.harness.protocol import (
     OUTPUT_END_MARK,
@@ -109,7 +109,7 @@ def _join_process_group(spec: RankSpec):  # -> torch.distributed.FileStore
 
 def _install_recorder(spec: RankSpec, client) -> Recorder:  # noqa: ANN001
     """The collective ledger and progress heartbeat, written to the world's private folder."""
-    from ddparity.harness.ranks.recorder import install_recorder
+    from ddparity.harness.recording.recorder import install_recorder
     from ddparity.harness.sidechannel import FileRankChannel
 
     return install_recorder(FileRankChannel(spec.side_dir, spec.store_prefix, spec.rank))

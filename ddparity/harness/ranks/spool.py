@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
 from ddparity.harness.janitor import remove_when_gone
-from ddparity.harness.ranks.shards import local_part, optimizer_state
+from ddparity.harness.shards import local_part, optimizer_state
 
 ALIGN = 64
 PREFIX = "ddparity-spool-"
@@ -384,17 +384,3 @@ class NoSink:
     def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
         """Nothing."""
 
-
-def calibrated(reference: Reference, twin: Comparer) -> Reference:
-    """``reference`` with its twin's distance (noise) and summand size (scale) in every entry."""
-    for step, entries in enumerate(reference.steps):
-        noises = twin.result.steps[step] if step < len(twin.result.steps) else {}
-        for key, e in entries.items():
-            noise = noises.get(key, 0.0)
-            if noise == float("inf"):
-                noise = 0.0  # shape/None mismatches are not noise
-            scale = 0.0
-            if key[0] in ("loss", "grad"):
-                scale = twin.scales.get((step, *key), twin.values.get((step, *key), 0.0))
-            entries[key] = Entry(e.value, e.floating, noise, scale)
-    return reference

@@ -111,7 +111,7 @@ class Ticks:
     progress the controller sees while one long step of a large model computes."""
 
     def __init__(self, model: Any) -> None:
-        from ddparity.harness.ranks import recorder
+        from ddparity.harness.recording import recorder
 
         rec = recorder.active()
         self._handles: list[Any] = []

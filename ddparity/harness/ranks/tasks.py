@@ -31,9 +31,9 @@ from ddparity.harness.ranks.modes.fsdp import FSDPMode
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.ranks.modes.timed_sharded import TimedShardedMode
-from ddparity.harness.ranks.modes.twin import TwinMode
+from ddparity.harness.ranks.modes.twin import TwinMode, calibrated
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import Comparer, Writer, calibrated, fits_the_spool, write_state
+from ddparity.harness.ranks.spool import Comparer, Writer, fits_the_spool, write_state
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
 from ddparity.measurements import RankProfile
 from ddparity.run_kinds import REPLICA_MODES, kind
@@ -51,7 +51,7 @@ def prepare_task(ctx: RankContext, case: Case, spool: str) -> tuple[list[int], d
     -100, mask ones), for the likely cause of a per-rank normalisation."""
     import torch
 
-    from ddparity.harness.ranks import recorder
+    from ddparity.harness.recording import recorder
 
     state = initial_state(case)
     write_state(spool, state)

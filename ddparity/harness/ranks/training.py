@@ -93,7 +93,8 @@ class Mode(Protocol):
     """One way of training a replica (see the module docstring)."""
 
     name: str
-    """What ``ctx.mode`` says: ``"single"``, ``"dp"`` or ``"ddp"``."""
+    """What ``ctx.mode`` says: the name of its row in :mod:`ddparity.run_kinds` (the twin
+    is ``single``'s, profile's timed modes those they time)."""
     rank: int
     world_size: int
     steps: int

@@ -23,8 +23,8 @@ from ddparity.harness.world import rendezvous
 from ddparity.harness.world.output import OutputReader
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "cloudpickle",
-           "ddparity.harness.ranks.rank", "ddparity.harness.ranks.recorder", "ddparity.harness.ranks.ddp_buckets",
-           "ddparity.harness.sidechannel", "ddparity.harness.ranks.fingerprint"]
+           "ddparity.harness.ranks.rank", "ddparity.harness.recording.recorder", "ddparity.harness.recording.ddp_buckets",
+           "ddparity.harness.sidechannel", "ddparity.harness.recording.fingerprint"]
 """Imported once before ranks are forked. ``torch._dynamo`` is imported lazily by the
 first DDP construction (about 1 s); paying it here makes every rank's first DDP cheap."""
 

@@ -292,7 +292,7 @@ class World:
         try:
             done = self._wait_for(task)
         except WorldFailure as exc:
-            exc.records, exc.simulated = self._records(task)
+            exc.with_evidence(*self._records(task))
             raise
         except KeyboardInterrupt:  # Ctrl-C: where every rank was, then they are stopped
             raise outcomes.interrupted(self._progress(task) or [], self._kill) from None

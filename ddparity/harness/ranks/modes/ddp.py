@@ -3,10 +3,10 @@
 backend).
 
 The rank reports its phase at every stage of a step, its DDP bucket all-reduces are
-recorded (:mod:`ddparity.harness.ranks.ddp_buckets`, wrapping the case's own comm hook, if any),
+recorded (:mod:`ddparity.harness.recording.ddp_buckets`, wrapping the case's own comm hook, if any),
 and the fingerprints of its replica are published after every optimizer step, so the
 controller can judge hangs and desync. A simulated rank records the same into its own
-recorder (:class:`~ddparity.harness.ranks.threaded.ThreadRecorder`).
+recorder (:class:`~ddparity.harness.recording.threads.ThreadRecorder`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks import ddp_buckets, recorder
 from ddparity.harness.ranks.batches import shard
-from ddparity.harness.ranks.fingerprint import fingerprint
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_shared_step
+from ddparity.harness.recording import ddp_buckets, recorder
+from ddparity.harness.recording.fingerprint import fingerprint
 
 
 @dataclass

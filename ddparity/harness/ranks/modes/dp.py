@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
-from ddparity.harness.ranks import dp_emulation, recorder
+from ddparity.harness.ranks import dp_emulation
 from ddparity.harness.ranks.batches import batch_dims
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_step
+from ddparity.harness.recording import recorder
 
 
 @dataclass

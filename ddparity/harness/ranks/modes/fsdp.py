@@ -5,7 +5,7 @@ a 2-D (replicate, shard) mesh (``hsdp``: R = W / S replicas of S-way shards).
 The model is sharded the way the case says (``Case.fsdp(model, mesh)``: the user's own
 wrapping and policies) or, by default, each direct child that holds parameters, then the
 root. Parameters and their gradients are DTensors: each rank's sink compares its local
-shard with the same slice of the reference (:mod:`ddparity.harness.ranks.shards`). The
+shard with the same slice of the reference (:mod:`ddparity.harness.shards`). The
 loss compared is the mean of the ranks' losses, as with DDP. Under HSDP with more than one
 replica, each rank publishes fingerprints of its shards after every step, named with the
 shard: the replicas of one shard must hold the same bits (a desync otherwise); under
@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks import recorder
 from ddparity.harness.ranks.batches import shard
-from ddparity.harness.ranks.fingerprint import shard_fingerprint
-from ddparity.harness.ranks.shards import is_sharded
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_shared_step
+from ddparity.harness.recording import recorder
+from ddparity.harness.recording.fingerprint import shard_fingerprint
+from ddparity.harness.shards import is_sharded
 from ddparity.run_kinds import kind
 
 _MESHES: dict[tuple[Any, ...], Any] = {}

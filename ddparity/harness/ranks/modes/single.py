@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks import recorder
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_step
+from ddparity.harness.recording import recorder
 
 
 @dataclass

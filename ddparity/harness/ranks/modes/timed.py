@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.harness.ranks import recorder
 from ddparity.harness.ranks.batches import batch_size, shard
 from ddparity.harness.ranks.modes.ddp import distributed
 from ddparity.harness.ranks.training import Replica, compute_loss, forward
+from ddparity.harness.recording import recorder
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
@@ -89,7 +89,7 @@ def _timed_hook(timer: _BucketTimer, bucket):  # noqa: ANN001, ANN202 - DDP chec
 def state_bytes(replica: Replica) -> dict[str, int]:
     """What this rank holds of the model's state, in bytes: parameters, gradients and
     optimizer state (a sharded tensor's local shard only)."""
-    from ddparity.harness.ranks.shards import is_sharded
+    from ddparity.harness.shards import is_sharded
 
     def nbytes(t: Any) -> int:
         import torch

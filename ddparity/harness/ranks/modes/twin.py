@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.distances import summation_ulps
+from ddparity.distances import Entry, Reference, summation_ulps
 from ddparity.harness.ranks.batches import batch_dims, batch_size, cast, map_tensors, reverse_samples, shard
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.randomness import suspended
+from ddparity.harness.ranks.spool import Comparer
 from ddparity.harness.ranks.stepping import lowest_precision, record_step
 from ddparity.harness.ranks.training import Replica, call_args, finish_step, forward
 
@@ -232,3 +233,18 @@ def _nudged_sparse(grad: Any, scale: Any, ulps: float) -> Any:
     else:
         size = values.abs().max() if values.numel() else values.new_zeros(())
     return torch.sparse_coo_tensor(g.indices(), values - ulps * size * torch.sign(values), g.shape)
+
+
+def calibrated(reference: Reference, twin: Comparer) -> Reference:
+    """``reference`` with its twin's distance (noise) and summand size (scale) in every entry."""
+    for step, entries in enumerate(reference.steps):
+        noises = twin.result.steps[step] if step < len(twin.result.steps) else {}
+        for key, e in entries.items():
+            noise = noises.get(key, 0.0)
+            if noise == float("inf"):
+                noise = 0.0  # shape/None mismatches are not noise
+            scale = 0.0
+            if key[0] in ("loss", "grad"):
+                scale = twin.scales.get((step, *key), twin.values.get((step, *key), 0.0))
+            entries[key] = Entry(e.value, e.floating, noise, scale)
+    return reference

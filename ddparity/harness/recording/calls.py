@@ -1,7 +1,7 @@
 """One collective call as the ledger records it: which calls are recorded and how their
 arguments are compared across ranks (:func:`describe`), the call's group
 (:func:`group_name`) and the user's source line that issued it (:func:`call_site`).
-Used by the rank's recorder (:mod:`ddparity.harness.ranks.recorder`) and by each simulated rank's
+Used by the rank's recorder (:mod:`ddparity.harness.recording.recorder`) and by each simulated rank's
 (:mod:`ddparity.harness.ranks.threaded`)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.harness.ranks.recorder import active
+from ddparity.harness.recording.recorder import active
 
 
 class BucketLayout:

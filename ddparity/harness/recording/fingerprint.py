@@ -118,7 +118,7 @@ def shard_fingerprint(model: Any, optimizer: Any, shard: int, part: int | None =
     compares a name among the ranks that have it)."""
     import torch
 
-    from ddparity.harness.ranks.shards import is_sharded
+    from ddparity.harness.shards import is_sharded
     from ddparity.records import SHARD_TAG
 
     names: list[str] = []

@@ -6,7 +6,7 @@ learns of them as they are made (``DistributedDataParallel.__init__`` and ``full
 are wrapped: they run as they are, then the module is remembered) and registers one global
 optimizer step hook (``torch.optim``'s own: it returns nothing and changes no tensor).
 After each step it fingerprints every parameter the optimizer holds
-(:mod:`ddparity.harness.ranks.fingerprint`, a rotating sixteenth of each large tensor per
+(:mod:`ddparity.harness.recording.fingerprint`, a rotating sixteenth of each large tensor per
 step, every element within 16 steps, as ``check`` does) and
 names each with the ranks that must agree on it:
 
@@ -30,9 +30,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddparity.harness.ranks.fingerprint import device_sums
-from ddparity.harness.ranks.recorder import StepRecorder
-from ddparity.harness.ranks.shards import is_sharded
+from ddparity.harness.recording.fingerprint import device_sums
+from ddparity.harness.recording.recorder import StepRecorder
+from ddparity.harness.shards import is_sharded
 from ddparity.records import SHARD_TAG
 
 _installed: Replicas | None = None
@@ -107,7 +107,7 @@ class Replicas:
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from ddparity.harness.ranks.ddp_buckets import BucketLayout
+        from ddparity.harness.recording.ddp_buckets import BucketLayout
 
         layout = BucketLayout(ddp) if BucketLayout.available(ddp) else None
         recorder = self.recorder
@@ -202,7 +202,7 @@ def _coordinates(p: Any) -> str:
 
 def _device_sums(tensors: list[Any], step: int) -> Any:
     """Each tensor's fingerprint (large tensors a rotating slice, as
-    :func:`ddparity.harness.ranks.fingerprint.fingerprint` takes them), as one int64
+    :func:`ddparity.harness.recording.fingerprint.fingerprint` takes them), as one int64
     tensor on the first tensor's device."""
     import torch
 

@@ -2,7 +2,7 @@
 before it is issued, readable by the controller while the rank is wedged.
 
 While a task runs, each ``torch.distributed`` collective — called directly, or by DDP's
-gradient buckets (:mod:`ddparity.harness.ranks.ddp_buckets`) — is recorded in Python,
+gradient buckets (:mod:`ddparity.harness.recording.ddp_buckets`) — is recorded in Python,
 identically on every backend: its per-group sequence number, op, reduce op, root, split
 sizes, tensor shapes and dtypes, group, and the caller's source line. Entries go to the
 side channel (one line each, appended) and the rank's latest position (step, phase, recent
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddparity.harness.ranks.calls import RECORDED, Binder, call_site, ledger_entry
+from ddparity.harness.recording.calls import RECORDED, Binder, call_site, ledger_entry
 from ddparity.records import encode_fingerprints, encode_progress
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ of a large model is never taken for a hang, and a rank that waits or is stuck ti
 class StepRecorder(Protocol):
     """What the training loop, the modes and the fingerprints tell the recorder active in
     this thread (:func:`active`): the rank's :class:`Recorder`, a simulated rank's
-    :class:`~ddparity.harness.ranks.threaded.ThreadRecorder`, or :data:`DISABLED` outside
+    :class:`~ddparity.harness.recording.threads.ThreadRecorder`, or :data:`DISABLED` outside
     a rank. Its collectives reach it through the patched ``torch.distributed``."""
 
     def tick(self) -> None:
@@ -294,7 +294,7 @@ def active() -> StepRecorder:
 
 def set_thread_recorder(own: StepRecorder | None) -> None:
     """This thread is a simulated rank: its phases and collectives go to ``own`` (a
-    :class:`~ddparity.harness.ranks.threaded.ThreadRecorder`), not to the rank's recorder."""
+    :class:`~ddparity.harness.recording.threads.ThreadRecorder`), not to the rank's recorder."""
     _thread.recorder = own
 
 

@@ -44,9 +44,10 @@ from typing import Any, NoReturn
 from ddparity import errors
 from ddparity.errors import Exit, RankCrashed, StillRunning, TaskFailed, TaskStopped, TaskTimeout, WorldFailure
 from ddparity.frames import own_stacks
+from ddparity.harness import store_keys
 from ddparity.harness.deadlines import Ending, TaskClock
 from ddparity.harness.launch import evidence
-from ddparity.harness.sidechannel import TaskChannel, TaskEnd, result_key
+from ddparity.harness.sidechannel import TaskChannel, TaskEnd
 from ddparity.harness.world.outcomes import RankOutcome, with_stacks
 from ddparity.records import RankRecords
 
@@ -90,7 +91,7 @@ class LaunchWatch:
         self._term_at: float | None = None
         self._answered = 0
         self._live = live
-        self._where = [v.decode().split("\n") for v in store.multi_get([f"I{r}" for r in range(world_size)])]
+        self._where = [store_keys.decode_where(v) for v in store.multi_get([store_keys.where(r) for r in range(world_size)])]
         self._wake = self._catch_sigterm()
         self._thread = threading.Thread(target=self._loop, name="ddparity-watch", daemon=True)
         self._thread.start()
@@ -118,35 +119,35 @@ class LaunchWatch:
                 self._progress = [seen[r] if r in self._participants() else "" for r in range(self.n)]
             except Exception:
                 pass
-        self.store.set(f"X{self.rank}", cloudpickle.dumps((cloudpickle.loads(encode_exception(exc)), text)))
-        self.store.add("failures", 1)
+        self.store.set(store_keys.raised(self.rank), cloudpickle.dumps((cloudpickle.loads(encode_exception(exc)), text)))
+        self.store.add(store_keys.FAILURES, 1)
         self.idle()
 
     def finish(self, code: int) -> NoReturn:
         """Publish the verdict, give the others a moment to read it, exit with it."""
         self._finishing = True
-        self.store.set("V", str(code))
-        self.store.add(evidence.NEWS, 1)
+        self.store.set(store_keys.VERDICT, store_keys.encode_verdict(code))
+        self.store.add(store_keys.NEWS, 1)
         self._exit(code, wait_for_others=True)
 
     def await_verdict(self) -> int:
         """The main thread: wait for the verdict and return it when it passes (a failing one
         ends the process from the watch thread meanwhile)."""
         self.main_exits = True
-        while not self.store.check(["V"]):
+        while not self.store.check([store_keys.VERDICT]):
             time.sleep(0.05)
-        code = int(self.store.get("V"))
+        code = store_keys.decode_verdict(self.store.get(store_keys.VERDICT))
         if code != 0:
             self.idle()
-        self.store.add("acked", 1)
+        self.store.add(store_keys.ACKED, 1)
         self._stop()
         return code
 
     def publish_verdict(self, code: int) -> None:
         """The reporter: publish a passing verdict and wait (briefly) until every rank read it."""
         self._finishing = True
-        self.store.set("V", str(code))
-        self.store.add(evidence.NEWS, 1)
+        self.store.set(store_keys.VERDICT, store_keys.encode_verdict(code))
+        self.store.add(store_keys.NEWS, 1)
         self._wait_for_acks()
         self._stop()
 
@@ -175,15 +176,15 @@ class LaunchWatch:
     def _loop(self) -> None:
         try:
             while not self._stopped.wait(BEAT_S):
-                self.store.add(f"B{self.rank}", 1)
+                self.store.add(store_keys.beat(self.rank), 1)
                 if self._finishing:
                     continue  # this process publishes the verdict and waits for the others to read it
-                news = int(self.store.add(evidence.NEWS, 0))
-                if news != self._news and self.store.check(["V"]):
-                    code = int(self.store.get("V"))
+                news = int(self.store.add(store_keys.NEWS, 0))
+                if news != self._news and self.store.check([store_keys.VERDICT]):
+                    code = store_keys.decode_verdict(self.store.get(store_keys.VERDICT))
                     if code == 0 and self.main_exits:
                         return  # the main thread reads it and ends the process as the script would
-                    self.store.add("acked", 1)
+                    self.store.add(store_keys.ACKED, 1)
                     self._exit(code)
                 self._signals()
                 if news != self._news:
@@ -221,8 +222,8 @@ class LaunchWatch:
         failure: WorldFailure = (TaskStopped(f"the run was stopped: {reason}", reason, ranks) if reason else
                                  RankCrashed(f"rank {elsewhere[0]}'s node is gone or unreachable: {lost} "
                                              f"(rank {self.rank}'s own view)", elsewhere[0], None))
-        failure.stacks = {self.rank: own_stacks()}
-        failure.records = {r: RankRecords(self._progress[r]) for r in ranks}
+        failure.with_evidence(records={r: RankRecords(self._progress[r]) for r in ranks},
+                              stacks={self.rank: own_stacks()})
         self._exit(self._reported(failure))
 
     def _reported(self, failure: WorldFailure) -> int:
@@ -243,7 +244,7 @@ class LaunchWatch:
             got = b""
         if signal.SIGTERM in got and self._term_at is None:
             self._term_at = time.monotonic()
-            self.store.set(f"T{self.rank}", "1")
+            self.store.set(store_keys.terminated(self.rank), "1")
         if self._term_at is not None and time.monotonic() - self._term_at > TERM_GRACE_S:
             sys.stderr.write(f"ddparity: rank {self.rank}: stopped by the launcher (SIGTERM) and no verdict came in "
                              f"{TERM_GRACE_S:g} s; this rank's stacks:\n{own_stacks()}\n")
@@ -254,7 +255,7 @@ class LaunchWatch:
         beat stopped for :data:`DEAD_S`."""
         now = time.monotonic()
         among = list(range(self.n)) if among is None else among
-        values = [v.decode() for v in self.store.multi_get([f"B{r}" for r in among])] if among else []
+        values = [v.decode() for v in self.store.multi_get([store_keys.beat(r) for r in among])] if among else []
         dead = []
         for r, value in zip(among, values):
             last = self._beats.get(r)
@@ -312,7 +313,7 @@ class LaunchWatch:
                 reason = self._live(progress)
                 if reason:
                     failure = TaskStopped(f"the run was stopped: {reason}", reason, self._pending(ranks))
-        raised = self._raised() if int(self.store.add("failures", 0)) else {}
+        raised = self._raised() if int(self.store.add(store_keys.FAILURES, 0)) else {}
         if raised:
             self._clock.raised(now)
         # a peer's death reaches the others as their own errors first: give it time to show
@@ -335,28 +336,29 @@ class LaunchWatch:
 
     def _pending(self, ranks: list[int]) -> list[int]:
         """The ranks that have not published their result of this stage."""
-        return [r for r in ranks if not self.store.check([result_key(self.stage, r)])]
+        return [r for r in ranks if not self.store.check([store_keys.result(self.stage, r)])]
 
     def _raised(self) -> dict[int, tuple[BaseException, str]]:
         import cloudpickle
 
-        return {r: cloudpickle.loads(self.store.get(f"X{r}")) for r in range(self.n) if self.store.check([f"X{r}"])}
+        return {r: cloudpickle.loads(self.store.get(store_keys.raised(r))) for r in range(self.n)
+                if self.store.check([store_keys.raised(r)])}
 
     def _task_failed(self, raised: dict[int, tuple[BaseException, str]], ranks: list[int]) -> TaskFailed:
         outcomes = [RankOutcome(r, False, error=e, traceback=tb) for r, (e, tb) in sorted(raised.items())]
         outcomes += [RankOutcome(r, False, error=StillRunning(f"rank {r} was still running {ERROR_GRACE_S:g} s "
                                                               f"after rank(s) {sorted(raised)} failed (most likely "
                                                               f"waiting for them in a collective)"))
-                     for r in ranks if r not in raised and not self.store.check([result_key(self.stage, r)])]
+                     for r in ranks if r not in raised and not self.store.check([store_keys.result(self.stage, r)])]
         head = outcomes[0]
         return TaskFailed(f"task failed on rank(s) {', '.join(map(str, sorted(raised)))}: "
                           f"{type(head.error).__name__}: {head.error}\n--- rank {head.rank} traceback ---\n{head.traceback.rstrip()}", outcomes)
 
     def _conclude(self, failure: WorldFailure, channel: TaskEnd, ranks: list[int], dead: list[int]) -> None:
         hang = isinstance(failure, TaskTimeout)
-        self._answered, stacks, failure.flight = evidence.gather(
+        self._answered, stacks, flight = evidence.gather(
             self.store, self.rank, self._answered, [r for r in range(self.n) if r not in dead], hang)
-        failure.stacks = {r: stacks.get(r, "") for r in ranks if r not in dead}
+        failure.with_evidence(stacks={r: stacks.get(r, "") for r in ranks if r not in dead}, flight=flight)
         if isinstance(failure, TaskFailed):  # the bystanders' stacks, where a World keeps them
             failure.outcomes = [o if not isinstance(o.error, StillRunning) else
                                 RankOutcome(o.rank, False, error=o.error, output=stacks.get(o.rank, ""))
@@ -364,7 +366,7 @@ class LaunchWatch:
         if isinstance(failure, TaskTimeout):
             failure.args = (with_stacks(str(failure), failure.stacks),)
         records = channel.read()
-        failure.records = {r: records[r] for r in ranks}
+        failure.with_evidence(records={r: records[r] for r in ranks})
         self.finish(self._reported(failure))
 
     def _exit(self, code: int, wait_for_others: bool = False) -> NoReturn:
@@ -383,7 +385,7 @@ class LaunchWatch:
         deadline = time.monotonic() + ACK_WAIT_S
         while time.monotonic() < deadline:
             try:
-                if int(self.store.add("acked", 0)) >= others:
+                if int(self.store.add(store_keys.ACKED, 0)) >= others:
                     break
             except Exception:
                 break

@@ -1,0 +1,141 @@
+"""Every key of a launch's store, named once, with the codec of its value.
+
+Under torchrun (or srun) the launched processes share one key-value store (torchrun's
+TCPStore, or rank 0's), under a prefix of their own (``ddparity/<run id>/<restart>/``,
+:func:`ddparity.harness.launch.torchrun.connect`). What each key holds and who writes it
+is said here; the code that writes or reads a key names it through this module, never by
+spelling it. A ``get`` of a missing key blocks, so a key read before its writer may have
+written it is created first (:func:`prepare`).
+
+Per-task side-channel records (progress, ledger, fingerprints) live under their own
+prefix (:func:`ddparity.harness.sidechannel.task_prefix`), apart from these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# -- joining --------------------------------------------------------------------------------
+
+JOINED = "joined"
+"""A counter: the processes that reached the store and prepared their keys."""
+
+
+def where(rank: int) -> str:
+    """Where ``rank`` runs: :func:`encode_where`'s ``node\\npid``."""
+    return f"I{rank}"
+
+
+def encode_where(node: str, pid: int | None = None) -> str:
+    return f"{node}\n{os.getpid() if pid is None else pid}"
+
+
+def decode_where(value: bytes) -> list[str]:
+    """``[node, pid]`` (as text) of a :func:`where` value."""
+    return value.decode().split("\n")
+
+
+# -- stages ---------------------------------------------------------------------------------
+
+STAGE_ONE_DONE = "stage1-done"
+"""Every-rank launches (profile, health): rank 0 finished its stage-1 task alone; every
+rank may form the world."""
+
+CHECK_PLAN = "check-plan"
+"""The launched check: rank 0's reference is written; the plan as JSON
+(:func:`encode_plan`: its spool, nonce and node, the modes skipped and run, the single run)."""
+
+
+def encode_plan(plan: dict[str, Any]) -> str:
+    return json.dumps(plan)
+
+
+def decode_plan(value: bytes) -> dict[str, Any]:
+    return json.loads(value)
+
+
+def result(stage: int, rank: int) -> str:
+    """Where ``rank`` publishes its result of the every-rank task of ``stage`` (the task's
+    own codec: cloudpickle for check's and profile's, JSON for watch's summary)."""
+    return f"R{stage}/{rank}"
+
+
+def reference_read(rank: int) -> str:
+    """How ``rank`` reads rank 0's reference in a launched check: :data:`SERVED` (over the
+    network, from rank 0's server) or :data:`IN_PLACE` (its spool, on the same node)."""
+    return f"Q{rank}"
+
+
+SERVED = "served"
+IN_PLACE = "spool"
+
+
+# -- the watch thread -------------------------------------------------------------------------
+
+def beat(rank: int) -> str:
+    """A counter ``rank``'s watch thread raises while it lives (a stopped beat: a dead rank)."""
+    return f"B{rank}"
+
+
+def raised(rank: int) -> str:
+    """The exception ``rank`` raised (cloudpickled with its traceback's text)."""
+    return f"X{rank}"
+
+
+FAILURES = "failures"
+"""A counter of the ranks that raised (the reporter reads :func:`raised` only when set)."""
+
+VERDICT = "V"
+"""The launch's exit code, set by the reporter: every process exits with it."""
+
+ACKED = "acked"
+"""A counter of the processes that read :data:`VERDICT`."""
+
+NEWS = "N"
+"""A counter raised with every verdict and stack request: a rank's watch reads this one key
+a beat, and the others only when it moved (each round trip wakes the store's process)."""
+
+
+def terminated(rank: int) -> str:
+    """Set when ``rank`` got SIGTERM from the launcher."""
+    return f"T{rank}"
+
+
+def encode_verdict(code: int) -> str:
+    return str(int(code))
+
+
+def decode_verdict(value: bytes) -> int:
+    return int(value)
+
+
+# -- a failure's evidence ---------------------------------------------------------------------
+
+STACKS_ASKED = "D"
+"""A counter of stack requests; each rank answers once per rise."""
+
+NATIVE_ASKED = "Dh"
+"""Set with a hang's request: the stacks with native frames, and each rank's Flight Recorder."""
+
+STACKS_WRITTEN = "stacks"
+"""A counter of the answers written."""
+
+
+def stacks(rank: int) -> str:
+    """``rank``'s stacks, as text."""
+    return f"S{rank}"
+
+
+def flight(rank: int) -> str:
+    """``rank``'s own Flight Recorder state (JSON), in a hang."""
+    return f"F{rank}"
+
+
+def prepare(store: Any, rank: int, node: str, created: list[str]) -> None:
+    """Create ``rank``'s keys that others read before it may write them (``created``: the
+    side channel's, made alongside), so no reader blocks on a missing key."""
+    keys = [*created, beat(rank), stacks(rank), where(rank)]
+    values = [""] * len(created) + ["0", "", encode_where(node)]
+    store.multi_set(keys, values)
