@@ -101,8 +101,8 @@ def test_the_cli_checks_fsdp_and_hsdp_and_writes_their_rows(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "fsdp world_size=2 (gloo): DIVERGED" in run.stdout and "left out of sharding" in run.stdout
-    assert ("reproduce: ddparity check ddparity.fixtures.sharded:ignored_param --modes hsdp --world-sizes 2 "
-            "--backend gloo --steps 3 --tolerance auto --hsdp-shard 1") in run.stdout
+    assert ("reproduce: ddparity check ddparity.fixtures.sharded:ignored_param --modes hsdp --hsdp-shard 1 "
+            "--world-sizes 2 --backend gloo --steps 3 --tolerance auto") in run.stdout
     data = json.loads(out.read_text())
     assert [(r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
         ("fsdp", 2, "diverged"), ("hsdp", 2, "diverged")]

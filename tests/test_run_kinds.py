@@ -13,6 +13,7 @@ from ddparity.errors import UsageError
 from ddparity.fixtures.models import MLP, vectors
 from ddparity.harness.ranks import tasks, threaded
 from ddparity.run_kinds import KINDS, MODES, REPLICA_MODES, SHARDED_MODES, asked, kind
+from ddparity.settings import CheckOptions
 from ddparity.verbs.plan import check_repro, profile_repro
 
 
@@ -46,13 +47,30 @@ def test_only_a_mesh_kind_skips_a_world_size_its_shard_size_does_not_divide():
 
 def test_reproduce_lines_carry_a_kinds_own_options_only():
     case = Case(model=MLP, data=vectors, steps=2)
-    assert "hsdp_shard=2" in check_repro(case, "hsdp", 4, "gloo", "auto", 2)
-    assert "hsdp_shard" not in check_repro(case, "fsdp", 4, "gloo", "auto", 2)
+    opts = CheckOptions.validated("check", hsdp_shard=2)
+    assert "hsdp_shard=2" in check_repro(case, opts, "hsdp", 4, "gloo")
+    assert "hsdp_shard" not in check_repro(case, opts, "fsdp", 4, "gloo")
     target = Case(model=MLP, data=vectors, steps=2, target="train.py")
-    assert check_repro(target, "hsdp", 4, "gloo", "auto", 2).endswith("--tolerance auto --hsdp-shard 2")
+    assert check_repro(target, opts, "hsdp", 4, "gloo") == (
+        "ddparity check train.py --modes hsdp --hsdp-shard 2 --world-sizes 4 --backend gloo --steps 2 --tolerance auto")
     assert " --modes " not in profile_repro(target, 2, "gloo", 3, 1, 60)  # profile's default mode: said by none
     assert " --modes hsdp --hsdp-shard 2 " in profile_repro(target, 2, "gloo", 3, 1, 60, "hsdp", 2)
     assert "modes=('fsdp',), world_sizes" in profile_repro(case, 2, "gloo", 3, 1, 60, "fsdp", 0)
+
+
+def test_local_and_launched_reproduce_lines_are_one_line_with_the_timeout_asked_for():
+    """A launched run's line is a local one without the world size (torchrun decides it);
+    both keep a timeout other than the default (a hang's line reproduces the hang)."""
+    target = Case(model=MLP, data=vectors, steps=2, target="train.py")
+    opts = CheckOptions.validated("check", timeout=5, tolerance=1e-4)
+    local = check_repro(target, opts, "ddp", 2, "gloo")
+    assert local == ("ddparity check train.py --modes ddp --world-sizes 2 --backend gloo --steps 2 "
+                     "--tolerance 0.0001 --timeout 5")
+    launched = check_repro(target, opts, "ddp", None, "gloo")
+    assert launched == local.replace("ddparity check", "torchrun <the same launch options> -m ddparity check").replace(
+        " --world-sizes 2", "")
+    assert ", timeout=5)" in check_repro(Case(model=MLP, data=vectors), opts, "ddp", 2, "gloo")
+    assert "--timeout" not in check_repro(target, CheckOptions.validated("check"), "ddp", 2, "gloo")
 
 
 def test_one_task_trains_every_replicated_kind_and_simulated_ranks_are_handed_it():

@@ -13,8 +13,10 @@ prefix (:func:`ddparity.harness.sidechannel.task_prefix`), apart from these.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 # -- joining --------------------------------------------------------------------------------
@@ -44,16 +46,35 @@ STAGE_ONE_DONE = "stage1-done"
 rank may form the world."""
 
 CHECK_PLAN = "check-plan"
-"""The launched check: rank 0's reference is written; the plan as JSON
-(:func:`encode_plan`: its spool, nonce and node, the modes skipped and run, the single run)."""
+"""The launched check: rank 0's reference is written; a :class:`CheckPlan` (JSON)."""
 
 
-def encode_plan(plan: dict[str, Any]) -> str:
-    return json.dumps(plan)
+@dataclass(frozen=True)
+class CheckPlan:
+    """What rank 0 of a launched check tells every rank once its reference is written."""
 
+    spool: str
+    """Rank 0's spool (read in place on its node)."""
+    nonce: str
+    """Written in the spool: a rank that reads it there shares rank 0's filesystem."""
+    node: str
+    skipped: dict[str, tuple[str, str | None]]
+    """The replicated modes that cannot run here: their status and reason."""
+    run: list[str]
+    """The replicated modes every rank runs, in order."""
+    single: tuple[str, str | None, float] | None
+    """The reference's own run (status, reason, seconds), where ``single`` was asked for."""
 
-def decode_plan(value: bytes) -> dict[str, Any]:
-    return json.loads(value)
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, value: bytes) -> CheckPlan:
+        data = json.loads(value)
+        single = data["single"]
+        return cls(data["spool"], data["nonce"], data["node"],
+                   {mode: (status, reason) for mode, (status, reason) in data["skipped"].items()},
+                   list(data["run"]), (single[0], single[1], float(single[2])) if single else None)
 
 
 def result(stage: int, rank: int) -> str:

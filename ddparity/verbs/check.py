@@ -128,13 +128,9 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
                 pass
         return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     blowup = first_non_finite(reference)
-    if asked(opts.modes, "reference"):
-        report.runs.append(
-            RunResult(mode="single", world_size=1, backend=chosen, status="error" if blowup else "pass",
-                      reason=blowup.reason() if blowup else None, seconds=time.perf_counter() - started,
-                      tolerance="reference",
-                      repro=check_repro(case, "single", 1, chosen, opts.tolerance) if blowup else "")
-        )
+    for mode in asked(opts.modes, "reference"):
+        report.runs.append(reference_run(case, opts, mode, 1, chosen, blowup.reason() if blowup else None,
+                                         time.perf_counter() - started))
     policy = _policy_run(case, opts, ref_world, spool) if sharded(opts) else None
     noise = None
     if opts.compile is not None:  # what compiling alone does: the compiled runs' noise floor
@@ -173,6 +169,15 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     return report
 
 
+def reference_run(case: Case, opts: CheckOptions, mode: str, ws: int | None, backend: str, blowup: str | None,
+                  seconds: float) -> RunResult:
+    """The reference's own row (an ``error`` where it computed a NaN or inf: ``blowup``),
+    for a local check and a launched one (``ws`` None) alike."""
+    return RunResult(mode=mode, world_size=1, backend=backend, status="error" if blowup else "pass", reason=blowup,
+                     seconds=seconds, tolerance="reference",
+                     repro=check_repro(case, opts, mode, ws, backend) if blowup else "")
+
+
 def sharded(opts: CheckOptions) -> bool:
     """Whether a sharded mode is checked: the reference then writes its optimizer's state,
     which they compare (DDP's ranks publish theirs as fingerprints, compared across ranks)."""
@@ -191,6 +196,12 @@ def _policy_run(case: Case, opts: CheckOptions, world: Any, spool: Spool) -> Dis
                                 shown_as=replica_run_name("fsdp"))
     except WorldFailure:
         return None
+    return policy_noise(distances)
+
+
+def policy_noise(distances: Distances) -> Distances | None:
+    """The user's FSDP set-up on one rank against the reference: the noise of its
+    ``MixedPrecisionPolicy`` alone, where it computes in a lower precision (else None)."""
     return distances if distances.computed_dtype else None
 
 
@@ -235,7 +246,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         [results] = [o.value for o in pending.result()]
     except WorldFailure as exc:
         return [failure_run("dp", ws, backend, exc, time.perf_counter() - started,
-                             check_repro(case, "dp", ws, backend, opts.tolerance)) for ws in sizes]
+                             check_repro(case, opts, "dp", ws, backend)) for ws in sizes]
     runs = []
     for ws in sizes:
         distances, notes, simulated = results[ws]
@@ -246,7 +257,7 @@ def _finish_dp(case: Case, opts: CheckOptions, backend: str, sizes: tuple[int, .
         run = RunResult(mode="dp", world_size=ws, backend=device,
                         status="diverged" if found else "pass", simulated=simulated,
                         seconds=time.perf_counter() - started, tolerance=tol.description,
-                        repro=check_repro(case, "dp", ws, backend, opts.tolerance))
+                        repro=check_repro(case, opts, "dp", ws, backend))
         if found:
             run.first_divergence, run.worst = found[0], worst(found)
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
@@ -261,7 +272,7 @@ def case_failed(report: Report, case: Case, opts: CheckOptions, backend: str, ex
     """The case cannot even run on one device: every requested run shares that fate."""
     for mode, ws, spec in _planned(opts):
         run = failure_run(mode, ws, backend, exc, elapsed,
-                          check_repro(case, mode, ws, backend, opts.tolerance, compiled=spec))
+                          check_repro(case, opts, mode, ws, backend, spec))
         if run.status == "crash" and not isinstance(exc, RankCrashed):
             run.status = "error"  # raised by the user's code on a single device: bad input
         report.runs.append(mark(run, spec))
@@ -295,8 +306,7 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
         return started, RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=str(exc),
                                   simulated=backend == "threaded",
                                   seconds=time.perf_counter() - started,
-                                  repro=check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts),
-                                                    spec))
+                                  repro=check_repro(case, opts, mode, ws, backend, spec))
 
 
 def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int, CompileSpec | None],
@@ -307,7 +317,7 @@ def _finish_ddp(case: Case, opts: CheckOptions, backend: str, planned: tuple[str
     started, pending = launched
     if isinstance(pending, RunResult):
         return mark(pending, spec)
-    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts), spec)
+    repro = check_repro(case, opts, mode, ws, backend, spec)
     try:
         outcomes = pending.result()
     except WorldFailure as exc:

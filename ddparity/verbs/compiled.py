@@ -19,7 +19,7 @@ from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
 from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_task
 from ddparity.settings import CheckOptions
-from ddparity.verbs.plan import check_repro, failure_run, hsdp_shard
+from ddparity.verbs.plan import check_repro, failure_run
 from ddparity.verdicts import RunResult
 
 DP_NOT_COMPILED = ("not compiled: DataParallel replicates the module on every forward, which torch.compile does "
@@ -38,7 +38,7 @@ def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: An
     runs' noise floor (None when it failed or diverged: compiling itself then changes the
     training, and the compiled replica runs are judged against eager's noise alone)."""
     started = time.perf_counter()
-    repro = check_repro(case, "single", 1, world.backend, opts.tolerance, compiled=spec)
+    repro = check_repro(case, opts, "single", 1, world.backend, spec)
     exact = _float64_error(case, opts, world, spool) if opts.tolerance == "auto" else None
     try:
         [distances] = world.run(compiled_single_task, case, spool.path, spec, timeout=opts.timeout)
@@ -101,7 +101,7 @@ def dropout_drawn(reference: Reference) -> str | None:
 def refused_run(case: Case, opts: CheckOptions, spec: CompileSpec, mode: str, ws: int, backend: str,
                 reason: str) -> RunResult:
     """A compiled run that cannot be compared (``reason``): an ``error`` naming the fix."""
-    repro = check_repro(case, mode, ws, backend, opts.tolerance, hsdp_shard(case, opts), spec)
+    repro = check_repro(case, opts, mode, ws, backend, spec)
     return mark(RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=reason, repro=repro),
                 spec)
 

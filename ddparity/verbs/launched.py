@@ -39,10 +39,10 @@ from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions, needs_newer_torch
+from ddparity.verbs.plan import check_repro
 from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
-PROGRAM = "torchrun <the same launch options> -m ddparity"
 
 
 def launch_world_size() -> int:
@@ -75,15 +75,6 @@ def launch_options(modes: tuple[str, ...] | list[str], world_sizes: Any, backend
     return opts
 
 
-def _repro(case: Case, backend: str, opts: CheckOptions, mode: str = "ddp") -> str:
-    from ddparity.verbs.plan import hsdp_shard
-
-    target = case.target or "TARGET"
-    mesh = kind(mode).cli_flags(hsdp_shard(case, opts))
-    return (f"{PROGRAM} check {target} --modes {mode}{mesh} --backend {backend} --steps {case.steps} "
-            f"--tolerance {opts.tolerance}")
-
-
 def processes(world_size: int) -> str:
     nodes = os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_NNODES")
     return f"{world_size} processes" + (f" on {nodes} node(s)" if nodes else "")
@@ -105,7 +96,7 @@ class _LaunchedCheck:
         self.policy: Distances | None = None
         self.blowup: NonFinite | None = None
         self.ref_seconds = 0.0
-        self.go: dict[str, Any] | None = None
+        self.go: store_keys.CheckPlan | None = None
         self.valid: dict[str, list[int]] = {}
         self.spool_path = ""
         self.state: Any = None
@@ -113,11 +104,11 @@ class _LaunchedCheck:
 
     # -- rank 0's reference ----------------------------------------------------------
 
-    def reference_stage(self) -> dict[str, Any]:
+    def reference_stage(self) -> store_keys.CheckPlan:
         from ddparity.harness.ranks.rank import released
         from ddparity.harness.ranks.spool import Spool
         from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
-        from ddparity.verbs.check import sharded
+        from ddparity.verbs.check import policy_noise, sharded
         from ddparity.verbs.plan import cannot_run
 
         case, ctx, store = self.case, self.ctx, self.launch.store
@@ -144,22 +135,22 @@ class _LaunchedCheck:
         nonce = secrets.token_hex(16)
         with open(os.path.join(self.spool.path, NONCE), "w") as f:
             f.write(nonce)
-        go = {"spool": self.spool.path, "nonce": nonce, "node": self.launch.node, "skipped": skipped,
-              "run": [m for m in self.modes if m not in skipped], "single": self._single_run()}
-        store.set(store_keys.CHECK_PLAN, store_keys.encode_plan(go))
+        go = store_keys.CheckPlan(self.spool.path, nonce, self.launch.node, skipped,
+                                  [m for m in self.modes if m not in skipped], self._single_run())
+        store.set(store_keys.CHECK_PLAN, go.encode())
         self.go = go
         return go
 
-    def wait_for_reference(self) -> dict[str, Any]:
+    def wait_for_reference(self) -> store_keys.CheckPlan:
         store = self.launch.store
         while not store.check([store_keys.CHECK_PLAN]):  # the watch reports rank 0 should it hang or die meanwhile
             time.sleep(0.05)
-        self.go = store_keys.decode_plan(store.get(store_keys.CHECK_PLAN))
+        self.go = store_keys.CheckPlan.decode(store.get(store_keys.CHECK_PLAN))
         return self.go
 
     # -- every rank's replicas ---------------------------------------------------------
 
-    def join(self, go: dict[str, Any]) -> Any:
+    def join(self, go: store_keys.CheckPlan) -> Any:
         """Every rank: the launch's process group, and the reference's way here (rank 0's
         spool in place on its node, else its initial state fetched over the network)."""
         from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
@@ -169,10 +160,10 @@ class _LaunchedCheck:
         ctx, launch = self.ctx, self.launch
         self.watch.stage = 2
         torchrun.form_world(launch, self.opts.timeout)
-        self.spool_path = go["spool"]
+        self.spool_path = go.spool
         self.served = ctx.rank != 0 and not self._reads_rank0_spool(go)
         if ctx.rank != 0 and not self.served:  # should rank 0 die (a gloo abort), its spool is ours to remove
-            self.watch.on_exit.append(lambda: self._remove_if_gone(go["spool"]))
+            self.watch.on_exit.append(lambda: self._remove_if_gone(go.spool))
         if ctx.rank == 0:  # each peer asks for the state or says bye: no thread of it is left to take later asks
             ReferenceServer(launch.serve, self.spool_path, list(range(1, ctx.world_size)), WAIT_LIMIT_S)
         else:
@@ -213,12 +204,12 @@ class _LaunchedCheck:
         if self.watch.gone(0):
             shutil.rmtree(spool, ignore_errors=True)
 
-    def _reads_rank0_spool(self, go: dict[str, Any]) -> bool:
-        if self.launch.node != go["node"]:
+    def _reads_rank0_spool(self, go: store_keys.CheckPlan) -> bool:
+        if self.launch.node != go.node:
             return False
         try:
-            with open(os.path.join(go["spool"], NONCE)) as f:
-                return f.read() == go["nonce"]
+            with open(os.path.join(go.spool, NONCE)) as f:
+                return f.read() == go.nonce
         except OSError:
             return False
 
@@ -231,7 +222,7 @@ class _LaunchedCheck:
         from ddparity.verbs.check import judge_ddp
 
         store, n = self.launch.store, self.ctx.world_size
-        ran = self.go["run"] if self.go else []
+        ran = self.go.run if self.go else []
         if ran:
             self.world.gather()
         elif not self.watch.claim():
@@ -256,34 +247,36 @@ class _LaunchedCheck:
                                          self.valid, self.policy if kind(mode).sharded else None))
         return self._emit(report)
 
-    def _single_run(self) -> dict[str, Any] | None:
+    def _single_run(self) -> tuple[str, str | None, float] | None:
         """The reference's run as rank 0 saw it (any rank may have to report it)."""
         if not asked(self.opts.modes, "reference") or self.reference is None:
             return None
         blowup = self.blowup
-        return {"status": "error" if blowup else "pass", "reason": blowup.reason() if blowup else None,
-                "seconds": self.ref_seconds}
+        return ("error" if blowup else "pass", blowup.reason() if blowup else None, self.ref_seconds)
 
     def _report(self) -> Report:
+        from ddparity.verbs.check import reference_run
+
         report = Report(self.case.label)
-        single = self.go.get("single") if self.go else None
+        single = self.go.single if self.go else None
         if single:
-            report.runs.append(RunResult(mode="single", world_size=1, backend=self.ctx.backend, tolerance="reference",
-                                         **single))
+            _, reason, seconds = single
+            report.runs.extend(reference_run(self.case, self.opts, mode, None, self.ctx.backend, reason, seconds)
+                               for mode in asked(self.opts.modes, "reference"))
         return report
 
     def _skipped(self, mode: str) -> RunResult:
         assert self.go is not None
-        status, reason = self.go["skipped"].get(mode) or (
+        status, reason = self.go.skipped.get(mode) or (
             "skipped", "not run: the launch ended at an earlier mode's failure")
         return RunResult(mode=mode, world_size=self.ctx.world_size, backend=self.ctx.backend, status=status,
-                         reason=reason, repro=_repro(self.case, self.ctx.backend, self.opts, mode))
+                         reason=reason, repro=check_repro(self.case, self.opts, mode, None, self.ctx.backend))
 
     def _replica_run(self, mode: str, status: str) -> RunResult:
         ctx = self.ctx
         run = RunResult(mode=mode, world_size=ctx.world_size, backend=ctx.backend, status=status,
                         seconds=time.perf_counter() - self.mode_started.get(mode, self.started),
-                        repro=_repro(self.case, ctx.backend, self.opts, mode))
+                        repro=check_repro(self.case, self.opts, mode, None, ctx.backend))
         run.notes.append(f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
         from ddparity.verbs.plan import hsdp_shard
 
@@ -300,14 +293,14 @@ class _LaunchedCheck:
         if stage == 1:
             case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
             for run in report.runs:
-                run.repro = _repro(self.case, self.ctx.backend, self.opts, run.mode)
+                run.repro = check_repro(self.case, self.opts, run.mode, None, self.ctx.backend)
             return self._emit(report)
         report = self._report()
         failed = self.modes[stage - 2]
         for mode in self.modes:
             if mode == failed:
                 report.runs.append(self._replica_run(mode, "error").failed(failure(exc)))
-            elif self.go is not None and mode in self.go["skipped"]:
+            elif self.go is not None and mode in self.go.skipped:
                 report.runs.append(self._skipped(mode))
             else:  # judged only once every mode ran: an earlier mode's verdict is not this report's to give
                 run = self._skipped(mode)
@@ -322,11 +315,6 @@ class _LaunchedCheck:
         return report.exit_code
 
 
-def policy_noise(distances: Distances) -> Distances | None:
-    """The user's FSDP set-up on one rank against the reference: the noise of its
-    ``MixedPrecisionPolicy`` alone, where it computes in a lower precision (else None)."""
-    return distances if distances.computed_dtype else None
-
 
 def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> NoReturn:
     """This process's part of ``check`` in a launch; rank 0 (or the lowest rank alive)
@@ -337,10 +325,10 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     rank = me.ctx.rank
     try:
         go = me.reference_stage() if rank == 0 else me.wait_for_reference()
-        if go["run"]:
+        if go.run:
             me.join(go)
         for index, mode in enumerate(me.modes):
-            if mode in go["run"]:
+            if mode in go.run:
                 me.world.publish(me.replica_stage(index, mode))
     except KeyboardInterrupt:
         os._exit(Exit.INTERRUPTED)

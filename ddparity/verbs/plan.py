@@ -15,7 +15,7 @@ from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, Wor
 from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness.world import rendezvous
 from ddparity.run_kinds import kind
-from ddparity.settings import HSDP_SHARD, PROFILE_MODES, REAL_RANKS_LIMIT, CheckOptions
+from ddparity.settings import HSDP_SHARD, PROFILE_MODES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
 from ddparity.verdicts import Failure, RunResult
 
 # -- planning ----------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
     be sharded, too few GPUs, a mesh the world size does not fit, simulated ranks compiled);
     None when it can run."""
     shard = hsdp_shard(case, opts)
-    repro = check_repro(case, mode, ws, backend, opts.tolerance, shard, compiled)
+    repro = check_repro(case, opts, mode, ws, backend, compiled)
     if compiled is not None and backend == "threaded":
         return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, simulated=True,
                          reason=f"compiled runs need real rank processes: Dynamo's caches and compiled autograd are "
@@ -142,22 +142,29 @@ def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: f
 # -- reproduce lines ---------------------------------------------------------------------
 
 
-def check_repro(case: Case, mode: str, ws: int, backend: str, tolerance: Any, shard: int | None = None,
-                compiled: Any = None) -> str:
-    """The command (or call) that runs this one run again (``shard``: hsdp's shard size;
-    ``compiled``: the CompileSpec of a compiled run)."""
-    if case.target:
-        mesh = kind(mode).cli_flags(shard)
-        return (
-            f"ddparity check {case.target} --modes {mode} --world-sizes {ws} --backend {backend} "
-            f"--steps {case.steps} --tolerance {tolerance}{mesh}{compiled.flags() if compiled else ''}"
-        )
-    mesh = kind(mode).call_args(shard)
+LAUNCHED = "torchrun <the same launch options> -m ddparity"
+"""How a reproduce line starts under a launch (its options are the user's own)."""
+
+
+def check_repro(case: Case, opts: CheckOptions, mode: str, ws: int | None, backend: str, compiled: Any = None) -> str:
+    """The command (or call) that runs this one run again: its mode with the mode's own
+    options (:class:`~ddparity.run_kinds.RunKind`), world size (None: under a launch, whose
+    world size torchrun decides), backend, steps, tolerance, a timeout other than the
+    default, and ``compiled`` (the CompileSpec of a compiled run). Local and launched checks
+    alike."""
+    row, shard = kind(mode), hsdp_shard(case, opts)
+    timeout = opts.timeout if opts.timeout != TIMEOUT_S else None
+    if case.target or ws is None:
+        program, sizes = ("ddparity", f" --world-sizes {ws}") if ws is not None else (LAUNCHED, "")
+        return (f"{program} check {case.target or 'TARGET'} --modes {mode}{row.cli_flags(shard)}{sizes} "
+                f"--backend {backend} --steps {case.steps} --tolerance {opts.tolerance}"
+                f"{f' --timeout {timeout:g}' if timeout else ''}{compiled.flags() if compiled else ''}")
+    options = row.call_args(shard) + (f", timeout={timeout:g}" if timeout else "")
     if compiled:
-        mesh += f", compile={compiled.backend!r}" + (f", compile_ddp={compiled.ddp!r}" if kind(mode).buckets else "")
+        options += f", compile={compiled.backend!r}" + (f", compile_ddp={compiled.ddp!r}" if row.buckets else "")
     return (
         f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
-        f"tolerance={tolerance!r}{mesh})  # seed={case.seed}, steps={case.steps}"
+        f"tolerance={opts.tolerance!r}{options})  # seed={case.seed}, steps={case.steps}"
     )
 
 
