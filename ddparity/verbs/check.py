@@ -23,7 +23,7 @@ from ddparity.errors import Interrupted, RankCrashed, UsageError, WorldFailure, 
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
 from ddparity.harness.ranks.threaded import threaded_task
-from ddparity.harness.world.pool import WorldPool, default_pool
+from ddparity.harness.world.pool import THREADS, WorldPool, default_pool
 from ddparity.harness.world.simulated import as_simulated
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
@@ -102,6 +102,9 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
     replicas = [run for run in _planned(opts) if run[0] in REPLICA_MODES]
     ddp_sizes = tuple(sorted({ws for _, ws, _ in replicas}))
     dp_sizes = opts.world_sizes if asked(opts.modes, "one_process") else ()
+    backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
+    if "threaded" in backends.values():
+        pool.expect(1, "gloo", role=THREADS)  # its host starts clean, from the forkserver: warm it meanwhile
     try:
         ref_world = pool.get(1, chosen, role="reference")
         [(batch_sizes, valid)] = ref_world.run(prepare_task, case, spool.path, timeout=opts.timeout)
@@ -112,7 +115,6 @@ def _check(case: Case, opts: CheckOptions, chosen: str, pool: WorldPool, report:
         return case_failed(report, case, opts, chosen, exc, time.perf_counter() - started)
     # The first runnable DDP run trains alongside the reference (comparing each step as the
     # reference writes it); the others follow.
-    backends = {ws: run_backend(opts, chosen, ws) for ws in ddp_sizes}
     plan = {(mode, ws, spec): cannot_run(case, opts, backends[ws], ws, batch_sizes, mode, spec)
             for mode, ws, spec in replicas}
     first = next((run for run, reason in plan.items() if reason is None and run[2] is None), None)
@@ -296,7 +298,7 @@ def _start_ddp(case: Case, opts: CheckOptions, backend: str, run: tuple[str, int
     try:
         shard_size = kind(mode).shard_size(ws, hsdp_shard(case, opts))
         if backend == "threaded":
-            host = pool.get(1, "gloo", role="threads")  # a hung thread costs this process only
+            host = pool.get(1, "gloo", role=THREADS)  # a hung thread costs this process only
             return started, host.submit(threaded_task, replica_task, case, spool.path, ws, mode, shard_size,
                                         timeout=opts.timeout, shown_as=replica_run_name(mode, simulated=True))
         world = pool.get(ws, backend)

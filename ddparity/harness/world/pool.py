@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import atexit
 
+from ddparity.harness.world import spawn
 from ddparity.harness.world.world import World
 from ddparity.settings import default_max_ranks, validate_max_ranks
+
+THREADS = "threads"
+"""The role of the world whose one rank hosts simulated ranks (threads): started clean."""
 
 
 class WorldPool:
@@ -29,11 +33,19 @@ class WorldPool:
         world = self._worlds.pop(key, None)
         if world is None:
             # simulated ranks' host: many threads of torch in one process, started clean
-            world = World(world_size, backend, clean_start=role == "threads")
+            world = World(world_size, backend, clean_start=role == THREADS)
         if not world.pids:
             self._make_room(world_size)
         self._worlds[key] = world
         return world.start()
+
+    def expect(self, world_size: int, backend: str, role: str = "ddp") -> None:
+        """A world for ``role`` will be asked for soon: where it is not live yet and starts
+        from the forkserver (the simulated ranks' host), the forkserver starts now, in the
+        background."""
+        world = self._worlds.get((world_size, backend, role))
+        if (world is None or not world.pids) and role == THREADS:
+            spawn.warm_forkserver()
 
     def _make_room(self, needed: int) -> None:
         if self.max_ranks is None:

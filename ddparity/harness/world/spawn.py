@@ -71,6 +71,32 @@ def start_method(backend: str, threads_per_rank: int, clean_start: bool = False)
     return "forkserver"
 
 
+_WARMING: threading.Thread | None = None
+
+
+def warm_forkserver() -> None:
+    """Start the forkserver in the background (once per process): it imports :data:`PRELOAD`
+    (about 5 s here), which a world started from it would otherwise wait for; started while
+    the reference trains, it is ready by then. A world that asks for it meanwhile waits on
+    multiprocessing's own lock around the start."""
+    global _WARMING
+    if _WARMING is not None:
+        return
+
+    def start() -> None:
+        from multiprocessing import forkserver
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        try:
+            forkserver.ensure_running()
+        except Exception:  # noqa: BLE001 - the world that needs it starts it, and reports its error
+            return
+        _clean_up_after_the_forkserver()
+
+    _WARMING = threading.Thread(target=start, name="ddparity-forkserver", daemon=True)
+    _WARMING.start()
+
+
 class JoinTimeout(Exception):
     """Forked ranks did not join in time (internal: the World retries from a forkserver)."""
 
