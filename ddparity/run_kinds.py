@@ -25,7 +25,7 @@ class RunKind:
 
     name: str
     title: str
-    """What it is, in a phrase (``--help``, docs)."""
+    """What it is, in a phrase (for a reader of the table)."""
     reference: bool = False
     """The one-device run every other is compared with (trained once per check)."""
     one_process: bool = False

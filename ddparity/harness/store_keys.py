@@ -62,8 +62,9 @@ class CheckPlan:
     """The replicated modes that cannot run here: their status and reason."""
     run: list[str]
     """The replicated modes every rank runs, in order."""
-    single: tuple[str, str | None, float] | None
-    """The reference's own run (status, reason, seconds), where ``single`` was asked for."""
+    single: tuple[str | None, float] | None
+    """The reference's own run (why it failed, None where it passed; its seconds), where
+    ``single`` was asked for."""
 
     def encode(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -74,7 +75,7 @@ class CheckPlan:
         single = data["single"]
         return cls(data["spool"], data["nonce"], data["node"],
                    {mode: (status, reason) for mode, (status, reason) in data["skipped"].items()},
-                   list(data["run"]), (single[0], single[1], float(single[2])) if single else None)
+                   list(data["run"]), (single[0], float(single[1])) if single else None)
 
 
 def result(stage: int, rank: int) -> str:

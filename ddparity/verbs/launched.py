@@ -247,12 +247,12 @@ class _LaunchedCheck:
                                          self.valid, self.policy if kind(mode).sharded else None))
         return self._emit(report)
 
-    def _single_run(self) -> tuple[str, str | None, float] | None:
+    def _single_run(self) -> tuple[str | None, float] | None:
         """The reference's run as rank 0 saw it (any rank may have to report it)."""
         if not asked(self.opts.modes, "reference") or self.reference is None:
             return None
         blowup = self.blowup
-        return ("error" if blowup else "pass", blowup.reason() if blowup else None, self.ref_seconds)
+        return (blowup.reason() if blowup else None, self.ref_seconds)
 
     def _report(self) -> Report:
         from ddparity.verbs.check import reference_run
@@ -260,7 +260,7 @@ class _LaunchedCheck:
         report = Report(self.case.label)
         single = self.go.single if self.go else None
         if single:
-            _, reason, seconds = single
+            reason, seconds = single
             report.runs.extend(reference_run(self.case, self.opts, mode, None, self.ctx.backend, reason, seconds)
                                for mode in asked(self.opts.modes, "reference"))
         return report
