@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddparity import settings
+from ddparity import parsing, settings
 from ddparity.compile_spec import COMPILE_DDP
 from ddparity.errors import UsageError
 
@@ -118,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--demo", action="store_true", help="check the built-in reference models")
     chk.add_argument("--demo-faults", action="store_true",
                      help="run the built-in fault injections (hang, crash, desync, straggler) and show each report")
-    chk.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=settings.CHECK_MODES,
+    chk.add_argument("--modes", type=_text(parsing.parse_modes, "--modes"), default=settings.CHECK_MODES,
                      help=f"comma-separated, of single, dp, ddp, fsdp, hsdp (default {_csv(settings.CHECK_MODES)}; "
                           "dp is simulated without enough GPUs; fsdp and hsdp are FSDP2's fully_shard)")
-    chk.add_argument("--hsdp-shard", type=_text(settings.parse_count, "--hsdp-shard"), default=None, metavar="S",
+    chk.add_argument("--hsdp-shard", type=_text(parsing.parse_count, "--hsdp-shard"), default=None, metavar="S",
                      help=f"mode hsdp's shard size: a (W/S replicas, S shards) mesh (default: the Case's, else "
                           f"{settings.HSDP_SHARD})")
     chk.add_argument("--compile", default=None, metavar="BACKEND",
@@ -130,17 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--compile-ddp", default=None, choices=COMPILE_DDP, metavar="MODE",
                      help="Dynamo's DDP path for the compiled ddp runs: ddp_optimizer (the default: the graph split "
                           "at bucket boundaries) or python_reducer (all-reduces traced by compiled autograd)")
-    chk.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"), default=None,
+    chk.add_argument("--world-sizes", type=_text(parsing.parse_world_sizes, "--world-sizes"), default=None,
                      help=f"comma-separated, e.g. 1,2,4 (default {_csv(settings.CHECK_WORLD_SIZES)}; "
                           f"{_csv(settings.DEMO_FAULTS_WORLD_SIZES)} with --demo-faults)")
     chk.add_argument("--backend", type=_text(settings.validate_backend, "--backend"), default="auto",
                      help="auto | gloo | nccl | threaded (simulated ranks: threads in one process); default auto: "
                           "nccl with a GPU per rank, else gloo, threaded above this machine's rank limit")
-    chk.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=None,
+    chk.add_argument("--steps", type=_text(parsing.parse_count, "--steps"), default=None,
                      help="override the Case's number of steps (default: the Case's)")
-    chk.add_argument("--tolerance", type=_text(settings.parse_tolerance, "--tolerance"), default="auto",
+    chk.add_argument("--tolerance", type=_text(parsing.parse_tolerance, "--tolerance"), default="auto",
                      help="auto (calibrated noise floor, the default) or a relative tolerance (0 = bit-exact)")
-    chk.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=None,
+    chk.add_argument("--timeout", type=_text(parsing.parse_timeout, "--timeout"), default=None,
                      help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g}; "
                           f"{settings.DEMO_FAULTS_TIMEOUT_S:g} with --demo-faults)")
     chk.add_argument("--json", metavar="PATH", help=json_help)
@@ -150,19 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
                  "world size, and the state (parameters, gradients, optimizer) a rank holds.", PROFILE_EXAMPLES)
     prof.add_argument("target", nargs="?", help=target_help)
     prof.add_argument("--demo", action="store_true", help="profile the built-in wide MLP (several buckets)")
-    prof.add_argument("--modes", type=_text(settings.parse_modes, "--modes"), default=("ddp",),
+    prof.add_argument("--modes", type=_text(parsing.parse_modes, "--modes"), default=("ddp",),
                       help="comma-separated, of ddp, fsdp, hsdp (default ddp)")
-    prof.add_argument("--hsdp-shard", type=_text(settings.parse_count, "--hsdp-shard"), default=None, metavar="S",
+    prof.add_argument("--hsdp-shard", type=_text(parsing.parse_count, "--hsdp-shard"), default=None, metavar="S",
                       help=f"mode hsdp's shard size (default: the Case's, else {settings.HSDP_SHARD})")
-    prof.add_argument("--world-sizes", type=_text(settings.parse_world_sizes, "--world-sizes"),
+    prof.add_argument("--world-sizes", type=_text(parsing.parse_world_sizes, "--world-sizes"),
                       default=None,
                       help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")
     prof.add_argument("--backend", default="auto", help="auto | gloo | nccl (real rank processes; default auto)")
-    prof.add_argument("--steps", type=_text(settings.parse_count, "--steps"), default=settings.PROFILE_STEPS,
+    prof.add_argument("--steps", type=_text(parsing.parse_count, "--steps"), default=settings.PROFILE_STEPS,
                       help=f"measured iterations per world size (default {settings.PROFILE_STEPS})")
-    prof.add_argument("--warmup", type=_text(settings.parse_count, "--warmup", 0), default=settings.PROFILE_WARMUP,
+    prof.add_argument("--warmup", type=_text(parsing.parse_count, "--warmup", 0), default=settings.PROFILE_WARMUP,
                       help=f"iterations run first and not measured (default {settings.PROFILE_WARMUP})")
-    prof.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+    prof.add_argument("--timeout", type=_text(parsing.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
                       help=f"{settings.TIMEOUT_HELP} (default {settings.TIMEOUT_S:g})")
     prof.add_argument("--json", metavar="PATH", help=json_help)
     prof.add_argument("--plot", metavar="PATH.png", help="draw step time (compute, exposed communication), "
@@ -171,15 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                "A pre-deployment check: every rank joins, every collective returns the right values, each "
                "device computes right and as fast as the others, versions match, and the all-reduce bus "
                "bandwidth is measured (against a floor with --min-busbw).", HEALTH_EXAMPLES)
-    hl.add_argument("--world-size", type=_text(settings.parse_count, "--world-size"), default=None,
+    hl.add_argument("--world-size", type=_text(parsing.parse_count, "--world-size"), default=None,
                     help="local ranks (default: one per GPU, else 2 CPU ranks); under torchrun, torchrun decides")
     hl.add_argument("--backend", default="auto", help="auto | gloo | nccl (default auto)")
-    hl.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
+    hl.add_argument("--timeout", type=_text(parsing.parse_timeout, "--timeout"), default=settings.TIMEOUT_S,
                     help=f"seconds a rank may wait before the check counts as a hang (default {settings.TIMEOUT_S:g})")
-    hl.add_argument("--min-busbw", type=_text(settings.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
+    hl.add_argument("--min-busbw", type=_text(parsing.parse_gbps, "--min-busbw"), default=None, metavar="GBPS",
                     help="fail when the all-reduce bus bandwidth at the largest size is below this (GB/s; "
                          "default: measured, not judged)")
-    hl.add_argument("--sizes", type=_text(settings.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
+    hl.add_argument("--sizes", type=_text(parsing.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
                     help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
     hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
     wt = _verb(sub, "watch", "run your unmodified training script on every rank, watched for hangs, crashes and desync",
@@ -188,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                "compared across the ranks that hold the same replica: a hang, a crash, a mismatched collective "
                "or replicas drifting apart are reported live, like a check's. The script's output and exit code "
                "pass through when nothing is found.", WATCH_EXAMPLES)
-    wt.add_argument("--nproc-per-node", type=_text(settings.parse_count, "--nproc-per-node"), default=None,
+    wt.add_argument("--nproc-per-node", type=_text(parsing.parse_count, "--nproc-per-node"), default=None,
                     metavar="N", help="start N ranks on this machine (outside torchrun; under torchrun, torchrun "
                                       "decides)")
-    wt.add_argument("--timeout", type=_text(settings.parse_timeout, "--timeout"), default=settings.WATCH_TIMEOUT_S,
+    wt.add_argument("--timeout", type=_text(parsing.parse_timeout, "--timeout"), default=settings.WATCH_TIMEOUT_S,
                     help=f"seconds a rank may stand still (no collective, no optimizer step, its Python not moving) "
                          f"before it counts as a hang (default {settings.WATCH_TIMEOUT_S:g})")
     wt.add_argument("--json", metavar="PATH", help="write the JSON report (version 1) to PATH (rank 0 under torchrun)")

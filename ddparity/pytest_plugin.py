@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from ddparity import settings
+from ddparity import parsing, settings
 from ddparity.errors import UsageError
 from ddparity.run_kinds import kind
 
@@ -56,11 +56,11 @@ class PluginSettings:
             return None, "default"
 
         parsers = {
-            "world_sizes": settings.parse_world_sizes,
+            "world_sizes": parsing.parse_world_sizes,
             "backend": lambda text, where: settings.validate_backend(text, where),
-            "timeout": settings.parse_timeout,
+            "timeout": parsing.parse_timeout,
             "report": lambda text, where: text,
-            "max_ranks": settings.parse_max_ranks,
+            "max_ranks": parsing.parse_max_ranks,
         }
         values: dict[str, Any] = {}
         for name, parse in parsers.items():

@@ -4,8 +4,8 @@ the CLI and the pytest plugin share.
 Each validator takes the value and ``where`` it came from (``--timeout``,
 ``$DDPARITY_TIMEOUT``, ``check()``) and raises :class:`UsageError` as
 ``"{where}: {problem}, got {value!r}"`` (pytest-timeout's ``_validate_timeout(value,
-where)``). ``parse_*`` turn text (the CLI, environment variables, ini files) into values
-and validate them; ``validate_*`` check values given to the Python API.
+where)``). ``validate_*`` check values given to the Python API; text (the CLI, environment
+variables, ini files) is read by :mod:`ddparity.parsing`'s ``parse_*`` into the same values.
 
 A leaf module: it imports nothing from the harness, and not torch.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ddparity.errors import UsageError
@@ -157,7 +157,7 @@ MIN_TIMEOUT_S = 1.0
 clean step for a hang."""
 
 
-def _timeout_problem(value: float) -> str | None:
+def timeout_problem(value: float) -> str | None:
     if not math.isfinite(value):
         return "must be a finite number of seconds (an infinite one would never report a hang)"
     if not value >= MIN_TIMEOUT_S:
@@ -167,13 +167,13 @@ def _timeout_problem(value: float) -> str | None:
 
 
 def validate_timeout(timeout: Any, where: str) -> float:
-    problem = _timeout_problem(timeout) if _is_number(timeout) else "must be a positive number of seconds"
+    problem = timeout_problem(timeout) if _is_number(timeout) else "must be a positive number of seconds"
     if problem:
         raise UsageError(f"{where}: timeout {problem}, got {timeout!r}")
     return timeout
 
 
-def _tolerance_ok(value: float) -> bool:
+def tolerance_ok(value: float) -> bool:
     """A relative tolerance compares: finite, >= 0 (0 = bit-exact) and below 1 (1 would pass
     a tensor that is all zeros, or twice its size)."""
     return math.isfinite(value) and 0 <= value < 1
@@ -185,7 +185,7 @@ TOLERANCE_HELP = "tolerance must be 'auto' or a relative tolerance 0 <= t < 1 (0
 def validate_tolerance(tolerance: Any, where: str) -> str | float:
     if tolerance == "auto":
         return "auto"
-    if not _is_number(tolerance) or not _tolerance_ok(tolerance):
+    if not _is_number(tolerance) or not tolerance_ok(tolerance):
         raise UsageError(f"{where}: {TOLERANCE_HELP}, got {tolerance!r}")
     return tolerance
 
@@ -213,90 +213,6 @@ def validate_sizes_mib(sizes: Any, where: str) -> tuple[float, ...]:
     sizes = tuple(sizes)
     if not sizes or any(not _is_number(s) or not s > 0 for s in sizes):
         raise UsageError(f"{where}: message sizes must be positive MiB, got {sizes!r}")
-    return sizes
-
-
-# -- parsers (text from the CLI, the environment, ini files) -------------------------------
-
-
-def _split(text: str) -> list[str]:
-    return [part.strip() for part in text.replace(" ", ",").split(",") if part.strip()]
-
-
-def parse_world_sizes(text: str, where: str) -> tuple[int, ...]:
-    if any(not part.strip() for part in text.split(",")):
-        raise UsageError(f"{where}: an empty world size in {text!r}; give integers separated by commas, e.g. 1,2,4")
-    try:
-        sizes = tuple(int(part) for part in _split(text))
-    except ValueError:
-        raise UsageError(f"{where}: {text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
-    if not sizes or any(ws < 1 for ws in sizes):
-        raise UsageError(f"{where}: world sizes must be integers >= 1 separated by commas, got {text!r}")
-    return sizes
-
-
-def parse_modes(text: str, where: str) -> tuple[str, ...]:
-    return validate_modes(_split(text), where)
-
-
-def parse_timeout(text: str, where: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{where}: timeout must be a positive number of seconds, got {text!r}") from None
-    problem = _timeout_problem(value)
-    if problem:
-        raise UsageError(f"{where}: timeout {problem}, got {text!r}")
-    return value
-
-
-def parse_tolerance(text: str, where: str) -> str | float:
-    if text == "auto":
-        return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not _tolerance_ok(value):
-        raise UsageError(f"{where}: {TOLERANCE_HELP}, got {text!r}")
-    return value
-
-
-def parse_count(text: str, where: str, least: int = 1) -> int:
-    """A positive (``least=1``) or non-negative (``least=0``) integer."""
-    kind = "a positive integer" if least == 1 else f"an integer >= {least}"
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{where}: expected {kind}, got {text!r}") from None
-    if value < least:
-        raise UsageError(f"{where}: expected {kind}, got {text!r}")
-    return value
-
-
-def parse_max_ranks(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"{where}: max ranks must be an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def parse_gbps(text: str, where: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{where}: expected GB/s as a number, got {text!r}") from None
-    if not value >= 0:
-        raise UsageError(f"{where}: expected GB/s >= 0, got {text!r}")
-    return value
-
-
-def parse_sizes_mib(text: str, where: str) -> tuple[float, ...]:
-    try:
-        sizes = tuple(float(part) for part in _split(text))
-    except ValueError:
-        raise UsageError(f"{where}: {text!r} is not a comma-separated list of MiB, e.g. 1,8,32") from None
-    if not sizes or any(not s > 0 for s in sizes):
-        raise UsageError(f"{where}: message sizes must be positive MiB, got {text!r}")
     return sizes
 
 
@@ -347,6 +263,18 @@ class CheckOptions:
                                  f"(this is {'.'.join(map(str, torch_release()))}); upgrade torch, or check eagerly")
             out["compile"] = validate_compile(values.get("compile"), values.get("compile_ddp"), where)
         return cls(**out)
+
+    def for_case(self, case: Any) -> CheckOptions:
+        """These options with mode hsdp's shard size resolved for ``case``, once: the
+        option's, else the Case's, else :data:`HSDP_SHARD`."""
+        return replace(self, hsdp_shard=self.hsdp_shard or case.hsdp_shard or HSDP_SHARD)
+
+    @property
+    def shard(self) -> int:
+        """Mode hsdp's shard size, as :meth:`for_case` resolved it."""
+        if self.hsdp_shard is None:
+            raise RuntimeError("CheckOptions.shard read before the options were resolved for a case (for_case)")
+        return self.hsdp_shard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,7 +13,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "ddparity"
 MAX_LINES = 400
 LEAVES = ("ddparity.errors", "ddparity.settings", "ddparity.compile_spec", "ddparity.case", "ddparity.distances", "ddparity.records", "ddparity.frames",
-          "ddparity.measurements", "ddparity.verdicts", "ddparity.run_kinds")
+          "ddparity.measurements", "ddparity.verdicts", "ddparity.run_kinds",
+          "ddparity.parsing")
 """Value types: they import nothing from ddparity but each other."""
 JUDGING_OR_REPORTING = ("ddparity.checks", "ddparity.verbs", "ddparity.report", "ddparity.render",
                         "ddparity.cli", "ddparity.pytest_plugin", "ddparity.plot")

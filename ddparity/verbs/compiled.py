@@ -9,18 +9,21 @@ Every selected mode runs eager and compiled; a compiled row carries ``compile`` 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddparity.case import Case
-from ddparity.checks.equivalence import NonFinite, divergences, worst
+from ddparity.checks.equivalence import divergences, worst
 from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
 from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_task
+from ddparity.run_kinds import MODES, kind
 from ddparity.settings import CheckOptions
-from ddparity.verbs.plan import check_repro, failure_run
+from ddparity.verbs.checking import Checking, mark
 from ddparity.verdicts import RunResult
+
+if TYPE_CHECKING:
+    from ddparity.case import Case
 
 DP_NOT_COMPILED = ("not compiled: DataParallel replicates the module on every forward, which torch.compile does "
                    "not support; PyTorch advises DDP (check --modes ddp --compile ...)")
@@ -32,24 +35,26 @@ SPLIT_SHOWN = 8
 """Bucket sizes listed in a note before ``...``."""
 
 
-def compiled_single(case: Case, opts: CheckOptions, spec: CompileSpec, world: Any, spool: Any,
-                    reference: Reference, blowup: NonFinite | None, tolerance: Any) -> tuple[RunResult, Distances | None]:
+def compiled_single(checking: Checking, spec: CompileSpec, world: Any,
+                    spool: Any) -> tuple[RunResult, Distances | None]:
     """The compiled single-device run's row, and its distances when they can be the compiled
     runs' noise floor (None when it failed or diverged: compiling itself then changes the
     training, and the compiled replica runs are judged against eager's noise alone)."""
+    case, opts, reference, blowup = checking.case, checking.opts, checking.reference, checking.blowup
+    assert reference is not None
     started = time.perf_counter()
-    repro = check_repro(case, opts, "single", 1, world.backend, spec)
+    repro = checking.repro(_reference_mode(opts), 1, world.backend, spec)
     exact = _float64_error(case, opts, world, spool) if opts.tolerance == "auto" else None
     try:
         [distances] = world.run(compiled_single_task, case, spool.path, spec, timeout=opts.timeout)
     except WorldFailure as exc:
-        return mark(failure_run("single", 1, world.backend, exc, time.perf_counter() - started, repro), spec), None
-    tol = tolerance(case, opts, reference, 1)
+        return checking.failed(_reference_mode(opts), 1, world.backend, exc, time.perf_counter() - started, spec), None
+    tol = checking.tolerance(1)
     if opts.tolerance == "auto":
         tol = compiled_tolerance(tol, reference, case.torch_dtype, exact)
     stop = blowup.step if blowup is not None else None
     found = divergences(reference, [distances], tol, until=stop)
-    run = mark(RunResult(mode="single", world_size=1, backend=world.backend,
+    run = mark(RunResult(mode=_reference_mode(opts), world_size=1, backend=world.backend,
                          status="diverged" if found else "pass", seconds=time.perf_counter() - started,
                          tolerance=tol.description, repro=repro), spec)
     compared_nothing(describe(run, [distances.compiled]))
@@ -98,27 +103,27 @@ def dropout_drawn(reference: Reference) -> str | None:
             f"dropout off (p=0, e.g. a config's dropout set to 0.0), eager runs compare it with dropout on")
 
 
-def refused_run(case: Case, opts: CheckOptions, spec: CompileSpec, mode: str, ws: int, backend: str,
-                reason: str) -> RunResult:
+def refused_run(checking: Checking, spec: CompileSpec, mode: str, ws: int, backend: str, reason: str) -> RunResult:
     """A compiled run that cannot be compared (``reason``): an ``error`` naming the fix."""
-    repro = check_repro(case, opts, mode, ws, backend, spec)
-    return mark(RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=reason, repro=repro),
-                spec)
+    return mark(RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=reason,
+                          repro=checking.repro(mode, ws, backend, spec)), spec)
 
 
-def mark(run: RunResult, spec: CompileSpec | None) -> RunResult:
-    """``run`` as a compiled one (``spec`` None: an eager one, left as it is)."""
-    if spec is None:
-        return run
-    run.compile = spec.for_mode(run.mode)
-    run.label = spec.label(run.mode)
-    return run
+def _reference_mode(opts: CheckOptions) -> str:
+    """The one-device mode: the reference's (``single``)."""
+    return next(m for m in MODES if kind(m).reference)
 
 
 def describe(run: RunResult, summaries: list[CompileSummary | None]) -> RunResult:
     """``run``'s notes and JSON ``compile`` with what compiling did (rank 0's summary)."""
-    summary = next((s for s in summaries if s is not None), None)
     run.notes += summary_notes(summaries)
+    return compile_figures(run, summaries)
+
+
+def compile_figures(run: RunResult, summaries: list[CompileSummary | None]) -> RunResult:
+    """``run``'s JSON ``compile`` with what compiling did (rank 0's summary): seconds,
+    graphs, ops, graph breaks."""
+    summary = next((s for s in summaries if s is not None), None)
     if summary is not None and run.compile is not None:
         run.compile.update(seconds=round(summary.seconds, 3), graphs=summary.graphs, ops=summary.ops,
                            graph_breaks=list(summary.graph_breaks))
@@ -138,8 +143,9 @@ def summary_notes(summaries: list[CompileSummary | None]) -> list[str]:
     else:
         notes.append("no graph break in your code")
     if summary.torch_breaks or summary.own_breaks:
-        wrapper = {"ddp": "DDP's forward", "fsdp": "FSDP's hooks", "hsdp": "FSDP's hooks"}.get(summary.mode)
-        eager = {"ddp": "runs", "fsdp": "run", "hsdp": "run"}.get(summary.mode, "")
+        row = kind(summary.mode) if summary.mode in MODES else None
+        wrapper = ("DDP's forward" if row.buckets else "FSDP's hooks" if row.sharded else None) if row else None
+        eager = ("runs" if row.buckets else "run") if wrapper and row else ""
         own = f"{summary.own_breaks} at ddparity's recording" if summary.own_breaks else ""
         theirs = f"{summary.torch_breaks} in {wrapper or 'torch'}" if summary.torch_breaks else ""
         notes.append(f"{summary.torch_breaks + summary.own_breaks} graph break(s) outside the model's own code "

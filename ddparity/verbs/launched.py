@@ -30,8 +30,6 @@ from typing import Any, NoReturn
 
 from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
-from ddparity.checks.equivalence import NonFinite, first_non_finite
-from ddparity.distances import Distances, Reference
 from ddparity.errors import Exit, UsageError, WorldFailure
 from ddparity.harness import store_keys
 from ddparity.harness.launch import torchrun
@@ -39,7 +37,7 @@ from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions, needs_newer_torch
-from ddparity.verbs.plan import check_repro
+from ddparity.verbs.checking import Checking
 from ddparity.verdicts import RunResult
 
 NONCE = "nonce"
@@ -85,19 +83,15 @@ class _LaunchedCheck:
     is rank 0's reference; stage 2 + i every rank's run of the i-th replica mode asked for
     (ddp, fsdp, hsdp, in that order)."""
 
-    def __init__(self, case: Case, opts: CheckOptions, emit: Callable[[Report], None]) -> None:
-        self.case, self.opts, self._emit_to = case, opts, emit
-        self.modes = [m for m in REPLICA_MODES if m in opts.modes]
-        self.world = everyone(opts.backend, opts.timeout, self._report_failure, stages=1 + len(self.modes))
+    def __init__(self, checking: Checking, emit: Callable[[Report], None]) -> None:
+        self.checking, self.case, self.opts, self._emit_to = checking, checking.case, checking.opts, emit
+        self.modes = [m for m in REPLICA_MODES if m in self.opts.modes]
+        self.world = everyone(self.opts.backend, self.opts.timeout, self._report_failure, stages=1 + len(self.modes))
         self.launch, self.ctx, self.recorder, self.watch = (self.world.launch, self.world.ctx, self.world.recorder,
                                                             self.world.watch)
         self.started = time.perf_counter()
-        self.reference: Reference | None = None
-        self.policy: Distances | None = None
-        self.blowup: NonFinite | None = None
         self.ref_seconds = 0.0
         self.go: store_keys.CheckPlan | None = None
-        self.valid: dict[str, list[int]] = {}
         self.spool_path = ""
         self.state: Any = None
         self.mode_started: dict[str, float] = {}
@@ -108,28 +102,27 @@ class _LaunchedCheck:
         from ddparity.harness.ranks.rank import released
         from ddparity.harness.ranks.spool import Spool
         from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
-        from ddparity.verbs.check import policy_noise, sharded
-        from ddparity.verbs.plan import cannot_run
 
-        case, ctx, store = self.case, self.ctx, self.launch.store
+        checking, case, ctx, store = self.checking, self.case, self.ctx, self.launch.store
         self.recorder.begin_task(1)
         self.spool = Spool(janitor=True)
         self.watch.on_exit.append(self.spool.close)
         skipped: dict[str, tuple[str, str | None]] = {}
         with torchrun.alone(ctx.backend):
-            sizes, self.valid = prepare_task(ctx, case, self.spool.path)
+            sizes, valid = prepare_task(ctx, case, self.spool.path)
             for mode in self.modes:  # GPUs: the launch's own
-                unrunnable = cannot_run(case, self.opts, "gloo", ctx.world_size, sizes, mode)
+                unrunnable = checking.cannot_run("gloo", ctx.world_size, sizes, mode)
                 if unrunnable is not None:
                     skipped[mode] = (unrunnable.status, unrunnable.reason)
             if len(skipped) < len(self.modes) or not self.modes:
-                self.reference = reference_task(ctx, case, self.spool.path, (ctx.world_size,), sharded(self.opts))
+                checking.referenced(reference_task(ctx, case, self.spool.path, (ctx.world_size,), checking.sharded),
+                                    valid)
                 self.ref_seconds = time.perf_counter() - self.started
-                self.blowup = first_non_finite(self.reference)
-            if case.fsdp is not None and any(kind(m).sharded and m not in skipped for m in self.modes):
+            policy = [m for m in self.modes if kind(m).sharded and not kind(m).mesh]
+            if case.fsdp is not None and policy and any(kind(m).sharded and m not in skipped for m in self.modes):
                 released()
                 alone = dataclasses.replace(ctx, world_size=1)
-                self.policy = policy_noise(replica_task(alone, case, self.spool.path, "fsdp", 1))
+                checking.policy_noise(replica_task(alone, case, self.spool.path, policy[0], 1))
         released()
         self.recorder.end_task()
         nonce = secrets.token_hex(16)
@@ -179,7 +172,6 @@ class _LaunchedCheck:
         """Every rank's run of ``mode``, compared step by step with the reference."""
         from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
         from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, replica_task
-        from ddparity.verbs.plan import hsdp_shard
 
         ctx = self.ctx
         self.watch.stage = 2 + index
@@ -192,7 +184,7 @@ class _LaunchedCheck:
             remote = None
         self.recorder.begin_task(2 + index)
         open_step = remote.open_step if remote else None
-        shard_size = kind(mode).shard_size(ctx.world_size, hsdp_shard(self.case, self.opts))
+        shard_size = kind(mode).shard_size(ctx.world_size, self.opts.shard)
         distances = replica_task(ctx, self.case, self.spool_path, mode, shard_size, open_step=open_step,
                                  state=self.state)
         self.recorder.end_task()
@@ -219,7 +211,6 @@ class _LaunchedCheck:
         """Rank 0, once every rank published its distances of the last mode (the others
         wait for the verdict)."""
         from ddparity.harness.sidechannel import TaskChannel
-        from ddparity.verbs.check import judge_ddp
 
         store, n = self.launch.store, self.ctx.world_size
         ran = self.go.run if self.go else []
@@ -230,7 +221,7 @@ class _LaunchedCheck:
         report = self._report()
         served = [r for r in range(n) if store.get(store_keys.reference_read(r)).decode() == store_keys.SERVED] if ran \
             else []
-        assert self.reference is not None or not ran
+        assert self.checking.reference is not None or not ran
         for mode in self.modes:
             if mode not in ran:
                 report.runs.append(self._skipped(mode))
@@ -242,27 +233,22 @@ class _LaunchedCheck:
             if served:
                 run.notes.append(f"rank(s) {served} (not on rank 0's node) compared against the reference served "
                                  f"by rank 0 over the network")
-            assert self.reference is not None
-            report.runs.append(judge_ddp(self.case, self.opts, run, runs, records, self.reference, self.blowup,
-                                         self.valid, self.policy if kind(mode).sharded else None))
+            report.runs.append(self.checking.judge(run, runs, records))
         return self._emit(report)
 
     def _single_run(self) -> tuple[str | None, float] | None:
         """The reference's run as rank 0 saw it (any rank may have to report it)."""
-        if not asked(self.opts.modes, "reference") or self.reference is None:
+        if not asked(self.opts.modes, "reference") or self.checking.reference is None:
             return None
-        blowup = self.blowup
+        blowup = self.checking.blowup
         return (blowup.reason() if blowup else None, self.ref_seconds)
 
     def _report(self) -> Report:
-        from ddparity.verbs.check import reference_run
-
         report = Report(self.case.label)
         single = self.go.single if self.go else None
         if single:
             reason, seconds = single
-            report.runs.extend(reference_run(self.case, self.opts, mode, None, self.ctx.backend, reason, seconds)
-                               for mode in asked(self.opts.modes, "reference"))
+            report.runs += self.checking.reference_rows(self.ctx.backend, seconds, reason)
         return report
 
     def _skipped(self, mode: str) -> RunResult:
@@ -270,31 +256,21 @@ class _LaunchedCheck:
         status, reason = self.go.skipped.get(mode) or (
             "skipped", "not run: the launch ended at an earlier mode's failure")
         return RunResult(mode=mode, world_size=self.ctx.world_size, backend=self.ctx.backend, status=status,
-                         reason=reason, repro=check_repro(self.case, self.opts, mode, None, self.ctx.backend))
+                         reason=reason, repro=self.checking.repro(mode, self.ctx.world_size, self.ctx.backend))
 
     def _replica_run(self, mode: str, status: str) -> RunResult:
         ctx = self.ctx
-        run = RunResult(mode=mode, world_size=ctx.world_size, backend=ctx.backend, status=status,
-                        seconds=time.perf_counter() - self.mode_started.get(mode, self.started),
-                        repro=check_repro(self.case, self.opts, mode, None, ctx.backend))
-        run.notes.append(f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})")
-        from ddparity.verbs.plan import hsdp_shard
-
-        mesh = kind(mode).mesh_note(ctx.world_size, hsdp_shard(self.case, self.opts))
-        if mesh:
-            run.notes.append(mesh)
-        return run
+        return self.checking.replica_row(
+            mode, ctx.world_size, ctx.backend, time.perf_counter() - self.mode_started.get(mode, self.started), status,
+            said=[f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})"])
 
     def _report_failure(self, exc: WorldFailure, stage: int) -> int:
-        from ddparity.verbs.check import case_failed
         from ddparity.verbs.plan import failure
 
         report = Report(self.case.label)
         if stage == 1:
-            case_failed(report, self.case, self.opts, self.ctx.backend, exc, time.perf_counter() - self.started)
-            for run in report.runs:
-                run.repro = check_repro(self.case, self.opts, run.mode, None, self.ctx.backend)
-            return self._emit(report)
+            return self._emit(self.checking.failed_everywhere(report, self.ctx.backend, exc,
+                                                              time.perf_counter() - self.started))
         report = self._report()
         failed = self.modes[stage - 2]
         for mode in self.modes:
@@ -320,8 +296,7 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     """This process's part of ``check`` in a launch; rank 0 (or the lowest rank alive)
     hands the report to ``emit`` (print it, write the JSON); every process exits with the
     verdict's code."""
-    case = case.with_steps(opts.steps).validate()
-    me = _LaunchedCheck(case, opts, emit)
+    me = _LaunchedCheck(Checking.of(case, opts, launched=True), emit)
     rank = me.ctx.rank
     try:
         go = me.reference_stage() if rank == 0 else me.wait_for_reference()

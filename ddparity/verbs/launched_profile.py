@@ -28,7 +28,6 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     from ddparity.harness.ranks.tasks import profile_task
     from ddparity.harness.ranks.training import initial_state
     from ddparity.report import ProfileReport
-    from ddparity.verbs.plan import hsdp_shard as shard_size
     from ddparity.verbs.profile import failed_run, one_rank_note
 
     if backend == "threaded":
@@ -39,7 +38,7 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     if any(m not in REPLICA_MODES for m in opts.modes):
         raise UsageError("profile times ddp, fsdp and hsdp (--modes); single and dp have no communication to time")
     case = case.validate()
-    shard = shard_size(case, opts)
+    shard = opts.for_case(case).shard
     ran = [m for m in opts.modes if kind(m).skip_reason(opts.world_sizes[0], shard) is None]
     started = time.perf_counter()
     runs: list[Any] = []

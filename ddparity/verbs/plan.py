@@ -15,7 +15,7 @@ from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, Wor
 from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness.world import rendezvous
 from ddparity.run_kinds import kind
-from ddparity.settings import HSDP_SHARD, PROFILE_MODES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
+from ddparity.settings import PROFILE_MODES, REAL_RANKS_LIMIT, TIMEOUT_S, CheckOptions
 from ddparity.verdicts import Failure, RunResult
 
 # -- planning ----------------------------------------------------------------------------
@@ -51,14 +51,13 @@ def cannot_run(case: Case, opts: CheckOptions, backend: str, ws: int, sizes: lis
     ``compiled``: its CompileSpec) at ``ws`` which cannot happen here (a batch that cannot
     be sharded, too few GPUs, a mesh the world size does not fit, simulated ranks compiled);
     None when it can run."""
-    shard = hsdp_shard(case, opts)
     repro = check_repro(case, opts, mode, ws, backend, compiled)
     if compiled is not None and backend == "threaded":
         return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, simulated=True,
                          reason=f"compiled runs need real rank processes: Dynamo's caches and compiled autograd are "
                                 f"per process, and simulated ranks are threads of one; check compiled at world "
                                 f"sizes up to {REAL_RANKS_LIMIT} (real processes)")
-    skip = kind(mode).skip_reason(ws, shard)
+    skip = kind(mode).skip_reason(ws, opts.shard)
     if skip is not None:
         return RunResult(mode=mode, world_size=ws, backend=backend, status="skipped", repro=repro, reason=skip)
     if any(size < 1 for size in sizes):
@@ -152,7 +151,7 @@ def check_repro(case: Case, opts: CheckOptions, mode: str, ws: int | None, backe
     world size torchrun decides), backend, steps, tolerance, a timeout other than the
     default, and ``compiled`` (the CompileSpec of a compiled run). Local and launched checks
     alike."""
-    row, shard = kind(mode), hsdp_shard(case, opts)
+    row, shard = kind(mode), opts.hsdp_shard
     timeout = opts.timeout if opts.timeout != TIMEOUT_S else None
     if case.target or ws is None:
         program, sizes = ("ddparity", f" --world-sizes {ws}") if ws is not None else (LAUNCHED, "")
@@ -166,11 +165,6 @@ def check_repro(case: Case, opts: CheckOptions, mode: str, ws: int | None, backe
         f"ddparity.check(case, modes=({mode!r},), world_sizes=({ws},), backend={backend!r}, "
         f"tolerance={opts.tolerance!r}{options})  # seed={case.seed}, steps={case.steps}"
     )
-
-
-def hsdp_shard(case: Case, opts: CheckOptions) -> int:
-    """Mode hsdp's shard size: the option's, else the Case's, else the default."""
-    return opts.hsdp_shard or case.hsdp_shard or HSDP_SHARD
 
 
 def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float, mode: str = PROFILE_MODES[0],

@@ -30,7 +30,7 @@ from ddparity.settings import (
     CheckOptions,
     validate_count,
 )
-from ddparity.verbs.plan import cannot_run, choose_backend, failure, hsdp_shard, profile_repro
+from ddparity.verbs.plan import cannot_run, choose_backend, failure, profile_repro
 
 
 def profile(
@@ -62,6 +62,7 @@ def profile(
         raise UsageError(f"profile() times ddp, fsdp and hsdp; not {', '.join(unprofiled)} (single and dp have no "
                          f"communication of their own to time)")
     case = case.validate()
+    opts = opts.for_case(case)
     chosen = choose_backend(opts.backend, opts.world_sizes)
     pool = pool or default_pool()
     report = ProfileReport(case.label)
@@ -75,12 +76,12 @@ def profile(
                            for mode in opts.modes for ws in opts.world_sizes]
             for run in report.runs:
                 run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout, run.mode,
-                                          shard(case, opts))
+                                          shard(opts))
             return report
         for mode in opts.modes:
             for ws in opts.world_sizes:
                 run = _profile_one(case, opts, chosen, (mode, ws), spool.path, batch_sizes, steps, warmup, pool)
-                run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout, mode, shard(case, opts))
+                run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout, mode, shard(opts))
                 report.runs.append(run)
     add_scaling(report.runs)
     return report
@@ -100,7 +101,7 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[st
         return WorldProfile(world_size=ws, backend=backend, mode=mode, status=unrunnable.status,
                             reason=unrunnable.reason)
     try:
-        outcomes = pool.get(ws, backend).run(profile_task, case, state, steps, warmup, mode, shard(case, opts),
+        outcomes = pool.get(ws, backend).run(profile_task, case, state, steps, warmup, mode, shard(opts),
                                              timeout=opts.timeout)
     except WorldStartError as exc:
         return WorldProfile(world_size=ws, backend=backend, mode=mode, status="error", reason=str(exc),
@@ -114,7 +115,7 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[st
         run.notes.append(f"oversubscribed: {ws} ranks on {cpus} CPUs; communication waits for descheduled ranks")
     if ws == 1:
         run.notes.append(one_rank_note(mode))
-    mesh = kind(mode).mesh_note(ws, shard(case, opts))
+    mesh = kind(mode).mesh_note(ws, shard(opts))
     if mesh:
         run.notes.append(mesh)
     return run
@@ -129,9 +130,9 @@ def one_rank_note(mode: str) -> str:
             "out of the all-gather and reduce-scatter buffers, local collectives), the floor for larger worlds")
 
 
-def shard(case: Case, opts: CheckOptions) -> int:
-    """Mode hsdp's shard size (0 where no run on a (replicate, shard) mesh is asked for)."""
-    return hsdp_shard(case, opts) if any(kind(m).mesh for m in opts.modes) else 0
+def shard(opts: CheckOptions) -> int:
+    """Mode hsdp's shard size, resolved (0 where no run on a (replicate, shard) mesh is asked for)."""
+    return opts.shard if any(kind(m).mesh for m in opts.modes) else 0
 
 
 def failed_run(ws: int, backend: str, exc: WorldFailure, seconds: float, mode: str = "ddp") -> WorldProfile:

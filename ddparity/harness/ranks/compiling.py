@@ -31,8 +31,31 @@ COMPILE_TICK_S = 1.0
 _WHERE = re.compile(r"in user code at (?P<file>[^\n]+?):(?P<line>\d+)\nGraph Break Reason: (?P<why>.*)", re.S)
 
 
+class Eager:
+    """An eager run, as the training loop sees a run (:class:`Compiled` is the other):
+    what the mode wrapped is called as it is, and ddparity's own hooks may sit on the model."""
+
+    traced = False
+    """Whether Dynamo traces what the step calls (then no hook of ddparity's may sit on the
+    model, nor a replaced dropout: they would be traced into its graphs)."""
+
+    def wrap(self, wrapped: Any) -> Any:
+        return wrapped
+
+    def __enter__(self) -> Eager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+EAGER = Eager()
+
+
 class Compiled:
     """One compiled run: ``wrap`` what the step calls; train inside ``with compiled:``."""
+
+    traced = True
 
     def __init__(self, spec: CompileSpec, mode: str) -> None:
         self.spec, self.mode = spec, mode

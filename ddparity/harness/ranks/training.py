@@ -26,7 +26,6 @@ emulated or real), ``ddp`` (also each simulated rank of the threaded backend) an
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
 from ddparity.harness.ranks.batches import batch_dims, batch_size, cast
+from ddparity.harness.ranks.compiling import EAGER, Compiled, Eager
 from ddparity.harness.ranks.draws import RandomDraws
 from ddparity.harness.ranks.randomness import AlignedDropout
 from ddparity.harness.ranks.stacked_rnn import stack_rnns
@@ -147,13 +147,14 @@ def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink
     ``sink`` as they are made (:mod:`ddparity.harness.ranks.spool`: the reference's are written,
     a run's compared with them), nothing is kept here. ``compiled``: a
     :class:`~ddparity.harness.ranks.compiling.Compiled`, when the step is to call
-    ``torch.compile`` of what the mode wrapped."""
-    with compiled if compiled is not None else contextlib.nullcontext():
-        return _train(case, state, device, mode, sink, compiled)
+    ``torch.compile`` of what the mode wrapped (None: :data:`~ddparity.harness.ranks.compiling.EAGER`)."""
+    run = compiled if compiled is not None else EAGER
+    with run:
+        return _train(case, state, device, mode, sink, run)
 
 
 def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None,
-           compiled: Any) -> Trained:
+           run: Eager | Compiled) -> Trained:
     import torch
 
     from ddparity.harness.ranks.spool import NoSink
@@ -161,26 +162,27 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec = mode.recorder
     rec.set_phase(-1, "build")
     model = prepared(case, state, device)
-    if mode.align_dropout and compiled is None:
+    own_hooks = not run.traced  # ddparity's hooks, dropouts and stacked RNNs on the model: eager runs only
+    if mode.align_dropout and own_hooks:
         stack_rnns(model)  # their inter-layer dropout aligned too, before any mode wraps them
     wrapped = mode.wrap(model)
     ctx = StepContext(mode.rank, mode.world_size, mode.name, device, sync_off=mode.sync_off(wrapped))
-    called = compiled.wrap(wrapped) if compiled is not None else wrapped
+    called = run.wrap(wrapped)
     replica = Replica(case, model, called, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
                       device, ctx, sink=sink if sink is not None else NoSink())
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
                                    lambda: replica.sink.grads(ctx.step, model))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
-    replica.precision = AutocastWatch(model, device) if kind(mode.name).reference and compiled is None else None
+    replica.precision = AutocastWatch(model, device) if kind(mode.name).reference and own_hooks else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes: list[int] = []
     drawn: list[tuple[Any, Any, Any]] = []  # kept only when the mode runs past the case's steps
     # compiled: torch's own dropout (a model that draws masks is not compared compiled, see
     # ddparity.verbs.compiled), so that Dynamo sees the model's own code, no hook of ours
-    dropout = AlignedDropout(model, case.seed, enabled=mode.align_dropout and compiled is None)
-    ticks = Ticks(model if compiled is None else None)  # a hook on every module: Dynamo would trace them all
+    dropout = AlignedDropout(model, case.seed, enabled=mode.align_dropout and own_hooks)
+    ticks = Ticks(model if own_hooks else None)  # a hook on every module: Dynamo would trace them all
     try:
         for step in range(mode.steps):
             rec.set_phase(step, "forward")

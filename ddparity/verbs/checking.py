@@ -1,0 +1,244 @@
+"""One check, wherever its ranks run: its plan, its reference, its noise floors, its judging
+and its reproduce lines, built once for a local check (:mod:`ddparity.verbs.check`: warm
+worlds of this machine) and a launched one (:mod:`ddparity.verbs.launched`: torchrun's
+processes). What differs between the two is where the ranks are and how their results
+come back; a :class:`Checking` turns those results into the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.case import Case
+from ddparity.checks.causes import likely_cause
+from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
+from ddparity.checks.judge import judge_completed
+from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
+from ddparity.compile_spec import CompileSpec
+from ddparity.distances import Distances, Reference
+from ddparity.errors import RankCrashed, WorldFailure
+from ddparity.report import Report
+from ddparity.run_kinds import REPLICA_MODES, asked, kind
+from ddparity.settings import CheckOptions
+from ddparity.verbs.plan import cannot_run, check_repro, failure_run
+from ddparity.verdicts import RunResult
+
+Planned = tuple[str, int, "CompileSpec | None"]
+"""One run a check asks for: its mode, world size and compile (None: eager)."""
+
+
+@dataclass
+class Checking:
+    """One check of ``case`` with ``opts`` (resolved for it: :meth:`of`); ``launched``: its
+    ranks are a torchrun launch's, whose world size torchrun decides (reproduce lines then
+    say so). The reference and what it implies arrive by :meth:`referenced`."""
+
+    case: Case
+    opts: CheckOptions
+    launched: bool = False
+    reference: Reference | None = None
+    blowup: NonFinite | None = None
+    """The reference's first NaN or inf, where it computed one: no run is compared past it."""
+    valid: dict[str, list[int]] = field(default_factory=dict)
+    """Per input, the steps whose batch it held (what a run's cause may blame)."""
+    policy: Distances | None = None
+    """The user's FSDP set-up on one rank against the reference: the sharded runs' noise
+    floor where its MixedPrecisionPolicy computes in a lower precision."""
+
+    @classmethod
+    def of(cls, case: Case, opts: CheckOptions, launched: bool = False) -> Checking:
+        """The check of ``case`` (its steps as ``opts`` say, validated), its options resolved."""
+        case = case.with_steps(opts.steps).validate()
+        return cls(case, opts.for_case(case), launched)
+
+    # -- the plan ----------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a sharded mode is checked: the reference then writes its optimizer's
+        state, which they compare (DDP's ranks publish theirs as fingerprints, compared
+        across ranks)."""
+        return any(kind(m).sharded for m in self.opts.modes)
+
+    def planned(self) -> list[Planned]:
+        """Every run asked for, in the order they are reported."""
+        opts = self.opts
+        compiles = (None, opts.compile) if opts.compile is not None else (None,)
+        plan: list[Planned] = [(mode, 1, spec) for mode in asked(opts.modes, "reference") for spec in compiles]
+        plan += [(mode, ws, None) for mode in asked(opts.modes, "one_process") for ws in opts.world_sizes]
+        plan += [(mode, ws, spec) for mode in REPLICA_MODES if mode in opts.modes for ws in opts.world_sizes
+                 for spec in compiles]
+        return plan
+
+    def repro(self, mode: str, ws: int, backend: str, spec: CompileSpec | None = None) -> str:
+        """The line that runs this one run again (under a launch: without the world size)."""
+        return check_repro(self.case, self.opts, mode, None if self.launched else ws, backend, spec)
+
+    def cannot_run(self, backend: str, ws: int, sizes: list[int], mode: str,
+                   spec: CompileSpec | None = None) -> RunResult | None:
+        """The row that stands for a run which cannot happen here (None: it can)."""
+        return cannot_run(self.case, self.opts, backend, ws, sizes, mode, spec)
+
+    # -- the reference -----------------------------------------------------------------
+
+    def referenced(self, reference: Reference, valid: dict[str, list[int]]) -> None:
+        self.reference, self.valid = reference, valid
+        self.blowup = first_non_finite(reference)
+
+    def reference_rows(self, backend: str, seconds: float, blowup: str | None) -> list[RunResult]:
+        """The reference's own rows (an ``error`` where it computed a NaN or inf:
+        ``blowup``, its reason)."""
+        return [RunResult(mode=mode, world_size=1, backend=backend, status="error" if blowup else "pass",
+                          reason=blowup, seconds=seconds, tolerance="reference",
+                          repro=self.repro(mode, 1, backend) if blowup else "")
+                for mode in asked(self.opts.modes, "reference")]
+
+    def policy_noise(self, distances: Distances) -> None:
+        """The user's FSDP set-up on one rank, against the reference: kept as the noise of its
+        ``MixedPrecisionPolicy`` where it computes in a lower precision."""
+        self.policy = distances if distances.computed_dtype else None
+
+    def tolerance(self, ws: int, low: str | None = None,
+                  noise: list[dict[tuple[str, str], float]] | None = None) -> Any:
+        """The tolerance of a run at ``ws`` (``low``: the precision it computed in; ``noise``:
+        per step and tensor, what its set-up alone does to the numbers)."""
+        assert self.reference is not None
+        if self.opts.tolerance == "auto":
+            return auto_tolerance(self.reference, ws, self.case.torch_dtype, low, noise)
+        return fixed_tolerance(self.reference, float(self.opts.tolerance))
+
+    # -- rows --------------------------------------------------------------------------
+
+    def replica_row(self, mode: str, ws: int, backend: str, seconds: float, status: str = "pass",
+                    spec: CompileSpec | None = None, said: list[str] | tuple[str, ...] = ()) -> RunResult:
+        """The row of a replicated run, before judging: what ``said`` says of it, then its mesh."""
+        run = mark(RunResult(mode=mode, world_size=ws, backend=backend, status=status, seconds=seconds,
+                             repro=self.repro(mode, ws, backend, spec)), spec)
+        run.notes += said
+        mesh = kind(mode).mesh_note(ws, self.opts.shard)
+        if mesh:
+            run.notes.append(mesh)
+        return run
+
+    def failed(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float,
+               spec: CompileSpec | None = None) -> RunResult:
+        """A run that ``exc`` ended (a hang, a crash, an error)."""
+        return mark(failure_run(mode, ws, backend, exc, seconds, self.repro(mode, ws, backend, spec)), spec)
+
+    def failed_everywhere(self, report: Report, backend: str, exc: WorldFailure, elapsed: float) -> Report:
+        """The case cannot even run on one device: every run asked for shares that fate."""
+        for mode, ws, spec in self.planned():
+            run = self.failed(mode, ws, backend, exc, elapsed, spec)
+            if run.status == "crash" and not isinstance(exc, RankCrashed):
+                run.status = "error"  # raised by the user's code on a single device: bad input
+            report.runs.append(run)
+        return report
+
+    # -- judging -----------------------------------------------------------------------
+
+    def judge(self, run: RunResult, runs: list[Distances], records: dict[int, Any],
+              compile_noise: Distances | None = None) -> RunResult:
+        """A replicated run whose every rank finished: its distances to the reference
+        (``runs``, one per rank) and what the ranks left in the side channel (``records``)
+        judged; the policy's noise (sharded runs) and ``compile_noise`` (a compiled
+        single-device run's distances) are its noise too."""
+        assert self.reference is not None
+        ws, reference = run.world_size, self.reference
+        low = next((r.computed_dtype for r in runs if r.computed_dtype), None)
+        policy = self.policy if kind(run.mode).sharded and low else None
+        floors = [d.steps for d in (policy, compile_noise) if d is not None]
+        tol = self.tolerance(ws, low, _larger(floors) if floors else None)
+        stop = self._stop(tol)
+        found = divergences(reference, runs, tol, until=_until(stop))
+        run.tolerance = tol.description
+        run.worst = worst(found)
+        if tol.loose:
+            run.notes.append(tol.loose)
+        judged = judge_completed(run, records, found)
+        params = reference.params
+        unsharded = sorted({n for r in runs for n in r.unsharded})
+        cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
+                              mode=run.mode, unsharded=unsharded)
+                 if judged.status == "diverged"
+                 else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
+        if cause:
+            judged.notes.append(cause)
+        return _compared_up_to(judged, stop)
+
+    def judge_one_process(self, mode: str, ws: int, backend: str, distances: Distances, notes: dict[str, str],
+                          simulated: bool, seconds: float) -> RunResult:
+        """A run of DataParallel's replicas in one process (real on GPUs, else simulated),
+        with the pitfalls it saw (``notes``); its row names the device the reference world's
+        process ran it on (``backend``: that world's)."""
+        assert self.reference is not None
+        tol = self.tolerance(ws)
+        stop = self._stop(tol)
+        found = divergences(self.reference, [distances], tol, until=_until(stop))
+        device = "cuda" if backend == "nccl" else "cpu"
+        run = RunResult(mode=mode, world_size=ws, backend=device, status="diverged" if found else "pass",
+                        simulated=simulated, seconds=seconds, tolerance=tol.description,
+                        repro=self.repro(mode, ws, backend))
+        if found:
+            run.first_divergence, run.worst = found[0], worst(found)
+        run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
+        if tol.loose:
+            run.notes.append(tol.loose)
+        return _compared_up_to(run, stop)
+
+    def _stop(self, tol: Any) -> NonFinite | Uncalibrated | None:
+        """Where comparing ends: the reference's blow-up, or the first step no tolerance can
+        be calibrated for, whichever comes first."""
+        stops = [s for s in (self.blowup, tol.uncalibrated) if s is not None]
+        return min(stops, key=lambda s: s.step) if stops else None
+
+
+def mark(run: RunResult, spec: CompileSpec | None) -> RunResult:
+    """``run`` as a compiled one (``spec`` None: an eager one, left as it is)."""
+    if spec is None:
+        return run
+    run.compile = spec.for_mode(run.mode)
+    run.label = spec.label(run.mode)
+    return run
+
+
+def _until(stop: NonFinite | Uncalibrated | None) -> int | None:
+    """The step before which runs are compared: the stop's, but every step where the stop is
+    only imprecision (a tolerance looser than it should be is still a bound: a run beyond it
+    diverged)."""
+    if stop is None or (isinstance(stop, Uncalibrated) and stop.world_size):
+        return None
+    return stop.step
+
+
+def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> RunResult:
+    """A run compared only up to the reference's blow-up (or the end of calibration): never
+    a pass."""
+    if blowup is None:
+        return run
+    if (isinstance(blowup, NonFinite) and run.status == "desync" and run.desync is not None
+            and run.desync.step >= blowup.step):
+        run.status, run.desync = "pass", None  # replicas of NaN: their bits say nothing
+    if run.status == "pass":
+        matched = f"; steps before {blowup.step} matched" if blowup.step else ""
+        run.status, run.reason = "error", blowup.reason() + matched
+    elif isinstance(blowup, Uncalibrated) and blowup.world_size:
+        run.notes.append(f"judged within loose tolerances only: {blowup.reason()}")
+    else:
+        run.notes.append(f"compared up to step {blowup.step} only: {blowup.reason()}")
+    return run
+
+
+def _larger(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple[str, str], float]]:
+    """Per step and tensor, the larger of the noise floors' distances."""
+    out: list[dict[tuple[str, str], float]] = []
+    for steps in floors:
+        for step, distances in enumerate(steps):
+            if step == len(out):
+                out.append({})
+            for key, far in distances.items():
+                out[step][key] = max(out[step].get(key, 0.0), far)
+    return out
+
+
+__all__ = ["Checking", "Planned", "mark"]
