@@ -7,10 +7,11 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import dropout
+from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.modes.twin import TwinMode
-from ddparity.harness.ranks.spool import Comparer, Spool, Writer, write_state
+from ddparity.harness.ranks.spool import Spool, Writer, write_state
 from ddparity.harness.ranks.training import initial_state, train
 from tests.conftest import needs_newer_torch
 

@@ -69,7 +69,7 @@ def _declared(proto):
 
 def _implementations():
     from ddparity.harness import sidechannel as side
-    from ddparity.harness.ranks import spool, training
+    from ddparity.harness.ranks import comparer, spool, training
     from ddparity.harness.ranks.modes.ddp import DDPMode
     from ddparity.harness.ranks.modes.dp import DataParallelMode
     from ddparity.harness.ranks.modes.fsdp import FSDPMode
@@ -82,7 +82,7 @@ def _implementations():
     return [(recorder.StepRecorder, impl) for impl in (recorder.Recorder, ThreadRecorder, type(recorder.DISABLED))] + \
         [(side.RankEnd, impl) for impl in (side.RankChannel, side.FileRankChannel)] + \
         [(side.TaskEnd, impl) for impl in (side.TaskChannel, side.FileTaskChannel)] + \
-        [(training.Sink, impl) for impl in (spool.Writer, spool.Comparer, spool.NoSink)] + \
+        [(training.Sink, impl) for impl in (spool.Writer, comparer.Comparer, spool.NoSink)] + \
         [(training.Mode, impl) for impl in (SingleMode, TwinMode, DataParallelMode, DDPMode, TimedMode, FSDPMode)]
 
 

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ddparity.distances import distance, max_abs
-from ddparity.harness.ranks.spool import Comparer, ReferenceFailed, Spool, Writer
+from ddparity.harness.ranks.comparer import Comparer
+from ddparity.harness.ranks.spool import ReferenceFailed, Spool, Writer
 
 
 def _model():

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ddparity.harness.ranks.spool import STATE, Stored, mapped_bytes, typed, wait_for
+from ddparity.harness.ranks.comparer import wait_for
+from ddparity.harness.ranks.spool import STATE, Stored, mapped_bytes, typed
 
 STATE_REQUEST, GRADS_REQUEST, AFTER_REQUEST, BYE = 0, 1, 2, -1
 CHUNK_BYTES = 64 << 20
@@ -111,7 +112,7 @@ class ReferenceServer:
 
 class RemoteReference:
     """A rank's end: fetches the initial state into its own spool, and opens steps for its
-    :class:`~ddparity.harness.ranks.spool.Comparer` (``open_step``)."""
+    :class:`~ddparity.harness.ranks.comparer.Comparer` (``open_step``)."""
 
     def __init__(self, pg: Any, server: int = 0) -> None:
         self._pg, self._server = pg, server

@@ -14,7 +14,7 @@ ends). In it:
 
 The reference's :class:`Writer` writes them as it trains and keeps only scalars (each
 tensor's largest magnitude, the first non-finite value). Every other run trains with a
-:class:`Comparer`, which reads the reference's step (memory-mapped, one tensor at a time)
+:class:`~ddparity.harness.ranks.comparer.Comparer`, which reads the reference's step (memory-mapped, one tensor at a time)
 when it reaches that step — waiting for it if the reference is behind — and keeps one
 distance per tensor. The controller receives those numbers only
 (:class:`~ddparity.distances.Reference`, :class:`~ddparity.distances.Distances`).
@@ -28,20 +28,16 @@ import json
 import os
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ddparity.distances import RECORD_KINDS, Distances, Entry, Reference, distance, max_abs
+from ddparity.distances import RECORD_KINDS, Entry, Reference, distance, max_abs
 from ddparity.harness.janitor import remove_when_gone
-from ddparity.harness.shards import local_part, optimizer_state
+from ddparity.harness.shards import optimizer_state
 
 ALIGN = 64
 PREFIX = "ddparity-spool-"
 STATE = "state.pt"
 ABORT = "abort"
-POLL_MIN_S = 0.001
-POLL_MAX_S = 0.05
 
 
 class Stored(NamedTuple):
@@ -208,7 +204,7 @@ class Writer:
                 if kind != "buffer" and not (value < float("inf")):  # NaN or inf (buffers may hold -inf masks)
                     self._bad.setdefault(step, {}).setdefault(kind, (name, _first_non_finite(t)))
                 kept = self._same.get(key) if persistent and not t.requires_grad else None
-                if kept is not None and distance(_mapped(self.spool, kept, self._maps), t) == 0.0:
+                if kept is not None and distance(mapped(self.spool, kept, self._maps), t) == 0.0:
                     manifest.append(kept)  # a frozen parameter or a buffer unchanged: the bytes already written
                     continue
                 raw = _as_bytes(t)
@@ -247,7 +243,7 @@ def _first_non_finite(t: Any) -> float:
     return float(flat[bad][0].real) if bool(bad.any()) else float("nan")
 
 
-def _mapped(spool: str, entry: Stored, maps: dict[str, Any]) -> Any:
+def mapped(spool: str, entry: Stored, maps: dict[str, Any]) -> Any:
     """The tensor a manifest entry describes, read in place from its file (``maps``: the
     files mapped so far, by name)."""
     return typed(entry, mapped_bytes(spool, entry, maps))
@@ -274,105 +270,6 @@ def typed(entry: Stored, raw: Any) -> Any:
     if not raw.numel():
         return torch.empty(entry.shape, dtype=dtype)
     return raw.view(dtype).reshape(entry.shape)
-
-
-def wait_for(spool: str, path: str, limit_s: float) -> None:
-    """Until the reference wrote ``path`` (raises :class:`ReferenceFailed` when the spool is
-    aborted or after ``limit_s``)."""
-    started = time.monotonic()
-    while not os.path.exists(path):
-        if os.path.exists(os.path.join(spool, ABORT)):
-            raise ReferenceFailed("the reference run stopped before this step")
-        waited = time.monotonic() - started
-        if waited > limit_s:
-            raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {limit_s:g} s")
-        # a small model's step is milliseconds: look often at first, then every POLL_MAX_S
-        time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
-
-
-class _Step:
-    """One of the reference's step files, mapped: its tensors by (kind, name)."""
-
-    def __init__(self, spool: str, stem: str, wait: Callable[[str], None]) -> None:
-        json_path = os.path.join(spool, stem + ".json")
-        wait(json_path)
-        with open(json_path) as f:
-            meta = json.load(f)
-        self.spool = spool
-        self.stepped: bool = meta["stepped"]
-        self.tensors = Stored.read(meta["tensors"])
-        self._maps: dict[str, Any] = {}
-
-    def items(self) -> Iterator[tuple[tuple[str, str], Any]]:
-        """((kind, name), tensor or None) for every tensor, in order."""
-        for entry in self.tensors:
-            yield (entry.kind, entry.name), None if entry.dtype is None else self._tensor(entry)
-
-    def _tensor(self, entry: Stored) -> Any:
-        return _mapped(self.spool, entry, self._maps)
-
-    def close(self) -> None:
-        self._maps.clear()
-
-
-class Comparer:
-    """A run's sink: compares every step with the reference's, where both are."""
-
-    def __init__(self, spool: str, mode: str, rank: int, world_size: int, limit_s: float,
-                 own_values: bool = False,
-                 open_step: Callable[[str], Any] | None = None) -> None:
-        self.spool = spool
-        self._open = open_step or (lambda stem: _Step(self.spool, stem, self._wait))
-        """Where the reference's steps come from: the spool here, or (another node of a
-        launch, :mod:`ddparity.harness.launch.refserve`) rank 0 over the network."""
-        self.limit_s = limit_s
-        self.result = Distances(mode, rank, world_size)
-        self.own_values = own_values
-        """The twin: also its own tensors' magnitudes and its summands' sizes."""
-        self.values: dict[tuple[int, str, str], float] = {}
-        self.scales: dict[tuple[int, str, str], float] = {}
-        self._grads_done = -1
-
-    def _wait(self, path: str) -> None:
-        wait_for(self.spool, path, self.limit_s)
-
-    def note_scales(self, step: int, loss_scale: Any, grad_scales: dict[str, Any]) -> None:
-        """The twin's summand sizes of this step (see :mod:`ddparity.harness.ranks.modes.twin`)."""
-        if loss_scale is not None:
-            self.scales[(step, "loss", "loss")] = max_abs(loss_scale)
-        for name, scale in grad_scales.items():
-            self.scales[(step, "grad", name)] = max_abs(scale)
-
-    def grads(self, step: int, model: Any) -> None:
-        self._compare(step, f"g{step}", {("grad", n): gradient(p) for n, p in model.named_parameters()})
-        self._grads_done = step
-
-    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
-        if self._grads_done != step:  # this run did not step: every gradient the reference has is missing
-            self._compare(step, f"g{step}", {})
-        mine = {("loss", "loss"): loss}
-        mine.update({("param", n): p for n, p in model.named_parameters()})
-        mine.update({("optimizer", n): t for n, t in optimizer_state(model, optimizer)})
-        mine.update({("buffer", n): b for n, b in model.named_buffers()})
-        self._compare(step, f"a{step}", mine)
-
-    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
-        self.result.steps.extend({} for _ in range(step + 1 - len(self.result.steps)))
-        ref = self._open(stem)
-        try:
-            for key, whole in ref.items():
-                if key[0] == "optimizer" and key not in mine:
-                    self.result.not_held(step, key)
-                    continue
-                expected, got = local_part(whole, mine.get(key))  # a shard against its slice
-                self.result.compare(step, key, expected, got)
-                if self.own_values:
-                    self.values[(step, key[0], key[1])] = max_abs(got)
-        finally:
-            ref.close()
-
-    def finish(self) -> Distances:
-        return self.result
 
 
 class NoSink:

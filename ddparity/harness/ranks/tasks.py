@@ -24,6 +24,7 @@ from ddparity.distances import Distances, Reference
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext, RunName, names_run
 from ddparity.harness.ranks.batches import batch_size, valid_counts
+from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.compiling import Compiled
 from ddparity.harness.ranks.modes.ddp import DDPMode
 from ddparity.harness.ranks.modes.dp import DataParallelMode
@@ -33,7 +34,7 @@ from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.ranks.modes.timed_sharded import TimedShardedMode
 from ddparity.harness.ranks.modes.twin import TwinMode, calibrated
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import Comparer, Writer, fits_the_spool, write_state
+from ddparity.harness.ranks.spool import Writer, fits_the_spool, write_state
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
 from ddparity.measurements import RankProfile
 from ddparity.run_kinds import REPLICA_MODES, kind

@@ -51,7 +51,7 @@ from ddparity.run_kinds import kind
 class Sink(Protocol):
     """Where a run's tensors go as the step makes them: the reference's
     :class:`~ddparity.harness.ranks.spool.Writer`, every other run's
-    :class:`~ddparity.harness.ranks.spool.Comparer`, or
+    :class:`~ddparity.harness.ranks.comparer.Comparer`, or
     :class:`~ddparity.harness.ranks.spool.NoSink` (profile's timed steps)."""
 
     def grads(self, step: int, model: Any) -> None:

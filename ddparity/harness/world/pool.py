@@ -10,7 +10,11 @@ from ddparity.harness.world.world import World
 from ddparity.settings import default_max_ranks, validate_max_ranks
 
 THREADS = "threads"
-"""The role of the world whose one rank hosts simulated ranks (threads): started clean."""
+"""The role of the world whose one rank hosts simulated ranks (threads)."""
+STARTS_CLEAN = frozenset({THREADS})
+"""The roles whose worlds start their ranks from the forkserver (a process that only
+imported torch: :attr:`~ddparity.settings.WorldSpec.clean_start`), never forked from this
+process: the simulated ranks' host runs many threads of torch work."""
 
 
 class WorldPool:
@@ -32,8 +36,7 @@ class WorldPool:
         key = (world_size, backend, role)
         world = self._worlds.pop(key, None)
         if world is None:
-            # simulated ranks' host: many threads of torch in one process, started clean
-            world = World(world_size, backend, clean_start=role == THREADS)
+            world = World(world_size, backend, clean_start=role in STARTS_CLEAN)
         if not world.pids:
             self._make_room(world_size)
         self._worlds[key] = world
@@ -41,10 +44,10 @@ class WorldPool:
 
     def expect(self, world_size: int, backend: str, role: str = "ddp") -> None:
         """A world for ``role`` will be asked for soon: where it is not live yet and starts
-        from the forkserver (the simulated ranks' host), the forkserver starts now, in the
+        from the forkserver (:data:`STARTS_CLEAN`), the forkserver starts now, in the
         background."""
         world = self._worlds.get((world_size, backend, role))
-        if (world is None or not world.pids) and role == THREADS:
+        if role in STARTS_CLEAN and (world is None or not world.pids):
             spawn.warm_forkserver()
 
     def _make_room(self, needed: int) -> None:

@@ -20,9 +20,9 @@ from typing import Any
 
 from ddparity.distances import Entry, Reference, summation_ulps
 from ddparity.harness.ranks.batches import batch_dims, batch_size, cast, map_tensors, reverse_samples, shard
+from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.randomness import suspended
-from ddparity.harness.ranks.spool import Comparer
 from ddparity.harness.ranks.stepping import lowest_precision, record_step
 from ddparity.harness.ranks.training import Replica, call_args, finish_step, forward
 
