@@ -241,7 +241,7 @@ def _finish(checking: Checking, backend: str, planned: Planned, launched: tuple[
                                                           {o.rank: o.records for o in outcomes if o.records is not None})
     summaries = [r.compiled for r in runs] if spec is not None else []
     run = checking.replica_row(mode, ws, backend, time.perf_counter() - started, spec=spec,
-                               said=summary_notes(summaries))
+                               said=summary_notes(summaries) if spec is not None else ())
     if spec is not None:
         compile_figures(run, summaries)  # no compile_noise: eager's noise alone
     run.simulated = simulated
