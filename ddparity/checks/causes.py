@@ -3,7 +3,10 @@ that names the likely cause and its fix.
 
 * a summed loss (``reduction="sum"``): DDP averages the ranks' gradients, so each rank's
   sum over its shard trains on 1/W of the single-device objective — the recorded loss (the
-  mean of the ranks' losses) is off by exactly ``1 - 1/W`` at the first step;
+  mean of the ranks' losses) is off by exactly ``1 - 1/W`` at the first step. A mean loss
+  divided by the world size on every rank leaves the same numbers; a probe of the reference
+  (:mod:`ddparity.harness.ranks.probes`: its first batch given twice doubles a sum and leaves
+  a mean) tells them apart, and the line says so; without it, both are named as candidates;
 * BatchNorm on shards: each rank normalises its shard with its own statistics — the
   running statistics differ from the first step on;
 * a gradient scaled on its way (a comm hook that forgets to divide by W, or scales by a
@@ -20,12 +23,19 @@ that names the likely cause and its fix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ddparity.run_kinds import kind
 from ddparity.verdicts import Desync, Divergence
 
 SIGNATURE_REL_TOL = 1e-3
 """How close the loss's relative error must be to ``1 - 1/W`` to name a summed loss (a
 correct run is ~1e-7 away from the reference; other bugs land anywhere)."""
+
+PROBE_REL_TOL = 1e-2
+"""How close the probe's ratio (the loss on the first batch given twice, to its loss) must be
+to 2 (a sum) or 1 (a mean) to decide (a float32 loss lands within ~1e-6; dropout aligned
+per sample keeps it so)."""
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
 UNIFORM_SCALE_TOL = 1e-2
@@ -39,12 +49,15 @@ ranks' own gradients may share)."""
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
                  params: int = 0, valid: dict[str, list[int]] | None = None,
                  layer_types: dict[str, str] | None = None, mode: str = "ddp",
-                 unsharded: list[str] | None = None) -> str | None:
+                 unsharded: list[str] | None = None,
+                 loss_scaling: Callable[[], float | None] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
     valid entries per sample, by tensor; ``layer_types``: the class of each layer with
     running statistics, by name; ``mode``: ddp, fsdp or hsdp, as the text names it;
-    ``unsharded``: under FSDP, the parameters left out of sharding), or None."""
+    ``unsharded``: under FSDP, the parameters left out of sharding; ``loss_scaling``: asked
+    only where a summed loss and a loss divided by W both fit, the probe's ratio of the loss
+    on the first batch given twice to its loss, None where it has none), or None."""
     if desync is not None:
         return _desync_cause(desync, params) if world_size > 1 else None
     if not found:
@@ -68,10 +81,7 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
     if first.kind == "loss" and first.step == 0 and abs(first.max_rel - off_by) <= SIGNATURE_REL_TOL:
         also = (f"; BatchNorm statistics differ too ({', '.join(layers)}): BatchNorm on shards may remain once "
                 f"the loss is fixed, check again" if layers else "")
-        return (f"likely cause: a loss summed over the batch (reduction='sum'): the loss is off by exactly "
-                f"1 - 1/{world_size} = {off_by:g}, because {mode.upper()} averages the ranks' gradients and each rank's sum "
-                f"covers 1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world "
-                f"size){also}")
+        return _loss_one_over_w(world_size, mode, loss_scaling() if loss_scaling else None) + also
     statistics = [d for d in found if d.step == first.step and d.kind == "buffer"
                   and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS]
     if statistics:
@@ -95,6 +105,27 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
     if first.kind == "loss" and first.step == 0:
         return _uneven_valid_entries(valid or {}, world_size, mode)
     return None
+
+
+def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:
+    """The loss and the gradients at 1/W of the reference's: a summed loss, or a mean loss
+    divided by the world size, as the probe's ``ratio`` says (both candidates without it)."""
+    off_by = 1 - 1 / world_size
+    summed = (f"a loss summed over the batch (reduction='sum'): the loss is off by exactly 1 - 1/{world_size} = "
+              f"{off_by:g}, because {mode.upper()} averages the ranks' gradients and each rank's sum covers "
+              f"1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world size)")
+    divided = (f"a mean loss divided by the world size on every rank (loss / ctx.world_size): the loss and every "
+               f"gradient are 1/{world_size} of the single-device run's, because {mode.upper()} already averages "
+               f"the ranks' gradients; drop the division")
+    if ratio is not None and abs(ratio - 2) <= PROBE_REL_TOL * 2:
+        return (f"likely cause: {summed}; evidence: on one device, the first batch given twice gives {ratio:.3g}x "
+                f"its loss (a sum doubles, a mean stays)")
+    if ratio is not None and abs(ratio - 1) <= PROBE_REL_TOL:
+        return (f"likely cause: {divided}; evidence: on one device, the first batch given twice gives {ratio:.3g}x "
+                f"its loss (a mean, not a sum: a sum would double)")
+    found = f" (the probe found {ratio:.3g}x, neither a sum's 2x nor a mean's 1x)" if ratio is not None else ""
+    return (f"candidate causes, the loss off by exactly 1 - 1/{world_size} = {off_by:g} at step 0 fits both"
+            f"{found}: {summed}; or {divided}")
 
 
 def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], params: int, mode: str,

@@ -15,6 +15,7 @@ from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.distances import Distances
 from ddparity.errors import Interrupted, UsageError, WorldFailure, WorldStartError
+from ddparity.harness.ranks.probes import loss_scaling_task
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
 from ddparity.harness.ranks.threaded import threaded_task
@@ -127,6 +128,8 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
                 pass
         return checking.failed_everywhere(report, chosen, exc, time.perf_counter() - started)
     checking.referenced(reference, valid)
+    checking.loss_probe = lambda: _probe(ref_world if not ref_world.busy else pool.get(1, chosen, role="probe"),
+                                         checking, spool)
     blowup = checking.blowup
     report.runs += checking.reference_rows(chosen, time.perf_counter() - started, blowup.reason() if blowup else None)
     if checking.sharded and case.fsdp is not None:
@@ -184,6 +187,17 @@ def _policy_run(checking: Checking, world: Any, spool: Spool) -> None:
     except WorldFailure:
         return
     checking.policy_noise(distances)
+
+
+def _probe(world: Any, checking: Checking, spool: Spool) -> float | None:
+    """The loss-scaling probe in the reference's world, or a world of one rank beside it while
+    that one trains DataParallel (None should it fail: the causes are then named as
+    candidates)."""
+    try:
+        [ratio] = world.run(loss_scaling_task, checking.case, spool.path, timeout=checking.opts.timeout)
+    except WorldFailure:
+        return None
+    return ratio
 
 
 def _finish_dp(checking: Checking, mode: str, backend: str, sizes: tuple[int, ...], pending: PendingTask | None,

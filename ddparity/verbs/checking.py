@@ -7,6 +7,7 @@ come back; a :class:`Checking` turns those results into the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,11 @@ class Checking:
     policy: Distances | None = None
     """The user's FSDP set-up on one rank against the reference: the sharded runs' noise
     floor where its MixedPrecisionPolicy computes in a lower precision."""
+    loss_probe: Callable[[], float | None] | None = None
+    """Runs :func:`~ddparity.harness.ranks.probes.loss_scaling_task` where the reference
+    is (set by the orchestrator): asked at most once, by a run whose loss fits both a sum
+    and a mean divided by W."""
+    _probed: list[float | None] = field(default_factory=list)
 
     @classmethod
     def of(cls, case: Case, opts: CheckOptions, launched: bool = False) -> Checking:
@@ -159,7 +165,7 @@ class Checking:
         params = reference.params
         unsharded = sorted({n for r in runs for n in r.unsharded})
         cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
-                              mode=run.mode, unsharded=unsharded)
+                              mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling)
                  if judged.status == "diverged"
                  else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
         if cause:
@@ -185,6 +191,12 @@ class Checking:
         if tol.loose:
             run.notes.append(tol.loose)
         return _compared_up_to(run, stop)
+
+    def loss_scaling(self) -> float | None:
+        """The probe's ratio (the loss on the first batch given twice, to its loss), run once."""
+        if not self._probed:
+            self._probed.append(self.loss_probe() if self.loss_probe is not None else None)
+        return self._probed[0]
 
     def _stop(self, tol: Any) -> NonFinite | Uncalibrated | None:
         """Where comparing ends: the reference's blow-up, or the first step no tolerance can

@@ -219,6 +219,8 @@ class _LaunchedCheck:
         elif not self.watch.claim():
             self.watch.idle()
         report = self._report()
+        if ran and self.ctx.rank == 0:
+            self.checking.loss_probe = self._probe
         served = [r for r in range(n) if store.get(store_keys.reference_read(r)).decode() == store_keys.SERVED] if ran \
             else []
         assert self.checking.reference is not None or not ran
@@ -235,6 +237,16 @@ class _LaunchedCheck:
                                  f"by rank 0 over the network")
             report.runs.append(self.checking.judge(run, runs, records))
         return self._emit(report)
+
+    def _probe(self) -> float | None:
+        """Rank 0: the loss-scaling probe on its own device, from its spool (None should it
+        fail: the causes are then named as candidates)."""
+        from ddparity.harness.ranks.probes import loss_scaling_task
+
+        try:
+            return loss_scaling_task(dataclasses.replace(self.ctx, world_size=1), self.case, self.spool.path)
+        except Exception:
+            return None
 
     def _single_run(self) -> tuple[str | None, float] | None:
         """The reference's run as rank 0 saw it (any rank may have to report it)."""

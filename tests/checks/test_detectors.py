@@ -338,7 +338,7 @@ def test_a_summed_loss_with_batchnorm_on_shards_says_the_second_may_remain():
 
     found = [at("loss", "loss"), at("buffer", "1.running_mean", 0.1), at("buffer", "1.running_var", 0.1),
              at("buffer", "5.running_mean", 0.1)]
-    cause = likely_cause(found, 2)
+    cause = likely_cause(found, 2, loss_scaling=lambda: 2.0)
     assert cause.startswith("likely cause: a loss summed over the batch"), cause
     assert cause.endswith("; BatchNorm statistics differ too (1, 5): BatchNorm on shards may remain once the loss "
                           "is fixed, check again"), cause
