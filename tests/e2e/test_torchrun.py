@@ -93,7 +93,8 @@ def test_a_clean_case_passes_and_every_rank_exits_0(tmp_path):
 
 
 @pytest.mark.parametrize("target, cause", [
-    ("bugs:summed_loss", "a loss summed over the batch"),
+    ("bugs:summed_loss", "a loss summed over the batch (reduction='sum')"),
+    ("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank"),
     ("bugs:batchnorm_on_shards", "BatchNorm on shards"),
 ])
 def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_path, target, cause):
@@ -101,6 +102,7 @@ def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_
     run = ddp_run(data)
     assert run["status"] == "diverged" and run["first_divergence"]["step"] == 0
     assert cause in result.stdout
+    assert ("evidence: on one device, the first batch given twice" in result.stdout) == ("loss" in target)
     assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
 
 
