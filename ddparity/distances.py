@@ -176,6 +176,9 @@ class Distances:
     ``MixedPrecisionPolicy``'s ``param_dtype``), e.g. ``"bfloat16"``."""
     compiled: Any = None
     """A compiled run: what compiling did (a :class:`~ddparity.compile_spec.CompileSummary`)."""
+    forwards: dict[int, tuple[int, int]] | None = None
+    """Under DDP: per step, how many times DDP's own forward ran and how many of those with
+    gradient sync on (a step absent: its forward never ran; None: not a DDP run)."""
 
     def not_held(self, step: int, key: tuple[str, str]) -> None:
         """Optimizer state this rank does not hold (a ``ZeroRedundancyOptimizer``'s other

@@ -27,6 +27,10 @@ PHASES = ("", "drawing the global batch", "build", "ddp", "fsdp", "forward", "ba
 phase a rank sets is here (tests/test_layout.py reads the code's ``set_phase`` calls)."""
 
 
+BUCKET_VIA = "DDP gradient bucket"
+"""How an entry issued for one of DDP's gradient buckets says so: ``via`` is ``BUCKET_VIA i``."""
+
+
 @dataclass(frozen=True, slots=True)
 class RankRecords:
     """What one rank left in the side channel for one task (decoded text)."""

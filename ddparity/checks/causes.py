@@ -50,16 +50,21 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                  params: int = 0, valid: dict[str, list[int]] | None = None,
                  layer_types: dict[str, str] | None = None, mode: str = "ddp",
                  unsharded: list[str] | None = None,
-                 loss_scaling: Callable[[], float | None] | None = None) -> str | None:
+                 loss_scaling: Callable[[], float | None] | None = None,
+                 forwards: list[dict[int, tuple[int, int]] | None] | None = None,
+                 hook_collectives: int | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
     valid entries per sample, by tensor; ``layer_types``: the class of each layer with
     running statistics, by name; ``mode``: ddp, fsdp or hsdp, as the text names it;
     ``unsharded``: under FSDP, the parameters left out of sharding; ``loss_scaling``: asked
     only where a summed loss and a loss divided by W both fit, the probe's ratio of the loss
-    on the first batch given twice to its loss, None where it has none), or None."""
+    on the first batch given twice to its loss, None where it has none; ``forwards``: each
+    rank's count of DDP's forwards per step, and of those with sync on; ``hook_collectives``:
+    with a comm hook of the case's, the collectives it issued at step 0 over the ranks'
+    ledgers), or None."""
     if desync is not None:
-        return _desync_cause(desync, params) if world_size > 1 else None
+        return _desync_cause(desync, params, forwards or [], hook_collectives) if world_size > 1 else None
     if not found:
         return None
     first = found[0]
@@ -128,6 +133,38 @@ def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:
             f"{found}: {summed}; or {divided}")
 
 
+def _nothing_reduced(differing: int, params: int, step0: list[tuple[int, int]] | None,
+                     hook_collectives: int | None) -> str:
+    """No gradient all-reduced at step 0: DDP's forward bypassed, its sync left off, or (its
+    forward run with sync on) a comm hook that reduced nothing, as each rank's count of DDP's
+    forwards at step 0 (``step0``: calls, with sync on; None where not counted) and the
+    case's comm hook's collectives (``hook_collectives``) say."""
+    head = (f"no gradient was all-reduced at step 0 ({differing} of {params} parameters differ across ranks, as if "
+            f"each rank trained alone)")
+    missed = ("a missed sync — DDP synchronises a backward only if its forward ran with gradient sync on, so set "
+              "require_backward_grad_sync (or leave no_sync()) before the last micro-batch's forward, not after it")
+    if step0 is None:
+        return f"likely cause: {head}: {missed}"
+    calls, synced = sum(c for c, _ in step0), sum(s for _, s in step0)
+    if not calls:
+        return (f"likely cause: {head}: DDP's forward never ran — the step called the module DDP wraps "
+                f"(model.module(x), getattr(model, 'module', model)(x), torch.compile(model.module)), and DDP "
+                f"all-reduces only the gradients of a backward through its own forward; call the DDP model itself; "
+                f"evidence: a hook on DDP's forward saw no call at step 0 on any rank")
+    if not synced:
+        return (f"likely cause: {head}: {missed}; evidence: DDP's forward ran {calls} time(s) at step 0 over the "
+                f"ranks, each with gradient sync off")
+    if hook_collectives == 0:
+        return (f"likely cause: {head}: the case's comm hook returns its buckets unreduced — DDP's forward ran with "
+                f"gradient sync on, and DDP hands each bucket to the hook, whose future's value becomes the "
+                f"gradient; all-reduce the bucket in the hook and divide by the world size (or return "
+                f"default_hooks.allreduce_hook(process_group, bucket)); evidence: {synced} forward(s) with sync on at "
+                f"step 0 over the ranks, and no collective issued by the comm hook")
+    return (f"candidate causes: {head} although DDP's forward ran with gradient sync on ({synced} of {calls} "
+            f"forward(s) at step 0 over the ranks): a comm hook that returns its bucket without all-reducing it, "
+            f"or gradients replaced after backward on each rank (set or recomputed outside DDP)")
+
+
 def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], params: int, mode: str,
                    unsharded: list[str]) -> str | None:
     """FSDP's own signatures: a gradient left out of sharding never reduced; no gradient
@@ -166,16 +203,14 @@ def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: st
     return None
 
 
-def _desync_cause(desync: Desync, params: int) -> str | None:
+def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int, int]] | None],
+                  hook_collectives: int | None = None) -> str | None:
     if desync.differs is None:
         return None
     differing = [d for d in desync.differs if d.startswith("param ")]
     if desync.step == 0 and params and len(differing) >= MISSED_SYNC_SHARE * params:
-        return (f"likely cause: no gradient was all-reduced at step 0 ({len(differing)} of {params} parameters differ "
-                f"across ranks, as if "
-                "each rank trained alone): a missed sync — DDP synchronises a backward only if its forward ran "
-                "with gradient sync on, so set require_backward_grad_sync (or leave no_sync()) before the last "
-                "micro-batch's forward, not after it")
+        return _nothing_reduced(len(differing), params, [f.get(0, (0, 0)) for f in forwards if f is not None]
+                                if forwards and all(f is not None for f in forwards) else None, hook_collectives)
     if len(desync.ranks) == 1 and desync.agreeing_ranks:
         return (f"likely cause: rank {desync.ranks[0]} alone drifts from ranks {desync.agreeing_ranks}, which agree: "
                 f"something only that rank does — rank-local state, a comm hook or data that depends on the rank, "

@@ -19,6 +19,7 @@ from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolera
 from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
 from ddparity.errors import RankCrashed, WorldFailure
+from ddparity.records import BUCKET_VIA, parse_ledger
 from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions
@@ -167,10 +168,20 @@ class Checking:
         cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
                               mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling)
                  if judged.status == "diverged"
-                 else likely_cause(found, ws, judged.desync, params) if judged.status == "desync" else None)
+                 else likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
+                                   hook_collectives=self._hook_collectives(records))
+                 if judged.status == "desync" else None)
         if cause:
             judged.notes.append(cause)
         return _compared_up_to(judged, stop)
+
+    def _hook_collectives(self, records: dict[int, Any]) -> int | None:
+        """With a comm hook of the case's: the collectives it issued at step 0 over the ranks'
+        ledgers (the hook's calls are recorded by their bucket, ``DDP gradient bucket i``)."""
+        if self.case.comm_hook is None or not records:
+            return None
+        return sum(1 for r in records.values() for e in parse_ledger(r.ledger)
+                   if e.step == 0 and e.via.startswith(BUCKET_VIA))
 
     def judge_one_process(self, mode: str, ws: int, backend: str, distances: Distances, notes: dict[str, str],
                           simulated: bool, seconds: float) -> RunResult:

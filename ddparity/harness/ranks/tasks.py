@@ -168,6 +168,8 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
                                                               trains, s, c), compiled, mode)
     if row.sharded:
         distances.unsharded, distances.computed_dtype = trains.unsharded, trains.computed_dtype
+    else:
+        distances.forwards = dict(trains.forwards)
     return distances
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness.recording.recorder import active
+from ddparity.records import BUCKET_VIA
 
 
 class BucketLayout:
@@ -67,7 +68,7 @@ def ddp_comm_hook(hook: Callable[..., Any] | None = None, state: Any = None) -> 
 def _ledger_hook(state: _HookState, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    with active().via(f"DDP gradient bucket {bucket.index()}"):
+    with active().via(f"{BUCKET_VIA} {bucket.index()}"):
         if state.hook is None:
             return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
         return state.hook(state.state, bucket)

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ddparity.harness.recording.calls import RECORDED, Binder, call_site, ledger_entry
-from ddparity.records import encode_fingerprints, encode_progress
+from ddparity.records import BUCKET_VIA, encode_fingerprints, encode_progress
 
 if TYPE_CHECKING:
     from ddparity.harness.sidechannel import RankEnd
@@ -196,7 +196,7 @@ class Recorder:
         site = call_site(2)
         for index, bucket in enumerate(layout):
             self.enter("all_reduce", {"tensor": bucket}, blocking=False, site=site,
-                       via=f"DDP gradient bucket {index}", write=index == len(layout) - 1 and not self.write_behind)
+                       via=f"{BUCKET_VIA} {index}", write=index == len(layout) - 1 and not self.write_behind)
 
     @contextmanager
     def tally(self) -> Iterator[list[tuple[str, int]]]:

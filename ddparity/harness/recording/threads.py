@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ddparity.records import RankRecords
+from ddparity.records import BUCKET_VIA, RankRecords
 
 
 class ThreadRecorder:
@@ -92,7 +92,7 @@ class ThreadRecorder:
 
         site = call_site(2)
         for index, bucket in enumerate(layout):
-            self._enter("all_reduce", {"tensor": bucket}, False, site, f"DDP gradient bucket {index}")
+            self._enter("all_reduce", {"tensor": bucket}, False, site, f"{BUCKET_VIA} {index}")
 
     # what the patched collectives call
 

@@ -43,6 +43,9 @@ class DDPMode:
         self._buckets: ddp_buckets.BucketLayout | None = None
         self._ddp: Any = None
         self._step = -1
+        self.forwards: dict[int, tuple[int, int]] = {}
+        """Per step: DDP's forwards, and those with gradient sync on (what a missed sync and
+        a bypassed DDP leave differently)."""
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
@@ -64,6 +67,8 @@ class DDPMode:
         """Backward is next; where DDP will all-reduce it (not under ``no_sync()``), the
         ledger learns its buckets first."""
         self.recorder.set_phase(self._step, "backward")
+        calls, synced = self.forwards.get(self._step, (0, 0))
+        self.forwards[self._step] = (calls + 1, synced + bool(ddp.require_backward_grad_sync))
         if self._buckets is not None and ddp.require_backward_grad_sync:
             self.recorder.ddp_buckets(self._buckets.current())
 

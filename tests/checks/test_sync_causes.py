@@ -1,0 +1,88 @@
+"""No gradient all-reduced at step 0 (every parameter differs across ranks) has three causes
+with one signature; what each rank recorded tells them apart: a hook on DDP's forward counts
+its calls and whether gradient sync was on, and the ledger holds every collective the case's
+comm hook issued. Each fixture, at real and simulated world sizes, names its own cause with
+that evidence; where the evidence names none, the line says "candidate causes"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddparity import Case, check
+from ddparity.checks.causes import likely_cause
+from ddparity.fixtures import bugs, compiled, loops
+from ddparity.fixtures.models import MLP, regression
+from ddparity.verdicts import Desync
+
+HEAD = "likely cause: no gradient was all-reduced at step 0 ("
+PHRASES = ("DDP's forward never ran", "a missed sync", "comm hook returns its buckets unreduced")
+
+
+def _cause(case, world_sizes, **options):
+    report = check(case, modes=("single", "ddp"), world_sizes=world_sizes, **options)
+    out = {}
+    for run in report.runs:
+        if run.mode == "ddp":
+            assert run.status == "desync", report.render()
+            [out[run.world_size]] = [n for n in run.notes if "cause" in n]
+    return out
+
+
+@pytest.mark.parametrize("world_sizes", [(2, 4), (8,)], ids=["real", "simulated"])
+@pytest.mark.parametrize("factory, says, evidence", [
+    (bugs.ddp_bypassed, "DDP's forward never ran", "evidence: a hook on DDP's forward saw no call at step 0"),
+    (loops.late_sync, "a missed sync", "at step 0 over the ranks, each with gradient sync off"),
+    (bugs.comm_hook_never_reduces, "the case's comm hook returns its buckets unreduced",
+     "and no collective issued by the comm hook"),
+])
+def test_each_way_of_reducing_nothing_is_named_from_what_the_ranks_recorded(factory, says, evidence, world_sizes):
+    for ws, cause in _cause(factory(), world_sizes).items():
+        assert cause.startswith(HEAD) and says in cause and evidence in cause, (ws, cause)
+        assert not any(p in cause for p in PHRASES if p not in says), (ws, cause)  # one cause, not two
+
+
+def test_a_compiled_inner_module_is_ddp_bypassed():
+    [cause] = _cause(compiled.inner_module_compiled(), (2,), compile="aot_eager").values()
+    assert cause.startswith(HEAD) and "DDP's forward never ran" in cause, cause
+
+
+def _replaced_after_backward(model, batch, optimizer, ctx):
+    """DDP all-reduces (its forward ran, sync on, the hook reduces), then each rank puts its
+    own local gradient back: the ranks train alone, with every record in order."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()
+    local = torch.autograd.grad(F.mse_loss(getattr(model, "module", model)(x), y), list(model.parameters()))
+    for p, g in zip(model.parameters(), local):
+        p.grad = g
+    optimizer.step()
+    return F.mse_loss(model(x), y).detach()
+
+
+def _averaging_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects non-GradBucket annotations
+    import torch.distributed as dist
+
+    return dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future().then(
+        lambda f: f.value()[0])
+
+
+@pytest.mark.parametrize("world_sizes", [(2,), (8,)], ids=["real", "simulated"])
+def test_a_reducing_hook_and_a_synced_forward_leave_candidates_only(world_sizes):
+    """Every record says DDP reduced: no cause can be named from them, so none is claimed."""
+    case = Case(model=MLP, data=regression, optimizer="sgd", lr=0.05, steps=2, train_step=_replaced_after_backward,
+                comm_hook=_averaging_hook)
+    for ws, cause in _cause(case, world_sizes).items():
+        assert cause.startswith("candidate causes: no gradient was all-reduced at step 0"), (ws, cause)
+        assert "although DDP's forward ran with gradient sync on" in cause, cause
+
+
+def test_without_forward_counts_the_missed_sync_line_stands_alone():
+    desync = Desync(step=0, what="replica state", ranks=[1], differs=[f"param p{i}" for i in range(4)])
+    plain = likely_cause([], 2, desync, params=4)
+    assert plain.startswith(HEAD) and "a missed sync" in plain and "evidence" not in plain, plain
+    bypass = likely_cause([], 2, desync, params=4, forwards=[{}, {}])
+    assert "DDP's forward never ran" in bypass, bypass
+    synced = likely_cause([], 2, desync, params=4, forwards=[{0: (1, 1)}, {0: (1, 1)}], hook_collectives=0)
+    assert "comm hook returns its buckets unreduced" in synced and "evidence: 2 forward(s)" in synced, synced
