@@ -141,9 +141,12 @@ class Position:
         return f"step {self.step}, {self.phase or 'starting'}{collective}"
 
     def order(self) -> tuple[int, int, int]:
-        """Sortable progress: step, then phase, then collectives issued."""
+        """Sortable progress: collectives issued on the world group first (ranks issue them in
+        lockstep, so fewer is behind, whatever a phase is called: a watched script's phases
+        are read from its optimizer and DDP's forward, and a rank stalled before its next
+        forward still shows the phase it last set), then step, then phase."""
         phase = PHASES.index(self.phase) if self.phase in PHASES else 0
-        return (self.step, phase, self.seq)
+        return (self.seq, self.step, phase)
 
 
 def encode_progress(events: int, step: int, phase: str, inflight: int | None, recent: Iterable[str]) -> str:

@@ -28,7 +28,7 @@ def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list
     """
     if not pending:
         return []
-    never = (-2, -1, -1)  # a rank that never started the task is the furthest behind
+    never = (-2, -2, -1)  # a rank that never started the task is the furthest behind
     order = {r: (p.order() if (p := where.get(r)) is not None else never) for r in pending}
     ahead = max(order.values())
     behind = sorted(r for r in pending if order[r] < ahead)

@@ -233,3 +233,33 @@ def test_killing_the_launcher_mid_hang_leaves_no_rank_behind(tmp_path):
     launcher.send_signal(signal.SIGKILL)
     launcher.communicate(timeout=30)
     assert not wait_gone(ranks, 15), "ranks outlived their killed launcher"
+
+
+STALLED = "ddparity.fixtures.scripts.stalled"
+
+
+def _blamed(tmp_path, nproc: int, where: str, on: int) -> None:
+    result, data = watch(tmp_path, nproc, STALLED, "--where", where, "--on", str(on), timeout=4)
+    run = only_run(data)
+    assert result.returncode == 3 and run["status"] == "hang", result.stderr
+    culprit = on % nproc
+    assert run["hang"]["suspect_ranks"] == [culprit], (where, on, run["hang"])
+    flight = run["hang"]["flight_recorder"]
+    assert flight["not_issued_by"] == [culprit], flight  # the Flight Recorder agrees
+
+
+@pytest.mark.parametrize("where, on", [("data", 0), ("end", -1)])
+def test_a_rank_stalled_before_its_forward_is_blamed_not_the_ranks_waiting_for_it(tmp_path, where, on):
+    """A rank that stops between steps still shows the phase it last set (the last step's
+    optimizer); the ranks it leaves waiting issued one collective more: they are ahead."""
+    _blamed(tmp_path, 2, where, on)
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("on", [0, -1])
+@pytest.mark.parametrize("where", ["data", "forward", "inforward", "backward", "step", "inoptim", "end"])
+def test_the_hang_blame_matrix(tmp_path, nproc, on, where):
+    """Every place of a step, on rank 0 and on the last rank, at 2 and 3 ranks: the stalled
+    rank is named, as its Flight Recorder says."""
+    _blamed(tmp_path, nproc, where, on)
