@@ -24,9 +24,12 @@ from ddparity.errors import (
     WorldFailure,
 )
 from ddparity.frames import hide_own_frames, tidy_faulthandler_dump
-from ddparity.records import Entry, parse_fingerprints, parse_ledger, parse_progress
+from ddparity.records import SHARD_TAG, Entry, parse_fingerprints, parse_ledger, parse_progress
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot, RunResult
 
+DECISIVE = 10.0
+"""How many times further off the reference (in tolerances) a replica's drifted tensor must
+be than the other replica's for the comparison to name it, where two replicas disagree."""
 
 def mismatch_desync(mismatch: Mismatch, stacks: dict[int, str] | None = None) -> Desync:
     """The desync of ranks that issued different collectives at one slot."""
@@ -68,6 +71,9 @@ def judge_completed(run: RunResult, records: dict[int, Any], found: list[Diverge
         wrong = tuple(sorted({d.rank for d in found if d.step == first_step}))
         prints = {r: parse_fingerprints(s.fingerprints) for r, s in records.items()}
         drift = first_desync(prints, wrong)
+        if drift is not None and not drift.agreeing:  # a tie: which of them the reference disagrees with
+            named = off_the_reference(found, drift)
+            drift = (first_desync(prints, named) or drift) if named else drift
         if drift is not None:
             run.status = "desync"
             run.desync = state_desync(drift)
@@ -75,6 +81,24 @@ def judge_completed(run: RunResult, records: dict[int, Any], found: list[Diverge
     if late:
         run.stragglers = late
     return run
+
+
+def off_the_reference(found: list[Divergence], drift: ReplicaDrift) -> tuple[int, ...]:
+    """Of replicas that disagree with no majority (``drift``: two ranks, or an HSDP shard's
+    two replicas), those whose drifted tensors are also off the single-device reference at
+    that step, by more than each other rank's error there (empty where that does not single
+    them out): the comparison with the reference is the evidence a tie lacks."""
+    tensors = {n.split(SHARD_TAG)[0] for n in drift.names}
+    error: dict[int, float] = {}
+    for d in found:
+        if d.step == drift.step and f"{d.kind} {d.name}" in tensors and d.rank in drift.ranks and d.tolerance:
+            error[d.rank] = max(error.get(d.rank, 0.0), d.max_abs / d.tolerance)
+    if not error:
+        return ()
+    worst = max(error.values())
+    named = tuple(sorted(r for r, e in error.items() if e == worst))
+    others = [e for r, e in error.items() if r not in named] + [0.0] * (len(drift.ranks) - len(error))
+    return named if len(named) < len(drift.ranks) and worst > DECISIVE * max(others, default=0.0) else ()
 
 
 def judge_failure(exc: WorldFailure) -> Failure:

@@ -86,3 +86,16 @@ def test_without_forward_counts_the_missed_sync_line_stands_alone():
     assert "DDP's forward never ran" in bypass, bypass
     synced = likely_cause([], 2, desync, params=4, forwards=[{0: (1, 1)}, {0: (1, 1)}], hook_collectives=0)
     assert "comm hook returns its buckets unreduced" in synced and "evidence: 2 forward(s)" in synced, synced
+
+
+@pytest.mark.parametrize("rank", [0, -1])
+def test_two_replicas_that_disagree_are_told_apart_by_the_reference(rank):
+    """DDP at two ranks and an HSDP shard's two replicas: no majority, but the rank that moved
+    its replica is off the single-device reference by far more than the other: it is named."""
+    report = check(bugs.replica_nudged(rank), modes=("single", "ddp", "hsdp"), world_sizes=(2, 4), hsdp_shard=2)
+    named = {(r.mode, r.world_size): (r.desync.ranks, r.desync.agreeing_ranks) for r in report.runs if r.desync}
+    assert named[("ddp", 2)] == ([rank % 2], [1 - rank % 2]), named
+    assert named[("ddp", 4)] == ([rank % 4], sorted(set(range(4)) - {rank % 4})), named
+    culprit = rank % 4
+    assert named[("hsdp", 4)] == ([culprit], [(culprit + 2) % 4]), named  # shard (culprit % 2)'s two replicas
+    assert "nothing recorded shows which" not in report.render()
