@@ -179,6 +179,9 @@ class Distances:
     forwards: dict[int, tuple[int, int]] | None = None
     """Under DDP: per step, how many times DDP's own forward ran and how many of those with
     gradient sync on (a step absent: its forward never ran; None: not a DDP run)."""
+    grad_bytes: int = 0
+    """Under DDP: the bytes of gradient one all-reduce of every bucket sends (the
+    parameters that require grad)."""
 
     def not_held(self, step: int, key: tuple[str, str]) -> None:
         """Optimizer state this rank does not hold (a ``ZeroRedundancyOptimizer``'s other

@@ -173,6 +173,9 @@ class Checking:
                  if judged.status == "desync" else None)
         if cause:
             judged.notes.append(cause)
+        traffic = extra_syncs(runs)
+        if traffic:
+            judged.notes.append(traffic)
         return _compared_up_to(judged, stop)
 
     def _hook_collectives(self, records: dict[int, Any]) -> int | None:
@@ -223,6 +226,28 @@ def mark(run: RunResult, spec: CompileSpec | None) -> RunResult:
     run.compile = spec.for_mode(run.mode)
     run.label = spec.label(run.mode)
     return run
+
+
+def extra_syncs(runs: list[Distances]) -> str | None:
+    """A note where DDP all-reduced every gradient more than once in a step (each forward with
+    sync on: micro-batches accumulated without ``no_sync()``): correct, and the bytes that
+    ``no_sync()`` for all but the last micro-batch would save (rank 0's count)."""
+    forwards = next((r.forwards for r in runs if r.forwards), None)
+    grad_bytes = next((r.grad_bytes for r in runs if r.grad_bytes), 0)
+    if not forwards:
+        return None
+    most = max(synced for _, synced in forwards.values())
+    if most < 2:
+        return None
+    saved = (most - 1) * grad_bytes
+    return (f"traffic: DDP all-reduced every gradient {most} times in a step (each forward ran with gradient sync "
+            f"on: micro-batches accumulated without no_sync()); correct, but ctx.no_sync() (model.no_sync()) for "
+            f"all but the last micro-batch would send {_size(saved)} less a step per rank "
+            f"({_size(most * grad_bytes)} -> {_size(grad_bytes)})")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
 
 
 def _until(stop: NonFinite | Uncalibrated | None) -> int | None:

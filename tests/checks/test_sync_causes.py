@@ -99,3 +99,17 @@ def test_two_replicas_that_disagree_are_told_apart_by_the_reference(rank):
     culprit = rank % 4
     assert named[("hsdp", 4)] == ([culprit], [(culprit + 2) % 4]), named  # shard (culprit % 2)'s two replicas
     assert "nothing recorded shows which" not in report.render()
+
+
+def test_accumulation_without_no_sync_passes_with_the_traffic_it_could_save():
+    """Correct (DDP's all-reduce is linear) and twice the traffic: a note on the passing run,
+    none where no_sync() is used or where one forward runs a step."""
+    report = check(loops.accumulation_without_no_sync(), modes=("single", "ddp"), world_sizes=(2, 8))
+    assert report.ok, report.render()
+    for run in report.runs[1:]:
+        [note] = [n for n in run.notes if n.startswith("traffic:")]
+        assert "all-reduced every gradient 2 times in a step" in note, note
+        assert "would send 6.8 kB less a step per rank (13.5 kB -> 6.8 kB)" in note, note  # MLP: 1732 float32
+    for clean in (loops.accumulation(), bugs.clean_regression()):
+        quiet = check(clean, modes=("single", "ddp"), world_sizes=(2,))
+        assert quiet.ok and not any(n.startswith("traffic:") for r in quiet.runs for n in r.notes), quiet.render()

@@ -170,6 +170,7 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
         distances.unsharded, distances.computed_dtype = trains.unsharded, trains.computed_dtype
     else:
         distances.forwards = dict(trains.forwards)
+        distances.grad_bytes = trains.grad_bytes
     return distances
 
 

@@ -43,6 +43,7 @@ class DDPMode:
         self._buckets: ddp_buckets.BucketLayout | None = None
         self._ddp: Any = None
         self._step = -1
+        self.grad_bytes = 0
         self.forwards: dict[int, tuple[int, int]] = {}
         """Per step: DDP's forwards, and those with gradient sync on (what a missed sync and
         a bypassed DDP leave differently)."""
@@ -50,6 +51,7 @@ class DDPMode:
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
         ddp = self._ddp = distributed(model, self.device, self.ddp_options)
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
         # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
         # share one process and would otherwise share one state).
         hook_state = copy.deepcopy(self.comm_hook_state)
