@@ -43,6 +43,7 @@ def test_each_way_of_reducing_nothing_is_named_from_what_the_ranks_recorded(fact
         assert not any(p in cause for p in PHRASES if p not in says), (ws, cause)  # one cause, not two
 
 
+@pytest.mark.breadth
 def test_a_compiled_inner_module_is_ddp_bypassed():
     [cause] = _cause(compiled.inner_module_compiled(), (2,), compile="aot_eager").values()
     assert cause.startswith(HEAD) and "DDP's forward never ran" in cause, cause
