@@ -88,6 +88,11 @@ REPLICA_MODES = tuple(k.name for k in KINDS if k.replicated)
 """The modes whose every rank is a process of the world (a run per world size)."""
 SHARDED_MODES = tuple(k.name for k in KINDS if k.sharded)
 """FSDP2's modes: each rank holds shards of the parameters and optimizer state."""
+REFERENCE_MODE = next(k.name for k in KINDS if k.reference)
+"""The one-device mode every other run is compared with."""
+FLAT_SHARDED_MODE = next(k.name for k in KINDS if k.sharded and not k.mesh)
+"""The sharded mode on a 1-D mesh: how the user's FSDP set-up runs on one rank (its
+MixedPrecisionPolicy's noise alone, the sharded runs' noise floor)."""
 
 
 def asked(modes: tuple[str, ...] | list[str], flag: str) -> list[str]:

@@ -23,7 +23,7 @@ from ddparity.harness.world.pool import THREADS, WorldPool, default_pool
 from ddparity.harness.world.simulated import as_simulated
 from ddparity.harness.world.world import PendingTask
 from ddparity.report import Report
-from ddparity.run_kinds import MODES, REPLICA_MODES, asked, kind
+from ddparity.run_kinds import FLAT_SHARDED_MODE, REFERENCE_MODE, asked, kind
 from ddparity.settings import (
     CHECK_MODES,
     CHECK_WORLD_SIZES,
@@ -140,7 +140,7 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
         if refused is None:
             single, noise = compiled_single(checking, opts.compile, ref_world, spool)
         else:
-            single = refused_run(checking, opts.compile, single_mode(), 1, chosen, refused)
+            single = refused_run(checking, opts.compile, REFERENCE_MODE, 1, chosen, refused)
             plan.update({(mode, ws, spec): refused_run(checking, spec, mode, ws, backends[ws], refused)
                          for (mode, ws, spec), reason in plan.items() if spec is not None and reason is None})
         if asked(opts.modes, "reference"):
@@ -170,20 +170,14 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
     return report
 
 
-def single_mode() -> str:
-    """The one-device mode, the reference's."""
-    return next(m for m in MODES if kind(m).reference)
-
-
 def _policy_run(checking: Checking, world: Any, spool: Spool) -> None:
     """The user's own FSDP set-up (``Case.fsdp``: its ``MixedPrecisionPolicy``) on one rank:
     its distance to the reference is what the policy alone does to the numbers, the noise
     floor of the sharded runs that compute in its lower precision. Should that one-rank run
     fail, the sharded runs report it."""
-    mode = next(m for m in REPLICA_MODES if kind(m).sharded and not kind(m).mesh)
     try:
-        [distances] = world.run(replica_task, checking.case, spool.path, mode, 1, timeout=checking.opts.timeout,
-                                shown_as=replica_run_name(mode))
+        [distances] = world.run(replica_task, checking.case, spool.path, FLAT_SHARDED_MODE, 1,
+                                timeout=checking.opts.timeout, shown_as=replica_run_name(FLAT_SHARDED_MODE))
     except WorldFailure:
         return
     checking.policy_noise(distances)

@@ -17,7 +17,7 @@ from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
 from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_task
-from ddparity.run_kinds import MODES, kind
+from ddparity.run_kinds import MODES, REFERENCE_MODE, kind
 from ddparity.settings import CheckOptions
 from ddparity.verbs.checking import Checking, mark
 from ddparity.verdicts import RunResult
@@ -43,18 +43,18 @@ def compiled_single(checking: Checking, spec: CompileSpec, world: Any,
     case, opts, reference, blowup = checking.case, checking.opts, checking.reference, checking.blowup
     assert reference is not None
     started = time.perf_counter()
-    repro = checking.repro(_reference_mode(opts), 1, world.backend, spec)
+    repro = checking.repro(REFERENCE_MODE, 1, world.backend, spec)
     exact = _float64_error(case, opts, world, spool) if opts.tolerance == "auto" else None
     try:
         [distances] = world.run(compiled_single_task, case, spool.path, spec, timeout=opts.timeout)
     except WorldFailure as exc:
-        return checking.failed(_reference_mode(opts), 1, world.backend, exc, time.perf_counter() - started, spec), None
+        return checking.failed(REFERENCE_MODE, 1, world.backend, exc, time.perf_counter() - started, spec), None
     tol = checking.tolerance(1)
     if opts.tolerance == "auto":
         tol = compiled_tolerance(tol, reference, case.torch_dtype, exact)
     stop = blowup.step if blowup is not None else None
     found = divergences(reference, [distances], tol, until=stop)
-    run = mark(RunResult(mode=_reference_mode(opts), world_size=1, backend=world.backend,
+    run = mark(RunResult(mode=REFERENCE_MODE, world_size=1, backend=world.backend,
                          status="diverged" if found else "pass", seconds=time.perf_counter() - started,
                          tolerance=tol.description, repro=repro), spec)
     compared_nothing(describe(run, [distances.compiled]))
@@ -108,10 +108,6 @@ def refused_run(checking: Checking, spec: CompileSpec, mode: str, ws: int, backe
     return mark(RunResult(mode=mode, world_size=ws, backend=backend, status="error", reason=reason,
                           repro=checking.repro(mode, ws, backend, spec)), spec)
 
-
-def _reference_mode(opts: CheckOptions) -> str:
-    """The one-device mode: the reference's (``single``)."""
-    return next(m for m in MODES if kind(m).reference)
 
 
 def describe(run: RunResult, summaries: list[CompileSummary | None]) -> RunResult:

@@ -35,7 +35,7 @@ from ddparity.harness import store_keys
 from ddparity.harness.launch import torchrun
 from ddparity.harness.launch.everyone import Everyone
 from ddparity.report import Report
-from ddparity.run_kinds import REPLICA_MODES, asked, kind
+from ddparity.run_kinds import FLAT_SHARDED_MODE, REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions, needs_newer_torch
 from ddparity.verbs.checking import Checking
 from ddparity.verdicts import RunResult
@@ -118,11 +118,10 @@ class _LaunchedCheck:
                 checking.referenced(reference_task(ctx, case, self.spool.path, (ctx.world_size,), checking.sharded),
                                     valid)
                 self.ref_seconds = time.perf_counter() - self.started
-            policy = [m for m in self.modes if kind(m).sharded and not kind(m).mesh]
-            if case.fsdp is not None and policy and any(kind(m).sharded and m not in skipped for m in self.modes):
+            if case.fsdp is not None and any(kind(m).sharded and m not in skipped for m in self.modes):
                 released()
                 alone = dataclasses.replace(ctx, world_size=1)
-                checking.policy_noise(replica_task(alone, case, self.spool.path, policy[0], 1))
+                checking.policy_noise(replica_task(alone, case, self.spool.path, FLAT_SHARDED_MODE, 1))
         released()
         self.recorder.end_task()
         nonce = secrets.token_hex(16)
