@@ -258,6 +258,8 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
         if run.first_divergence is not None:
             d = run.first_divergence
             props.append((f"{tag} first_divergence", d.where))
+            if d.module is not None:
+                props.append((f"{tag} first_divergence module", d.module.text()))
         if run.desync is not None:
             props.append((f"{tag} desync", f"step {run.desync.step} ranks {run.desync.ranks}"))
         if run.hang is not None:

@@ -161,6 +161,8 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"
         )
+        if d.module is not None:
+            lines.append(f"  {d.module.text()}")
         if run.worst:
             lines.append("  worst offenders (error / tolerance):")
             width = max(len(w.name) for w in run.worst)

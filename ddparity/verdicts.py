@@ -48,6 +48,79 @@ def _by_rank(values: Mapping[int, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ModuleFinding(_ReadsAsJson):
+    """Where in the model a run's first differing step first differs from the reference's
+    (:mod:`ddparity.harness.ranks.tracing`): in ``phase`` ``"forward"``, the first module call
+    whose ``input`` agrees and whose ``output`` differs; ``"loss"``, the gradient backward
+    starts from (the loss's, compared x 1/W) differs, by ``factor``; ``"backward"``, the
+    first module whose ``output gradient`` agrees and whose input or a parameter's gradient
+    differs; ``"reduction"``: every activation and its gradient agree and every parameter's
+    gradient differs; ``"none"``: every module's forward and backward agree."""
+
+    step: int
+    rank: int
+    phase: str
+    module: str = ""
+    type: str = ""
+    differs: str = ""
+    error: float = 0.0
+    """Relative: ||rank - reference|| / ||reference||."""
+    tolerance: float = 0.0
+    agrees: str = ""
+    agrees_error: float | None = None
+    agrees_ok: bool | None = None
+    """Whether ``agrees`` is within its tolerance (None: nothing to compare it with)."""
+    factor: float | None = None
+    mismatch: str = ""
+    """Why the error is infinite, in words (a gradient on one side only)."""
+    position: int = 0
+    """The call's place in its phase (forward: calls in the order they finished; backward:
+    in the order their output gradients arrived)."""
+
+    @property
+    def found(self) -> bool:
+        return self.phase != "none"
+
+    @property
+    def label(self) -> str:
+        """``stem.1 (BatchNorm2d)``, ``the model (Net)``."""
+        return f"{self.module or 'the model'} ({self.type})"
+
+    def text(self) -> str:
+        """One line of the report."""
+        if not self.found:
+            return (f"first differing module: none (step {self.step}): every module's output, activation gradient "
+                    f"and parameter gradient agrees with the reference on every rank; the difference comes after "
+                    f"them (in the optimizer step or an update of the parameters or buffers)")
+        if self.phase == "reduction":
+            by = (f"up to rel {self.error:.2g}, tolerance {self.tolerance:.2g}" if math.isfinite(self.error)
+                  else "some present on one side only")
+            return (f"first to differ: the reduction (step {self.step}, rank {self.rank}): every module's output "
+                    f"and activation gradient agrees with the reference; every parameter's gradient differs "
+                    f"({by}): the gradients were not reduced across ranks as data parallelism does")
+        if self.phase == "loss":
+            by = f" is {self.factor:.3g}x the reference's" if self.factor is not None else " differs"
+            return (f"first to differ: the loss (step {self.step}, rank {self.rank}): every module's forward agrees; "
+                    f"{self.differs} w.r.t. the output of {self.label}{by} (rel {self.error:.2g}, a rank's "
+                    f"compared x 1/world_size)")
+        if self.agrees_ok is None:
+            before = f"{self.agrees} not compared"
+        else:
+            err = f" (rel {self.agrees_error:.2g})" if self.agrees_error is not None else ""
+            before = f"{self.agrees} {'agrees' if self.agrees_ok else 'differs too'}{err}"
+        by = self.mismatch or f"rel {self.error:.2g}, tolerance {self.tolerance:.2g}"
+        return (f"first differing module: {self.label}, step {self.step}, rank {self.rank}, {self.phase}: {before}, "
+                f"{self.differs} differs ({by})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "phase": self.phase, "module": self.module or None,
+                "type": self.type or None, "differs": self.differs or None, "rel_error": _finite(self.error),
+                "tolerance": self.tolerance, "agrees": self.agrees or None,
+                "agrees_rel_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
+                "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {})}
+
+
+@dataclass(frozen=True)
 class Divergence(_ReadsAsJson):
     """The first (or a worst) tensor of a run beyond its tolerance of the reference."""
 
@@ -61,6 +134,8 @@ class Divergence(_ReadsAsJson):
     tolerance: float
     mismatch: str | None = None
     """Why the error is infinite, in words (a tensor missing, another shape, a NaN)."""
+    module: ModuleFinding | None = None
+    """Where in the model the step first differs (the first divergence of a failing run)."""
 
     @property
     def where(self) -> str:
@@ -76,7 +151,8 @@ class Divergence(_ReadsAsJson):
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "kind": self.kind, "name": self.name, "rank": self.rank,
                 "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel), "tolerance": self.tolerance,
-                **({"mismatch": self.mismatch} if self.mismatch else {})}
+                **({"mismatch": self.mismatch} if self.mismatch else {}),
+                **({"module": self.module.to_json()} if self.module is not None else {})}
 
 
 @dataclass(frozen=True)

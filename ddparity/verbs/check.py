@@ -15,7 +15,7 @@ from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.distances import Distances
 from ddparity.errors import Interrupted, UsageError, WorldFailure, WorldStartError
-from ddparity.harness.ranks.probes import loss_scaling_task
+from ddparity.harness.ranks.probes import loss_scaling_task, reference_trace_task, replica_trace_task
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
 from ddparity.harness.ranks.threaded import threaded_task
@@ -130,6 +130,9 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
     checking.referenced(reference, valid)
     checking.loss_probe = lambda: _probe(ref_world if not ref_world.busy else pool.get(1, chosen, role="probe"),
                                          checking, spool)
+    checking.locator = lambda mode, ws, backend, step, size: _locate(
+        ref_world if not ref_world.busy else pool.get(1, chosen, role="probe"), pool, checking, spool,
+        (mode, ws, backend), step, size)
     blowup = checking.blowup
     report.runs += checking.reference_rows(chosen, time.perf_counter() - started, blowup.reason() if blowup else None)
     if checking.sharded and case.fsdp is not None:
@@ -192,6 +195,27 @@ def _probe(world: Any, checking: Checking, spool: Spool) -> float | None:
     except WorldFailure:
         return None
     return ratio
+
+
+def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, run: tuple[str, int, str],
+            step: int, size: int) -> list[Any] | str:
+    """A failing run's step ``step`` re-run module by module: the reference's in its world
+    (or one beside it), then the run's ranks in a world like the run's; every rank's
+    finding, or why there is none."""
+    mode, ws, backend = run
+    case, timeout = checking.case, checking.opts.timeout
+    try:
+        ref_world.run(reference_trace_task, case, spool.path, step, size, timeout=timeout)
+        shard_size = kind(mode).shard_size(ws, checking.opts.shard)
+        if backend == "threaded":
+            host = pool.get(1, "gloo", role=THREADS)
+            [(findings, _)] = host.run(threaded_task, replica_trace_task, case, spool.path, ws, mode, shard_size,
+                                       step, size, timeout=timeout, shown_as=replica_run_name(mode, simulated=True))
+            return list(findings)
+        return list(pool.get(ws, backend).run(replica_trace_task, case, spool.path, mode, shard_size, step, size,
+                                              timeout=timeout, shown_as=replica_run_name(mode)))
+    except (WorldFailure, WorldStartError) as exc:
+        return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
 
 def _finish_dp(checking: Checking, mode: str, backend: str, sizes: tuple[int, ...], pending: PendingTask | None,
@@ -257,7 +281,7 @@ def _finish(checking: Checking, backend: str, planned: Planned, launched: tuple[
         run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if checking.opts.backend == 'auto' else ''}")
     judged = checking.judge(run, runs, records, compile_noise)
-    return compared_nothing(judged) if spec is not None else judged
+    return compared_nothing(judged) if spec is not None else checking.localise(judged, backend)
 
 
 __all__ = ["check"]

@@ -7,6 +7,7 @@ come back; a :class:`Checking` turns those results into the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions
 from ddparity.verbs.plan import cannot_run, check_repro, failure_run
-from ddparity.verdicts import RunResult
+from ddparity.verdicts import ModuleFinding, RunResult
 
 Planned = tuple[str, int, "CompileSpec | None"]
 """One run a check asks for: its mode, world size and compile (None: eager)."""
@@ -52,6 +53,10 @@ class Checking:
     is (set by the orchestrator): asked at most once, by a run whose loss fits both a sum
     and a mean divided by W."""
     _probed: list[float | None] = field(default_factory=list)
+    locator: Callable[[str, int, str, int, int], list[ModuleFinding] | str] | None = None
+    """``(mode, world size, backend, step, global batch size)``: re-runs a failing run's
+    first differing step module by module where the ranks are (set by the orchestrator;
+    :mod:`ddparity.harness.ranks.probes`), every rank's finding, or why it could not."""
 
     @classmethod
     def of(cls, case: Case, opts: CheckOptions, launched: bool = False) -> Checking:
@@ -178,6 +183,21 @@ class Checking:
             judged.notes.append(traffic)
         return _compared_up_to(judged, stop)
 
+    def localise(self, run: RunResult, backend: str) -> RunResult:
+        """A diverged (or drifted apart) eager run's first divergence, given where in the model that step first
+        differs (the earliest place over the ranks); a note where it could not be found."""
+        d = run.first_divergence
+        if (d is None or self.locator is None or self.reference is None or run.compile is not None
+                or run.status not in ("diverged", "desync") or not kind(run.mode).replicated):
+            return run
+        sizes = self.reference.batch_sizes
+        found = self.locator(run.mode, run.world_size, backend, d.step, sizes[d.step] if d.step < len(sizes) else -1)
+        if isinstance(found, str):
+            run.notes.append(f"first differing module: not found ({found})")
+            return run
+        run.first_divergence = dataclasses.replace(d, module=earliest(found))
+        return run
+
     def _hook_collectives(self, records: dict[int, Any]) -> int | None:
         """With a comm hook of the case's: the collectives it issued at step 0 over the ranks'
         ledgers (the hook's calls are recorded by their bucket, ``DDP gradient bucket i``)."""
@@ -226,6 +246,15 @@ def mark(run: RunResult, spec: CompileSpec | None) -> RunResult:
     run.compile = spec.for_mode(run.mode)
     run.label = spec.label(run.mode)
     return run
+
+
+PHASES = ("forward", "loss", "backward", "reduction", "none")
+
+
+def earliest(findings: list[ModuleFinding]) -> ModuleFinding:
+    """The finding that comes first in the step (forward, then the loss, then backward; by
+    the place of the call; the lowest rank of a tie)."""
+    return min(findings, key=lambda f: (PHASES.index(f.phase), f.position, f.rank))
 
 
 def extra_syncs(runs: list[Distances]) -> str | None:

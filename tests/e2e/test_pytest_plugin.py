@@ -110,6 +110,10 @@ def test_session_report_and_junit_properties(pytester):
     props = {(p.get("name"), p.get("value")) for p in ET.parse(pytester.path / "junit.xml").iter("property")}
     assert ("ddparity[ddp ws2] status", "diverged") in props
     assert ("ddparity[ddp ws2] first_divergence", "step 0, the loss, rank 0") in props
+    [module] = [v for n, v in props if n == "ddparity[ddp ws2] first_divergence module"]
+    assert module.startswith("first to differ: the loss (step 0, rank 0)") and "is 0.5x the reference's" in module
+    [summed] = [r for r in report["runs"] if r["mode"] == "ddp" and r["status"] == "diverged"]
+    assert summed["first_divergence"]["module"]["phase"] == "loss"
     assert ("ddparity[ddp ws4] world_size", "4") in props
 
 

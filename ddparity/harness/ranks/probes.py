@@ -11,16 +11,20 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from ddparity.case import Case
 from ddparity.harness.protocol import RankContext, names_run
-from ddparity.harness.ranks.batches import map_tensors
+from ddparity.harness.ranks.batches import map_tensors, reverse_samples
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import NoSink
+from ddparity.harness.ranks.tasks import replica_mode
+from ddparity.harness.ranks.tracing import ModuleTrace, Traced, first_difference, noise_of
 from ddparity.harness.ranks.training import train
+from ddparity.verdicts import ModuleFinding
 
 
 @dataclass
@@ -33,6 +37,14 @@ class RepeatedMode(SingleMode):
         if not size:
             return batch
         return map_tensors(batch, lambda t: torch.cat([t, t]) if t.dim() and t.shape[0] == size else t)
+
+
+@dataclass
+class ReversedMode(SingleMode):
+    """Mode ``single`` on its global batch in reversed sample order."""
+
+    def share(self, batch: Any, size: int | None) -> Any:
+        return reverse_samples(batch, size) if size else batch
 
 
 class StepLoss(NoSink):
@@ -59,3 +71,51 @@ def loss_scaling_task(ctx: RankContext, case: Case, spool: str) -> float | None:
     if once.loss is None or twice.loss is None or not once.loss or not math.isfinite(twice.loss / once.loss):
         return None
     return twice.loss / once.loss
+
+
+def _trace_path(spool: str, step: int) -> str:
+    return os.path.join(spool, f"trace-{step}.pt")
+
+
+def _traced(case: Case, spool: str, device: str, mode: Any, step: int) -> dict[str, Any]:
+    """Train ``mode`` (``step + 1`` steps) with step ``step`` recorded module by module."""
+    trace = ModuleTrace(step)
+    try:
+        train(case, spool, device, Traced(mode, trace), trace)
+    finally:
+        trace.close()
+    return trace.record()
+
+
+@names_run("the first differing step on one device, module by module")
+def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, size: int) -> None:
+    """The reference's record of step ``step`` (``size``: its global batch size) and its
+    rounding noise, into the spool (once per step)."""
+    import torch
+
+    path = _trace_path(spool, step)
+    if os.path.exists(path):
+        return
+    ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step)
+    released()
+    twin = _traced(case, spool, ctx.device, ReversedMode(step + 1, watch_draws=False), step)
+    released()
+    rows = torch.arange(size).flip(0) if size > 0 else None
+    torch.save({"record": ref, "noise": noise_of(ref, twin, rows, size)}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+@names_run("the first differing step, module by module", sized=True)
+def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size: int, step: int,
+                       size: int, settle: Any = None) -> ModuleFinding:
+    """This rank's record of step ``step`` in ``mode``, compared with the reference's
+    (:func:`reference_trace_task` wrote it): the first module that differs on this rank
+    (``settle``: as :func:`~ddparity.harness.ranks.tasks.replica_task`'s)."""
+    import torch
+
+    trains = replica_mode(ctx, case, mode, shard_size, step + 1, settle)
+    mine = _traced(case, spool, ctx.device, trains, step)
+    rows = trains.share(torch.arange(size), size) if size > 0 else None
+    ref = torch.load(_trace_path(spool, step), weights_only=False)
+    released()
+    return first_difference(ref["record"], ref["noise"], mine, rows, size, ctx.world_size, ctx.rank, step)

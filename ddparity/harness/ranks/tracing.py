@@ -1,0 +1,372 @@
+"""The first differing module: one step's forward and backward recorded module by module, in
+a rank process, and a rank's record compared with the reference's.
+
+A failing check re-runs its first differing step (:mod:`ddparity.harness.ranks.probes`): the
+reference on one device, then each rank of the failing run, each training from the initial
+state up to that step with a :class:`ModuleTrace` armed for it. The trace keeps, for every
+module call of the step in the order calls finish,
+
+* the call's floating-point inputs and outputs;
+* the gradients w.r.t. them, as backward makes them (tensor hooks, which return nothing:
+  what the user's code computes is left as it is; a later in-place op is no obstacle);
+* and every parameter's gradient as the optimizer sees it (all-reduced, or a sharded
+  gradient gathered whole).
+
+:func:`first_difference` reads a rank's record against the reference's: a rank's tensor
+batched along some dim is compared with the reference's rows for the same samples, any other
+whole (but a scalar, a loss, which is over a rank's own samples); a rank's activation gradients are those of its own loss, which data parallelism
+averages over the W ranks, so they are compared x 1/W. Each error is relative, against a
+calibrated tolerance: the reference's own distance from a run on the same batch in reversed
+sample order (its rounding noise, module by module) x :data:`NOISE_FACTOR`, never below
+:data:`FLOOR_EPS` x the dtype's epsilon. Forward first, then backward from the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddparity.verdicts import ModuleFinding
+
+NOISE_FACTOR = 10.0
+"""A tensor differs beyond this many times the reference's own rounding noise on it."""
+FLOOR_EPS = 16.0
+"""... and beyond this many times its dtype's machine epsilon (noise measured at zero)."""
+LOSS_GRAD = "the loss's gradient"
+
+
+@dataclass
+class Call:
+    """One module call of the traced step."""
+
+    name: str
+    type: str
+    index: int
+    """The module's call number in the step (a module called twice: 0, then 1)."""
+    params: list[str]
+    """The full names of the module's own parameters (its children's not)."""
+    inputs: list[Any] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    in_grads: dict[int, Any] = field(default_factory=dict)
+    out_grads: dict[int, Any] = field(default_factory=dict)
+
+
+class ModuleTrace:
+    """Every module call of one step of a model (``target``), recorded on the CPU; also the
+    run's sink (:class:`~ddparity.harness.ranks.training.Sink`), which takes the parameters'
+    gradients at ``optimizer.step()``."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.armed = False
+        self.calls: list[Call] = []
+        self.backward: list[int] = []
+        """Calls in the order their output gradients arrived."""
+        self.param_grads: dict[str, Any] = {}
+        self._handles: list[Any] = []
+        self._counts: dict[str, int] = {}
+
+    def attach(self, model: Any) -> None:
+        for name, module in model.named_modules():
+            own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, kwargs, out, _n=name, _o=own: self._called(m, _n, _o, args, kwargs, out),
+                with_kwargs=True))
+
+    def _called(self, module: Any, name: str, own: list[str], args: Any, kwargs: Any, out: Any) -> None:
+        if not self.armed:
+            return None
+        index = self._counts.get(name, 0)
+        self._counts[name] = index + 1
+        call = Call(name, type_name(module), index, own)
+        position = len(self.calls)
+        self.calls.append(call)
+        for j, t in enumerate(floats((args, kwargs))):
+            call.inputs.append(_kept(t))
+            if t.requires_grad:
+                t.register_hook(lambda g, _j=j: self._grad(call.in_grads, _j, g))
+        for j, t in enumerate(floats(out)):
+            call.outputs.append(_kept(t))
+            if t.requires_grad:
+                t.register_hook(lambda g, _j=j, _p=position: self._out_grad(call, _p, _j, g))
+        return None
+
+    def _grad(self, into: dict[int, Any], j: int, grad: Any) -> None:
+        if grad is not None:
+            into[j] = _kept(grad)
+
+    def _out_grad(self, call: Call, position: int, j: int, grad: Any) -> None:
+        if position not in self.backward:
+            self.backward.append(position)
+        self._grad(call.out_grads, j, grad)
+
+    def grads(self, step: int, model: Any) -> None:
+        if step == self.target and not self.param_grads:
+            self.param_grads = {n: _kept(whole(p.grad)) for n, p in model.named_parameters() if p.grad is not None}
+
+    def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
+        self.grads(step, model)  # a step that did not call optimizer.step(): the gradients it left
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def record(self) -> dict[str, Any]:
+        """What the comparison needs, plain (``torch.save``-able)."""
+        return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "param_grads": self.param_grads}
+
+
+@dataclass
+class Traced:
+    """A mode (``inner``) whose step ``trace.target`` is recorded by ``trace`` (the rest of
+    the mode is the inner one's)."""
+
+    inner: Any
+    trace: ModuleTrace
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def wrap(self, model: Any) -> Any:
+        self.trace.attach(model)  # on the user's modules, before any wrapper
+        return self.inner.wrap(model)
+
+    def step(self, step: int, replica: Any, batch: Any) -> None:
+        self.trace.armed = step == self.trace.target
+        try:
+            self.inner.step(step, replica, batch)
+        finally:
+            self.trace.armed = False
+
+
+def type_name(module: Any) -> str:
+    """The module's own class name (FSDP2's ``FSDPLinear`` is a ``Linear``)."""
+    mro = type(module).__mro__
+    if any(c.__name__ == "FSDPModule" for c in mro):
+        return next((c.__name__ for c in mro[1:] if not c.__name__.startswith("FSDP")), mro[0].__name__)
+    return mro[0].__name__
+
+
+def floats(obj: Any) -> list[Any]:
+    """The floating-point tensors in a nest (tuples, lists, dicts, a transformers
+    ``ModelOutput``), in order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() or obj.is_complex() else []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in floats(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in floats(v)]
+    return []
+
+
+def whole(t: Any) -> Any:
+    """A sharded (DTensor) gradient gathered whole (every rank gathers, in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _kept(t: Any) -> Any:
+    return t.detach().to("cpu", copy=True)
+
+
+# -- comparing a record with the reference's ------------------------------------------------
+
+
+def aligned(mine: Any, ref: Any, rows: Any, size: int) -> tuple[Any, Any, bool] | None:
+    """The rank's tensor, the reference's part for the same samples and whether it is rows:
+    where a dim of the rank's has this rank's samples (``rows``) and the same dim of the
+    reference's the global batch (``size``), every other dim alike, the reference's rows;
+    else both whole where their shapes agree; None otherwise."""
+    if rows is not None and mine.dim() == ref.dim():
+        for d in range(mine.dim()):
+            if (mine.shape[d] == len(rows) and ref.shape[d] == size
+                    and all(mine.shape[k] == ref.shape[k] for k in range(mine.dim()) if k != d)):
+                return mine, ref.index_select(d, rows), True
+    if mine.shape == ref.shape:
+        return mine, ref, False
+    return None
+
+
+def rel(mine: Any, ref: Any) -> float:
+    """||mine - ref|| / ||ref|| in float64 (inf where only one is finite, or ref is zero and mine is not)."""
+    import torch
+
+    a, b = mine.double(), ref.double()
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return math.inf
+    finite = torch.isfinite(b)
+    a, b = a[finite], b[finite]
+    diff, norm = float((a - b).norm()), float(b.norm())
+    return diff / norm if norm else (0.0 if diff == 0 else math.inf)
+
+
+def factor(mine: Any, ref: Any) -> float | None:
+    """The least-squares ``c`` of ``mine ~ c * ref`` (None where ref is zero or non-finite)."""
+    a, b = mine.double().flatten(), ref.double().flatten()
+    den = float((b * b).sum())
+    num = float((a * b).sum())
+    return num / den if den and math.isfinite(num / den) else None
+
+
+def tolerance(noise: float, dtype: Any) -> float:
+    import torch
+
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    return max(NOISE_FACTOR * noise, FLOOR_EPS * eps)
+
+
+def errors(mine: list[Any], ref: list[Any], rows: Any, size: int, scale: float = 1.0,
+           batched_only: bool = False) -> float | None:
+    """The largest error of ``mine`` against ``ref`` (tensors by position); ``scale`` multiplies a rank's batched tensors; ``batched_only``: only those (a
+    gradient w.r.t. a whole tensor is a partial sum on a rank). None: nothing comparable."""
+    found: list[float] = []
+    for m, r in zip(mine, ref):
+        if m.dim() == 0:  # a scalar of a rank's (its loss, a batch mean) is over its own samples
+            continue
+        pair = aligned(m, r, rows, size)
+        if pair is None or (batched_only and not pair[2]):
+            continue
+        a, b, is_rows = pair
+        found.append(rel(a * scale if is_rows else a, b))
+    return max(found) if found else None
+
+
+def _by_key(record: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(c["name"], c["index"]): c for c in record["calls"]}
+
+
+def _grads(call: dict[str, Any], which: str) -> list[Any]:
+    got = call[which]
+    return [got[j] for j in sorted(got)]
+
+
+def noise_of(ref: dict[str, Any], twin: dict[str, Any], rows: Any, size: int) -> dict[str, float]:
+    """The reference's own rounding noise per tensor group: a run on the same batch in
+    reversed sample order (``rows``) against it."""
+    out: dict[str, float] = {}
+    calls = _by_key(ref)
+    for c in twin["calls"]:
+        r = calls.get((c["name"], c["index"]))
+        if r is None:
+            continue
+        for what, key in (("outputs", "out"), ("inputs", "in"), ("out_grads", "gout"), ("in_grads", "gin")):
+            mine = c[what] if what in ("outputs", "inputs") else _grads(c, what)
+            theirs = r[what] if what in ("outputs", "inputs") else _grads(r, what)
+            e = errors(mine, theirs, rows, size)
+            if e is not None and math.isfinite(e):
+                out[f"{key} {c['name']}#{c['index']}"] = e
+    for name, g in twin["param_grads"].items():
+        r = ref["param_grads"].get(name)
+        if r is not None and r.shape == g.shape:
+            e = rel(g, r)
+            if math.isfinite(e):
+                out[f"param {name}"] = e
+    return out
+
+
+def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[str, Any], rows: Any, size: int,
+                     world_size: int, rank: int, step: int) -> ModuleFinding:
+    """The first module call of the rank's step whose inputs agree with the reference's and
+    whose output differs (forward, in the order calls finish); else, from the loss back, the
+    first whose output gradient agrees and whose input or parameter gradient differs."""
+    calls = _by_key(ref)
+
+    def judge(key: str, got: float | None, dtype: Any) -> tuple[float, float, bool] | None:
+        """(error, tolerance, beyond it) of one tensor group (None: nothing comparable)."""
+        if got is None:
+            return None
+        tol = tolerance(noise.get(key, 0.0), dtype)
+        return got, tol, got > tol
+
+    for position, c in enumerate(mine["calls"]):
+        r = calls.get((c["name"], c["index"]))
+        if r is None or not c["outputs"]:
+            continue
+        label = f"{c['name']}#{c['index']}"
+        out = judge(f"out {label}", errors(c["outputs"], r["outputs"], rows, size), c["outputs"][0].dtype)
+        if out is None or not out[2]:
+            continue
+        inp = judge(f"in {label}", errors(c["inputs"], r["inputs"], rows, size),
+                    c["inputs"][0].dtype if c["inputs"] else c["outputs"][0].dtype)
+        return ModuleFinding(step=step, rank=rank, phase="forward", module=c["name"], type=c["type"],
+                             differs="output", error=out[0], tolerance=out[1], agrees="input",
+                             agrees_error=inp[0] if inp is not None else None,
+                             agrees_ok=None if inp is None else not inp[2], position=position)
+    scale = 1.0 / world_size
+    params = _param_errors(ref, mine, judge)
+    for n, position in enumerate(mine["backward"]):
+        c = mine["calls"][position]
+        r = calls.get((c["name"], c["index"]))
+        if r is None:
+            continue
+        label = f"{c['name']}#{c['index']}"
+        gout = _grads(c, "out_grads")
+        dtype = gout[0].dtype if gout else c["outputs"][0].dtype
+        got_out = judge(f"gout {label}", errors(gout, _grads(r, "out_grads"), rows, size, scale, batched_only=True),
+                        dtype)
+        if got_out is not None and got_out[2]:
+            if n == 0:  # the first gradient backward made: the loss's
+                pairs = [aligned(m, t, rows, size) for m, t in zip(gout, _grads(r, "out_grads"))]
+                pair = next((p for p in pairs if p is not None and p[2]), None)
+                ratio = factor(pair[0] * scale, pair[1]) if pair is not None else None
+                return ModuleFinding(step=step, rank=rank, phase="loss", module=c["name"], type=c["type"],
+                                     differs=LOSS_GRAD, error=got_out[0], tolerance=got_out[1], factor=ratio,
+                                     position=n)
+            return ModuleFinding(step=step, rank=rank, phase="backward", module=c["name"], type=c["type"],
+                                 differs="output gradient", error=got_out[0], tolerance=got_out[1], position=n)
+        gin = judge(f"gin {label}", errors(_grads(c, "in_grads"), _grads(r, "in_grads"), rows, size, scale,
+                                           batched_only=True), dtype)
+        if gin is not None and gin[2]:
+            return ModuleFinding(step=step, rank=rank, phase="backward", module=c["name"], type=c["type"],
+                                 differs="input gradient", error=gin[0], tolerance=gin[1], agrees="output gradient",
+                                 agrees_error=got_out[0] if got_out is not None else None,
+                                 agrees_ok=None if got_out is None else True, position=n)
+    differing = [p for p, e in params.items() if e[2]]
+    if not differing:
+        return ModuleFinding(step=step, rank=rank, phase="none")
+    if len(differing) == len(params) and len(params) > 1:  # not one module's: the reduction's
+        e = max((params[p] for p in differing), key=lambda x: x[0] / x[1] if x[1] else math.inf)
+        return ModuleFinding(step=step, rank=rank, phase="reduction", differs="every parameter's gradient",
+                             error=e[0], tolerance=e[1], agrees="every activation and activation gradient",
+                             agrees_ok=True, position=len(mine["backward"]))
+    order = [mine["calls"][p] for p in mine["backward"]] + mine["calls"]
+    first = next(p for c in order for p in c["params"] if p in differing) if any(
+        p in differing for c in mine["calls"] for p in c["params"]) else differing[0]
+    owner = next((c for c in order if first in c["params"]), None)
+    e = params[first]
+    return ModuleFinding(step=step, rank=rank, phase="backward",
+                         module=owner["name"] if owner else first.rpartition(".")[0],
+                         type=owner["type"] if owner else "not called in the step",
+                         differs=f"gradient of {first.rsplit('.', 1)[-1]}", error=e[0], tolerance=e[1],
+                         mismatch=_missing(ref, mine, first),
+                         agrees="output gradient", agrees_ok=True if owner else None,
+                         position=mine["backward"].index(mine["calls"].index(owner))
+                         if owner is not None and mine["calls"].index(owner) in mine["backward"] else len(order))
+
+
+def _missing(ref: dict[str, Any], mine: dict[str, Any], name: str) -> str:
+    if name not in mine["param_grads"]:
+        return "none on this rank, the reference has one"
+    if name not in ref["param_grads"]:
+        return "none on the reference, this rank has one"
+    return ""
+
+
+def _param_errors(ref: dict[str, Any], mine: dict[str, Any], judge: Any) -> dict[str, tuple[float, float, bool]]:
+    """Every parameter's gradient against the reference's: (error, tolerance, beyond it); a
+    gradient one side has and the other has not differs (inf)."""
+    out: dict[str, tuple[float, float, bool]] = {}
+    for name in list(ref["param_grads"]) + [n for n in mine["param_grads"] if n not in ref["param_grads"]]:
+        g, t = mine["param_grads"].get(name), ref["param_grads"].get(name)
+        if g is None or t is None:
+            out[name] = (math.inf, 0.0, True)
+        elif g.shape == t.shape:
+            got = judge(f"param {name}", rel(g, t), g.dtype)
+            out[name] = got
+    return out
+
+
+__all__ = ["ModuleTrace", "Traced", "first_difference", "floats", "noise_of"]

@@ -1,0 +1,198 @@
+"""The first differing module: a failing run's first differing step re-run module by module
+on the reference and on every rank, each rank's record compared with the reference's rows
+for its samples. Every fixture with a known bug names its module (or the loss, or the
+reduction) on the rank that has it (rank 0 and the last), in DDP, FSDP2 and HSDP, real and
+simulated ranks; the trace's hooks change nothing the model computes; a passing check never
+re-runs anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddparity import check
+from ddparity.fixtures import bugs, real_models, sharded
+from ddparity.harness.ranks.tracing import ModuleTrace, aligned, rel
+from ddparity.verbs import check as check_module
+
+
+def found(report, mode="ddp"):
+    """By world size, the run's status and the module finding of its first divergence."""
+    out = {}
+    for run in report.runs:
+        if run.mode == mode:
+            d = run.first_divergence
+            out[run.world_size] = (run.status, d.module if d is not None else None, run.notes)
+    return out
+
+
+def test_batchnorm_on_shards_is_named_in_forward_with_both_errors():
+    report = check(bugs.batchnorm_on_shards(), modes=("single", "ddp"), world_sizes=(2,))
+    status, m, _ = found(report)[2]
+    assert status == "diverged"
+    assert (m.phase, m.module, m.type, m.rank, m.step) == ("forward", "bn", "BatchNorm1d", 0, 0)
+    assert m.agrees == "input" and m.agrees_ok and m.agrees_error < m.tolerance < m.error
+    assert m.error > 0.05  # a shard's statistics are not the batch's
+    text = report.render()
+    assert ("first differing module: bn (BatchNorm1d), step 0, rank 0, forward: input agrees (rel 0), output "
+            "differs (rel 0.23, tolerance 1.9e-06)") in text, text
+    as_json = report.to_json()
+    [ddp] = [r for r in as_json["runs"] if r["mode"] == "ddp"]
+    module = ddp["first_divergence"]["module"]
+    assert module["module"] == "bn" and module["phase"] == "forward" and module["differs"] == "output"
+    assert module["agrees"] == "input" and module["rel_error"] > module["tolerance"]
+
+
+@pytest.mark.parametrize("fixture, ws, factor", [(bugs.summed_loss, 2, 0.5), (bugs.loss_over_world_size, 4, 0.25)])
+def test_a_loss_off_by_a_factor_is_the_first_to_differ_with_its_factor(fixture, ws, factor):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(ws,), backend="threaded" if ws > 2 else "auto")
+    _, m, _ = found(report)[ws]
+    assert m.phase == "loss" and m.module == "net.4", m
+    assert m.factor == pytest.approx(factor, rel=1e-4)
+    assert f"is {factor:g}x the reference's" in m.text()
+
+
+@pytest.mark.parametrize("fixture", [bugs.ddp_bypassed, bugs.comm_hook_never_reduces])
+def test_gradients_never_reduced_are_the_reductions_not_a_modules(fixture):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
+    status, m, _ = found(report)[2]
+    assert status == "desync" and m.phase == "reduction", m
+    assert "every module's output and activation gradient agrees" in m.text()
+
+
+@pytest.mark.parametrize("rank", [0, -1], ids=["rank0", "last"])
+def test_a_replica_whose_weights_differ_is_named_on_its_own_rank(rank):
+    report = check(bugs.replica_nudged(rank), modes=("single", "ddp"), world_sizes=(4,), backend="threaded")
+    _, m, _ = found(report)[4]
+    assert (m.phase, m.module, m.rank) == ("forward", "net.0", rank % 4), m
+
+
+def test_a_gradient_missing_on_the_ranks_names_its_parameter():
+    report = check(bugs.gradient_missing_under_ddp(), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, _ = found(report)[2]
+    assert m.phase == "backward" and m.differs == "gradient of extra", m
+    assert m.mismatch == "none on this rank, the reference has one" and "inf" not in m.text()
+
+
+def test_simulated_ranks_name_it_too():
+    report = check(bugs.batchnorm_on_shards(), modes=("single", "ddp"), world_sizes=(8,), backend="threaded")
+    _, m, _ = found(report)[8]
+    assert (m.phase, m.module) == ("forward", "bn"), m
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_sharded_modes_name_the_module_by_its_own_class(mode):
+    report = check(bugs.batchnorm_on_shards(), modes=("single", mode), world_sizes=(4,), backend="threaded")
+    _, m, _ = found(report, mode)[4]
+    assert (m.phase, m.module, m.type) == ("forward", "bn", "BatchNorm1d"), m  # not FSDPBatchNorm1d
+
+
+def test_an_optimizer_side_difference_is_after_every_module(monkeypatch):
+    report = check(sharded.momentum_reset(1), modes=("single", "fsdp"), world_sizes=(2,))
+    status, m, _ = found(report, "fsdp")[2]
+    assert status == "diverged" and m.phase == "none", m
+    assert "the difference comes after them (in the optimizer step" in m.text()
+
+
+def test_a_passing_check_re_runs_nothing(monkeypatch):
+    ran = []
+    monkeypatch.setattr(check_module, "_locate", lambda *args: ran.append(args) or "x")
+    clean = check(bugs.clean_regression(), modes=("single", "ddp"), world_sizes=(2,))
+    assert clean.ok and ran == []
+    failing = check(bugs.batchnorm_on_shards(), modes=("single", "ddp"), world_sizes=(2, 4))
+    assert not failing.ok and len(ran) == 2  # once per failing run
+
+
+def test_a_re_run_that_fails_is_a_note_not_a_finding(monkeypatch):
+    monkeypatch.setattr(check_module, "_locate", lambda *args: "the re-run of step 0 failed: boom")
+    report = check(bugs.batchnorm_on_shards(), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, notes = found(report)[2]
+    assert m is None
+    assert "first differing module: not found (the re-run of step 0 failed: boom)" in notes
+
+
+# -- the trace itself ------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)  # modifies the conv's (bn's) output in place
+        self.head = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.bn(self.conv(x))).flatten(1))
+
+
+def _grads(model, x, trace=None):
+    if trace is not None:
+        trace.attach(model)
+        trace.armed = True
+    model.zero_grad()
+    out = model(x)
+    out.square().mean().backward()
+    if trace is not None:
+        trace.armed = False
+        trace.close()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_trace_changes_nothing_the_model_computes():
+    torch.manual_seed(0)
+    model = _Block()
+    x = torch.randn(6, 3, 8, 8)
+    plain_out, plain = _grads(model, x)
+    trace = ModuleTrace(0)
+    traced_out, traced = _grads(model, x, trace)
+    assert torch.equal(plain_out, traced_out)
+    assert all(torch.equal(plain[n], traced[n]) for n in plain)
+    names = [c.name for c in trace.calls]
+    assert names == ["conv", "bn", "act", "head", ""]  # in the order calls finish
+    bn = trace.calls[1]
+    assert bn.out_grads and bn.in_grads  # gradients arrived, an in-place op after them notwithstanding
+    assert not model._forward_hooks and not model.conv._forward_hooks  # closed: nothing left on the model
+
+
+def test_a_ranks_rows_meet_the_references_rows_for_the_same_samples():
+    ref = torch.arange(24.0).reshape(8, 3)
+    rows = torch.arange(4, 8)
+    mine, theirs, is_rows = aligned(ref[4:8].clone(), ref, rows, 8)
+    assert is_rows and torch.equal(mine, theirs)
+    seq_first = torch.arange(48.0).reshape(2, 8, 3)  # (time, batch, features)
+    mine, theirs, is_rows = aligned(seq_first[:, 4:8].clone(), seq_first, rows, 8)
+    assert is_rows and rel(mine, theirs) == 0
+    whole = torch.ones(5)
+    assert aligned(whole, whole, rows, 8)[2] is False
+    assert aligned(torch.ones(3), torch.ones(5), rows, 8) is None
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("fixture, phase, module", [
+    (real_models.resnet_bn_on_shards, "forward", "stem.1"),
+    (real_models.mobilenet_batch_statistics, "forward", "expand.1"),
+    (real_models.gpt2_summed, "loss", "lm_head"),
+    (real_models.gpt2_per_rank_mean, "loss", ""),
+    (real_models.gpt2_late_sync, "reduction", ""),
+    (real_models.gpt2_unaveraged_hook, "reduction", ""),
+    (real_models.bert_summed, "loss", "classifier"),
+    (real_models.vit_scaled_hook, "reduction", ""),
+])
+def test_models_nobody_here_wrote(fixture, phase, module):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, _ = found(report)[2]
+    assert (m.phase, m.module) == (phase, module), m.text()
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("fixture, phase", [
+    (sharded.divided_again, "loss"), (sharded.sync_left_off, "reduction"), (sharded.ignored_param, "backward"),
+    (sharded.drifting_shard, "none"),
+])
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_sharded_fixtures(fixture, phase, mode):
+    report = check(fixture(), modes=("single", mode), world_sizes=(4,))
+    _, m, _ = found(report, mode)[4]
+    assert m.phase == phase, m.text()
