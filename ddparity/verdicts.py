@@ -64,7 +64,8 @@ class ModuleFinding(_ReadsAsJson):
     type: str = ""
     differs: str = ""
     error: float = 0.0
-    """Relative: ||rank - reference|| / ||reference||."""
+    """``scale`` ``rel``: ||rank - reference|| / ||reference||; ``abs``: the largest absolute
+    difference (a parameter's gradient, as the run's comparison measured it)."""
     tolerance: float = 0.0
     agrees: str = ""
     agrees_error: float | None = None
@@ -73,6 +74,7 @@ class ModuleFinding(_ReadsAsJson):
     factor: float | None = None
     mismatch: str = ""
     """Why the error is infinite, in words (a gradient on one side only)."""
+    scale: str = "rel"
     position: int = 0
     """The call's place in its phase (forward: calls in the order they finished; backward:
     in the order their output gradients arrived)."""
@@ -93,7 +95,7 @@ class ModuleFinding(_ReadsAsJson):
                     f"and parameter gradient agrees with the reference on every rank; the difference comes after "
                     f"them (in the optimizer step or an update of the parameters or buffers)")
         if self.phase == "reduction":
-            by = (f"up to rel {self.error:.2g}, tolerance {self.tolerance:.2g}" if math.isfinite(self.error)
+            by = (f"up to {self.scale} {self.error:.2g}, tolerance {self.tolerance:.2g}" if math.isfinite(self.error)
                   else "some present on one side only")
             return (f"first to differ: the reduction (step {self.step}, rank {self.rank}): every module's output "
                     f"and activation gradient agrees with the reference; every parameter's gradient differs "
@@ -108,15 +110,15 @@ class ModuleFinding(_ReadsAsJson):
         else:
             err = f" (rel {self.agrees_error:.2g})" if self.agrees_error is not None else ""
             before = f"{self.agrees} {'agrees' if self.agrees_ok else 'differs too'}{err}"
-        by = self.mismatch or f"rel {self.error:.2g}, tolerance {self.tolerance:.2g}"
+        by = self.mismatch or f"{self.scale} {self.error:.2g}, tolerance {self.tolerance:.2g}"
         return (f"first differing module: {self.label}, step {self.step}, rank {self.rank}, {self.phase}: {before}, "
                 f"{self.differs} differs ({by})")
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "phase": self.phase, "module": self.module or None,
-                "type": self.type or None, "differs": self.differs or None, "rel_error": _finite(self.error),
+                "type": self.type or None, "differs": self.differs or None, "error": _finite(self.error), "scale": self.scale,
                 "tolerance": self.tolerance, "agrees": self.agrees or None,
-                "agrees_rel_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
+                "agrees_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
                 "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {})}
 
 

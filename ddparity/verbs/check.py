@@ -281,7 +281,7 @@ def _finish(checking: Checking, backend: str, planned: Planned, launched: tuple[
         run.notes.append(f"simulated: {ws} {mode.upper()} ranks as threads in one process (torch's threaded process "
                          f"group){'; real processes run up to ' + str(REAL_RANKS_LIMIT) + ' ranks here' if checking.opts.backend == 'auto' else ''}")
     judged = checking.judge(run, runs, records, compile_noise)
-    return compared_nothing(judged) if spec is not None else checking.localise(judged, backend)
+    return compared_nothing(judged) if spec is not None else judged
 
 
 __all__ = ["check"]

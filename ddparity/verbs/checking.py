@@ -25,7 +25,7 @@ from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
 from ddparity.settings import CheckOptions
 from ddparity.verbs.plan import cannot_run, check_repro, failure_run
-from ddparity.verdicts import ModuleFinding, RunResult
+from ddparity.verdicts import Divergence, ModuleFinding, RunResult
 
 Planned = tuple[str, int, "CompileSpec | None"]
 """One run a check asks for: its mode, world size and compile (None: eager)."""
@@ -53,10 +53,11 @@ class Checking:
     is (set by the orchestrator): asked at most once, by a run whose loss fits both a sum
     and a mean divided by W."""
     _probed: list[float | None] = field(default_factory=list)
-    locator: Callable[[str, int, str, int, int], list[ModuleFinding] | str] | None = None
+    locator: Callable[[str, int, str, int, int], list[Any] | str] | None = None
     """``(mode, world size, backend, step, global batch size)``: re-runs a failing run's
     first differing step module by module where the ranks are (set by the orchestrator;
-    :mod:`ddparity.harness.ranks.probes`), every rank's finding, or why it could not."""
+    :mod:`ddparity.harness.ranks.probes`): every rank's finding and module order, or why
+    it could not."""
 
     @classmethod
     def of(cls, case: Case, opts: CheckOptions, launched: bool = False) -> Checking:
@@ -181,21 +182,28 @@ class Checking:
         traffic = extra_syncs(runs)
         if traffic:
             judged.notes.append(traffic)
-        return _compared_up_to(judged, stop)
+        return self.localise(_compared_up_to(judged, stop), found)
 
-    def localise(self, run: RunResult, backend: str) -> RunResult:
-        """A diverged (or drifted apart) eager run's first divergence, given where in the model that step first
-        differs (the earliest place over the ranks); a note where it could not be found."""
+    def localise(self, run: RunResult, found: list[Divergence]) -> RunResult:
+        """A diverged (or drifted apart) eager run's first divergence, given where in the model
+        that step first differs: the earliest place over the ranks' activations, else the
+        parameters whose gradients the run's own comparison found off (``found``), by the
+        module backward reached first; a note where it could not be found."""
         d = run.first_divergence
         if (d is None or self.locator is None or self.reference is None or run.compile is not None
                 or run.status not in ("diverged", "desync") or not kind(run.mode).replicated):
             return run
         sizes = self.reference.batch_sizes
-        found = self.locator(run.mode, run.world_size, backend, d.step, sizes[d.step] if d.step < len(sizes) else -1)
-        if isinstance(found, str):
-            run.notes.append(f"first differing module: not found ({found})")
+        answers = self.locator(run.mode, run.world_size, run.backend, d.step,
+                               sizes[d.step] if d.step < len(sizes) else -1)
+        if isinstance(answers, str):
+            run.notes.append(f"first differing module: not found ({answers})")
             return run
-        run.first_divergence = dataclasses.replace(d, module=earliest(found))
+        best = earliest([finding for finding, _ in answers])
+        if not best.found:
+            with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
+            best = by_gradients(d.step, found, answers[0][1], with_grads) or best
+        run.first_divergence = dataclasses.replace(d, module=best)
         return run
 
     def _hook_collectives(self, records: dict[int, Any]) -> int | None:
@@ -255,6 +263,31 @@ def earliest(findings: list[ModuleFinding]) -> ModuleFinding:
     """The finding that comes first in the step (forward, then the loss, then backward; by
     the place of the call; the lowest rank of a tie)."""
     return min(findings, key=lambda f: (PHASES.index(f.phase), f.position, f.rank))
+
+
+def by_gradients(step: int, found: list[Divergence], order: list[tuple[str, str, list[str]]],
+                 with_grads: set[str]) -> ModuleFinding | None:
+    """Where every activation agrees: the reduction, if every parameter's gradient at
+    ``step`` is off (``with_grads``: those the reference has), else the first module in
+    backward's ``order`` whose parameter's gradient is (None: none is)."""
+    grads = [d for d in found if d.kind == "grad" and d.step == step]
+    if not grads:
+        return None
+    off = {d.name for d in grads}
+    if len(with_grads) > 1 and with_grads <= off:
+        d = max(grads, key=lambda g: g.excess)
+        return ModuleFinding(step=step, rank=d.rank, phase="reduction", differs="every parameter's gradient",
+                             error=d.max_abs, tolerance=d.tolerance, scale="abs",
+                             agrees="every activation and activation gradient", agrees_ok=True)
+    for position, (module, type_name, params) in enumerate(order):
+        hits = [d for d in grads if d.name in params]
+        if hits:
+            d = min(hits, key=lambda g: g.rank)
+            return ModuleFinding(step=step, rank=d.rank, phase="backward", module=module, type=type_name,
+                                 differs=f"gradient of {d.name.rsplit('.', 1)[-1]}", error=d.max_abs,
+                                 tolerance=d.tolerance, scale="abs", mismatch=d.mismatch or "",
+                                 agrees="output gradient", agrees_ok=True, position=position)
+    return None
 
 
 def extra_syncs(runs: list[Distances]) -> str | None:

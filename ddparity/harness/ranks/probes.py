@@ -22,7 +22,7 @@ from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import NoSink
 from ddparity.harness.ranks.tasks import replica_mode
-from ddparity.harness.ranks.tracing import ModuleTrace, Traced, first_difference, noise_of
+from ddparity.harness.ranks.tracing import ModuleTrace, Traced, backward_order, first_difference, noise_of
 from ddparity.harness.ranks.training import train
 from ddparity.verdicts import ModuleFinding
 
@@ -107,10 +107,11 @@ def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, si
 
 @names_run("the first differing step, module by module", sized=True)
 def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size: int, step: int,
-                       size: int, settle: Any = None) -> ModuleFinding:
+                       size: int, settle: Any = None) -> tuple[ModuleFinding, list[tuple[str, str, list[str]]]]:
     """This rank's record of step ``step`` in ``mode``, compared with the reference's
-    (:func:`reference_trace_task` wrote it): the first module that differs on this rank
-    (``settle``: as :func:`~ddparity.harness.ranks.tasks.replica_task`'s)."""
+    (:func:`reference_trace_task` wrote it): the first module whose activations differ on
+    this rank, and the modules in the order backward reached them (``settle``: as
+    :func:`~ddparity.harness.ranks.tasks.replica_task`'s)."""
     import torch
 
     trains = replica_mode(ctx, case, mode, shard_size, step + 1, settle)
@@ -118,4 +119,5 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
     rows = trains.share(torch.arange(size), size) if size > 0 else None
     ref = torch.load(_trace_path(spool, step), weights_only=False)
     released()
-    return first_difference(ref["record"], ref["noise"], mine, rows, size, ctx.world_size, ctx.rank, step)
+    found = first_difference(ref["record"], ref["noise"], mine, rows, size, ctx.world_size, ctx.rank, step)
+    return found, backward_order(mine)

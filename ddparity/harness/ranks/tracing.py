@@ -8,9 +8,11 @@ module call of the step in the order calls finish,
 
 * the call's floating-point inputs and outputs;
 * the gradients w.r.t. them, as backward makes them (tensor hooks, which return nothing:
-  what the user's code computes is left as it is; a later in-place op is no obstacle);
-* and every parameter's gradient as the optimizer sees it (all-reduced, or a sharded
-  gradient gathered whole).
+  what the user's code computes is left as it is; a later in-place op is no obstacle).
+
+The parameters' gradients are not recorded again: the run compared every one of them at
+every step already (its distances), which the controller reads with the module order the
+ranks return (:func:`backward_order`).
 
 :func:`first_difference` reads a rank's record against the reference's: a rank's tensor
 batched along some dim is compared with the reference's rows for the same samples, any other
@@ -54,8 +56,7 @@ class Call:
 
 class ModuleTrace:
     """Every module call of one step of a model (``target``), recorded on the CPU; also the
-    run's sink (:class:`~ddparity.harness.ranks.training.Sink`), which takes the parameters'
-    gradients at ``optimizer.step()``."""
+    run's sink (:class:`~ddparity.harness.ranks.training.Sink`), which records nothing more."""
 
     def __init__(self, target: int) -> None:
         self.target = target
@@ -63,7 +64,6 @@ class ModuleTrace:
         self.calls: list[Call] = []
         self.backward: list[int] = []
         """Calls in the order their output gradients arrived."""
-        self.param_grads: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._counts: dict[str, int] = {}
 
@@ -102,11 +102,10 @@ class ModuleTrace:
         self._grad(call.out_grads, j, grad)
 
     def grads(self, step: int, model: Any) -> None:
-        if step == self.target and not self.param_grads:
-            self.param_grads = {n: _kept(whole(p.grad)) for n, p in model.named_parameters() if p.grad is not None}
+        """Nothing: the parameters' gradients are the run's own comparison's (every step's)."""
 
     def after(self, step: int, loss: Any, stepped: bool, model: Any, optimizer: Any = None) -> None:
-        self.grads(step, model)  # a step that did not call optimizer.step(): the gradients it left
+        """Nothing."""
 
     def close(self) -> None:
         for handle in self._handles:
@@ -115,7 +114,7 @@ class ModuleTrace:
 
     def record(self) -> dict[str, Any]:
         """What the comparison needs, plain (``torch.save``-able)."""
-        return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "param_grads": self.param_grads}
+        return {"calls": [vars(c) for c in self.calls], "backward": self.backward}
 
 
 @dataclass
@@ -161,11 +160,6 @@ def floats(obj: Any) -> list[Any]:
     if isinstance(obj, (tuple, list)):
         return [t for v in obj for t in floats(v)]
     return []
-
-
-def whole(t: Any) -> Any:
-    """A sharded (DTensor) gradient gathered whole (every rank gathers, in the same order)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _kept(t: Any) -> Any:
@@ -258,12 +252,6 @@ def noise_of(ref: dict[str, Any], twin: dict[str, Any], rows: Any, size: int) ->
             e = errors(mine, theirs, rows, size)
             if e is not None and math.isfinite(e):
                 out[f"{key} {c['name']}#{c['index']}"] = e
-    for name, g in twin["param_grads"].items():
-        r = ref["param_grads"].get(name)
-        if r is not None and r.shape == g.shape:
-            e = rel(g, r)
-            if math.isfinite(e):
-                out[f"param {name}"] = e
     return out
 
 
@@ -296,7 +284,6 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                              agrees_error=inp[0] if inp is not None else None,
                              agrees_ok=None if inp is None else not inp[2], position=position)
     scale = 1.0 / world_size
-    params = _param_errors(ref, mine, judge)
     for n, position in enumerate(mine["backward"]):
         c = mine["calls"][position]
         r = calls.get((c["name"], c["index"]))
@@ -324,49 +311,19 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                                  differs="input gradient", error=gin[0], tolerance=gin[1], agrees="output gradient",
                                  agrees_error=got_out[0] if got_out is not None else None,
                                  agrees_ok=None if got_out is None else True, position=n)
-    differing = [p for p, e in params.items() if e[2]]
-    if not differing:
-        return ModuleFinding(step=step, rank=rank, phase="none")
-    if len(differing) == len(params) and len(params) > 1:  # not one module's: the reduction's
-        e = max((params[p] for p in differing), key=lambda x: x[0] / x[1] if x[1] else math.inf)
-        return ModuleFinding(step=step, rank=rank, phase="reduction", differs="every parameter's gradient",
-                             error=e[0], tolerance=e[1], agrees="every activation and activation gradient",
-                             agrees_ok=True, position=len(mine["backward"]))
-    order = [mine["calls"][p] for p in mine["backward"]] + mine["calls"]
-    first = next(p for c in order for p in c["params"] if p in differing) if any(
-        p in differing for c in mine["calls"] for p in c["params"]) else differing[0]
-    owner = next((c for c in order if first in c["params"]), None)
-    e = params[first]
-    return ModuleFinding(step=step, rank=rank, phase="backward",
-                         module=owner["name"] if owner else first.rpartition(".")[0],
-                         type=owner["type"] if owner else "not called in the step",
-                         differs=f"gradient of {first.rsplit('.', 1)[-1]}", error=e[0], tolerance=e[1],
-                         mismatch=_missing(ref, mine, first),
-                         agrees="output gradient", agrees_ok=True if owner else None,
-                         position=mine["backward"].index(mine["calls"].index(owner))
-                         if owner is not None and mine["calls"].index(owner) in mine["backward"] else len(order))
+    return ModuleFinding(step=step, rank=rank, phase="none")
 
 
-def _missing(ref: dict[str, Any], mine: dict[str, Any], name: str) -> str:
-    if name not in mine["param_grads"]:
-        return "none on this rank, the reference has one"
-    if name not in ref["param_grads"]:
-        return "none on the reference, this rank has one"
-    return ""
-
-
-def _param_errors(ref: dict[str, Any], mine: dict[str, Any], judge: Any) -> dict[str, tuple[float, float, bool]]:
-    """Every parameter's gradient against the reference's: (error, tolerance, beyond it); a
-    gradient one side has and the other has not differs (inf)."""
-    out: dict[str, tuple[float, float, bool]] = {}
-    for name in list(ref["param_grads"]) + [n for n in mine["param_grads"] if n not in ref["param_grads"]]:
-        g, t = mine["param_grads"].get(name), ref["param_grads"].get(name)
-        if g is None or t is None:
-            out[name] = (math.inf, 0.0, True)
-        elif g.shape == t.shape:
-            got = judge(f"param {name}", rel(g, t), g.dtype)
-            out[name] = got
+def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
+    """(module, class, its own parameters) in the order backward reached them, then the
+    modules it did not reach: where a parameter's gradient is made."""
+    calls = record["calls"]
+    seen, out = set(), []
+    for c in [calls[p] for p in record["backward"]] + calls:
+        if c["name"] not in seen:
+            seen.add(c["name"])
+            out.append((c["name"], c["type"], c["params"]))
     return out
 
 
-__all__ = ["ModuleTrace", "Traced", "first_difference", "floats", "noise_of"]
+__all__ = ["ModuleTrace", "Traced", "backward_order", "first_difference", "floats", "noise_of"]
