@@ -86,7 +86,8 @@ class ModuleFinding(_ReadsAsJson):
     @property
     def label(self) -> str:
         """``stem.1 (BatchNorm2d)``, ``the model (Net)``."""
-        return f"{self.module or 'the model'} ({self.type})"
+        name = f"'{self.module}'" if self.module.isdigit() else self.module or "the model"
+        return f"{name} ({self.type})"
 
     def text(self) -> str:
         """One line of the report."""
