@@ -27,6 +27,7 @@ import pytest
 
 from ddparity import parsing, settings
 from ddparity.errors import UsageError
+from ddparity.render import module_line
 from ddparity.run_kinds import kind
 
 
@@ -259,7 +260,7 @@ def _record(request: pytest.FixtureRequest, report: Any) -> None:
             d = run.first_divergence
             props.append((f"{tag} first_divergence", d.where))
             if d.module is not None:
-                props.append((f"{tag} first_divergence module", d.module.text()))
+                props.append((f"{tag} first_divergence module", module_line(d.module)))
         if run.desync is not None:
             props.append((f"{tag} desync", f"step {run.desync.step} ranks {run.desync.ranks}"))
         if run.hang is not None:

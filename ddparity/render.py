@@ -5,6 +5,7 @@ bandwidth, ranks). Every report's text is written here, from the verdicts of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
     from ddparity.checks.health import Bandwidth, Check
     from ddparity.measurements import RankHealth
-    from ddparity.verdicts import Crash, Desync, Failure, Hang, RankPlace, RunResult
+    from ddparity.verdicts import Crash, Desync, Failure, Hang, ModuleFinding, RankPlace, RunResult
 
 
 SAID_ONCE = 100
@@ -146,6 +147,42 @@ def _how_it_ended(crash: Crash | None, hang: Hang | None, reason: str | None, de
     return []
 
 
+def _label(f: ModuleFinding) -> str:
+    """``stem.1 (BatchNorm2d)``, ``'2' (Linear)`` (a bare index quoted), ``the model (Net)``."""
+    name = f"'{f.module}'" if f.module.isdigit() else f.module or "the model"
+    return f"{name} ({f.type})"
+
+
+def module_line(f: ModuleFinding) -> str:
+    """Where in the model a run's first differing step first differs, in one line."""
+    if not f.found:
+        return (f"first differing module: none (step {f.step}): every module's output, activation gradient "
+                f"and parameter gradient agrees with the reference on every rank; the difference comes after "
+                f"them (in the optimizer step or an update of the parameters or buffers)")
+    if f.phase == "compiled":
+        return (f"first block that differs compiled: {_label(f)}: its compiled output differs from its eager output "
+                f"on the same input (rel {f.error:.2g}, tolerance {f.tolerance:.2g}){'; ' + f.note if f.note else ''}")
+    if f.phase == "reduction":
+        by = (f"up to {f.scale} {f.error:.2g}, tolerance {f.tolerance:.2g}" if math.isfinite(f.error)
+              else "some present on one side only")
+        return (f"first to differ: the reduction (step {f.step}, rank {f.rank}): every module's output "
+                f"and activation gradient agrees with the reference; every parameter's gradient differs "
+                f"({by}): the gradients were not reduced across ranks as data parallelism does")
+    if f.phase == "loss":
+        by = f" is {f.factor:.3g}x the reference's" if f.factor is not None else " differs"
+        return (f"first to differ: the loss (step {f.step}, rank {f.rank}): every module's forward agrees; "
+                f"{f.differs} w.r.t. the output of {_label(f)}{by} (rel {f.error:.2g}, a rank's "
+                f"compared x 1/world_size)")
+    if f.agrees_ok is None:
+        before = f"{f.agrees} not compared"
+    else:
+        err = f" (rel {f.agrees_error:.2g})" if f.agrees_error is not None else ""
+        before = f"{f.agrees} {'agrees' if f.agrees_ok else 'differs too'}{err}"
+    by = f.mismatch or f"{f.scale} {f.error:.2g}, tolerance {f.tolerance:.2g}"
+    return (f"first differing module: {_label(f)}, step {f.step}, rank {f.rank}, {f.phase}: {before}, "
+            f"{f.differs} differs ({by})")
+
+
 def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None = None) -> list[str]:
     """A failed run's section of the report. ``told``: the endings (a traceback, a hang's
     stacks) already printed for earlier runs of the report, each printed once."""
@@ -162,7 +199,7 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"
         )
         if d.module is not None:
-            lines.append(f"  {d.module.text()}")
+            lines.append(f"  {module_line(d.module)}")
         if run.worst:
             lines.append("  worst offenders (error / tolerance):")
             width = max(len(w.name) for w in run.worst)

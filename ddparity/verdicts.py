@@ -55,7 +55,9 @@ class ModuleFinding(_ReadsAsJson):
     starts from (the loss's, compared x 1/W) differs, by ``factor``; ``"backward"``, the
     first module whose ``output gradient`` agrees and whose input or a parameter's gradient
     differs; ``"reduction"``: every activation and its gradient agree and every parameter's
-    gradient differs; ``"none"``: every module's forward and backward agree."""
+    gradient differs; ``"compiled"``: the first block whose compiled output differs from its
+    eager output on the same input; ``"none"``: every module's forward and backward agree.
+    Its line of the report: :func:`ddparity.render.module_line`."""
 
     step: int
     rank: int
@@ -75,6 +77,8 @@ class ModuleFinding(_ReadsAsJson):
     mismatch: str = ""
     """Why the error is infinite, in words (a gradient on one side only)."""
     scale: str = "rel"
+    note: str = ""
+    """What else the finding says (a compiled block's graph breaks)."""
     position: int = 0
     """The call's place in its phase (forward: calls in the order they finished; backward:
     in the order their output gradients arrived)."""
@@ -83,44 +87,13 @@ class ModuleFinding(_ReadsAsJson):
     def found(self) -> bool:
         return self.phase != "none"
 
-    @property
-    def label(self) -> str:
-        """``stem.1 (BatchNorm2d)``, ``the model (Net)``."""
-        name = f"'{self.module}'" if self.module.isdigit() else self.module or "the model"
-        return f"{name} ({self.type})"
-
-    def text(self) -> str:
-        """One line of the report."""
-        if not self.found:
-            return (f"first differing module: none (step {self.step}): every module's output, activation gradient "
-                    f"and parameter gradient agrees with the reference on every rank; the difference comes after "
-                    f"them (in the optimizer step or an update of the parameters or buffers)")
-        if self.phase == "reduction":
-            by = (f"up to {self.scale} {self.error:.2g}, tolerance {self.tolerance:.2g}" if math.isfinite(self.error)
-                  else "some present on one side only")
-            return (f"first to differ: the reduction (step {self.step}, rank {self.rank}): every module's output "
-                    f"and activation gradient agrees with the reference; every parameter's gradient differs "
-                    f"({by}): the gradients were not reduced across ranks as data parallelism does")
-        if self.phase == "loss":
-            by = f" is {self.factor:.3g}x the reference's" if self.factor is not None else " differs"
-            return (f"first to differ: the loss (step {self.step}, rank {self.rank}): every module's forward agrees; "
-                    f"{self.differs} w.r.t. the output of {self.label}{by} (rel {self.error:.2g}, a rank's "
-                    f"compared x 1/world_size)")
-        if self.agrees_ok is None:
-            before = f"{self.agrees} not compared"
-        else:
-            err = f" (rel {self.agrees_error:.2g})" if self.agrees_error is not None else ""
-            before = f"{self.agrees} {'agrees' if self.agrees_ok else 'differs too'}{err}"
-        by = self.mismatch or f"{self.scale} {self.error:.2g}, tolerance {self.tolerance:.2g}"
-        return (f"first differing module: {self.label}, step {self.step}, rank {self.rank}, {self.phase}: {before}, "
-                f"{self.differs} differs ({by})")
-
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "phase": self.phase, "module": self.module or None,
                 "type": self.type or None, "differs": self.differs or None, "error": _finite(self.error), "scale": self.scale,
                 "tolerance": self.tolerance, "agrees": self.agrees or None,
                 "agrees_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
-                "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {})}
+                "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {}),
+                **({"note": self.note} if self.note else {})}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Every selected mode runs eager and compiled; a compiled row carries ``compile`` 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference
 from ddparity.errors import WorldFailure
+from ddparity.harness.ranks.compiled_blocks import compiled_blocks_task
 from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_task
 from ddparity.run_kinds import MODES, REFERENCE_MODE, kind
 from ddparity.settings import CheckOptions
@@ -60,12 +62,31 @@ def compiled_single(checking: Checking, spec: CompileSpec, world: Any,
     compared_nothing(describe(run, [distances.compiled]))
     if found:
         run.first_divergence, run.worst = found[0], worst(found)
+        _first_block(run, checking, spec, world, spool)
         run.notes.append("compiling changes the training on one device, before any data parallelism: a compiler "
                          "bug or a model that computes differently when traced (torch.compiler.is_compiling(), "
                          "Python side effects in forward); the compiled data-parallel runs are judged against "
                          "eager's noise alone")
         return run, None
     return run, (distances if run.status == "pass" else None)
+
+
+def _first_block(run: RunResult, checking: Checking, spec: CompileSpec, world: Any, spool: Any) -> None:
+    """The compiled single run's first divergence, given the first block whose compiled output
+    differs from its eager output (:mod:`ddparity.harness.ranks.compiled_blocks`), or a note
+    of why none is named."""
+    assert run.first_divergence is not None
+    try:
+        [block] = world.run(compiled_blocks_task, checking.case, spool.path, spec, timeout=checking.opts.timeout)
+    except WorldFailure as exc:
+        run.notes.append(f"first block that differs compiled: not found (the search failed: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+        return
+    if block is None:
+        run.notes.append("first block that differs compiled: none: the model's compiled forward agrees with eager's "
+                         "on step 0's input; the difference is in backward or after it")
+        return
+    run.first_divergence = dataclasses.replace(run.first_divergence, module=block)
 
 
 def _float64_error(case: Case, opts: CheckOptions, world: Any, spool: Any) -> list[dict[tuple[str, str], float]] | None:

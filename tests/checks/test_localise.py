@@ -14,6 +14,7 @@ from torch import nn
 from ddparity import check
 from ddparity.fixtures import bugs, real_models, sharded
 from ddparity.harness.ranks.tracing import ModuleTrace, aligned, rel
+from ddparity.render import module_line
 from ddparity.verbs import check as check_module
 
 
@@ -50,7 +51,7 @@ def test_a_loss_off_by_a_factor_is_the_first_to_differ_with_its_factor(fixture, 
     _, m, _ = found(report)[ws]
     assert m.phase == "loss" and m.module == "net.4", m
     assert m.factor == pytest.approx(factor, rel=1e-4)
-    assert f"is {factor:g}x the reference's" in m.text()
+    assert f"is {factor:g}x the reference's" in module_line(m)
 
 
 @pytest.mark.parametrize("fixture", [bugs.ddp_bypassed, bugs.comm_hook_never_reduces])
@@ -58,7 +59,7 @@ def test_gradients_never_reduced_are_the_reductions_not_a_modules(fixture):
     report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
     status, m, _ = found(report)[2]
     assert status == "desync" and m.phase == "reduction", m
-    assert "every module's output and activation gradient agrees" in m.text()
+    assert "every module's output and activation gradient agrees" in module_line(m)
 
 
 @pytest.mark.parametrize("rank", [0, -1], ids=["rank0", "last"])
@@ -72,7 +73,7 @@ def test_a_gradient_missing_on_the_ranks_names_its_parameter():
     report = check(bugs.gradient_missing_under_ddp(), modes=("single", "ddp"), world_sizes=(2,))
     _, m, _ = found(report)[2]
     assert m.phase == "backward" and m.differs == "gradient of extra", m
-    assert m.mismatch == "missing (the reference has one)" and "inf" not in m.text(), m.text()
+    assert m.mismatch == "missing (the reference has one)" and "inf" not in module_line(m), module_line(m)
 
 
 def test_simulated_ranks_name_it_too():
@@ -92,7 +93,7 @@ def test_an_optimizer_side_difference_is_after_every_module(monkeypatch):
     report = check(sharded.momentum_reset(1), modes=("single", "fsdp"), world_sizes=(2,))
     status, m, _ = found(report, "fsdp")[2]
     assert status == "diverged" and m.phase == "none", m
-    assert "the difference comes after them (in the optimizer step" in m.text()
+    assert "the difference comes after them (in the optimizer step" in module_line(m)
 
 
 def test_a_passing_check_re_runs_nothing(monkeypatch):
@@ -183,7 +184,7 @@ def test_a_ranks_rows_meet_the_references_rows_for_the_same_samples():
 def test_models_nobody_here_wrote(fixture, phase, module):
     report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
     _, m, _ = found(report)[2]
-    assert (m.phase, m.module) == (phase, module), m.text()
+    assert (m.phase, m.module) == (phase, module), module_line(m)
 
 
 @pytest.mark.breadth
@@ -195,4 +196,4 @@ def test_models_nobody_here_wrote(fixture, phase, module):
 def test_sharded_fixtures(fixture, phase, mode):
     report = check(fixture(), modes=("single", mode), world_sizes=(4,))
     _, m, _ = found(report, mode)[4]
-    assert m.phase == phase, m.text()
+    assert m.phase == phase, module_line(m)

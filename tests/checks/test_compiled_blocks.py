@@ -1,0 +1,59 @@
+"""Eager against compiled, block by block: where the compiled single-device run differs from
+the eager reference, the first block whose compiled output differs from its eager output on
+the same input is named, with its graph breaks; blocks in a ModuleList are searched too; a
+model whose compiled forward agrees names none."""
+
+from __future__ import annotations
+
+import torch
+
+from ddparity import check
+from ddparity.fixtures import compiled
+from ddparity.harness.ranks.compiled_blocks import first_differing_block
+from ddparity.render import module_line
+from ddparity.verbs import compiled as compiled_module
+
+
+def single(report):
+    [run] = [r for r in report.runs if r.mode == "single" and r.compile]
+    return run
+
+
+def test_a_block_in_a_module_list_is_named_with_its_graph_break():
+    report = check(compiled.block_differs_when_compiled(), modes=("single",), world_sizes=(2,), compile="aot_eager")
+    run = single(report)
+    assert run.status == "diverged"
+    block = run.first_divergence.module
+    assert (block.phase, block.module, block.type) == ("compiled", "blocks.1", "_Block"), module_line(block)
+    assert block.error > block.tolerance
+    assert block.note.startswith("1 graph break(s) in it: Unsupported Tensor.item() call"), block.note
+    assert "none of its children differs compiled alone: the difference is in its own forward" in block.note
+    assert "first block that differs compiled: blocks.1 (_Block)" in report.render()
+    assert report.to_json()["runs"][1]["first_divergence"]["module"]["phase"] == "compiled"
+
+
+def test_a_difference_in_the_models_own_forward_names_the_model():
+    report = check(compiled.differs_when_compiled(), modes=("single",), world_sizes=(2,), compile="aot_eager")
+    block = single(report).first_divergence.module
+    assert (block.module, block.type) == ("", "TracedDifferently"), module_line(block)
+    assert "the model (TracedDifferently)" in module_line(block)
+
+
+def test_a_model_whose_compiled_forward_agrees_names_no_block():
+    torch.manual_seed(0)
+    model = compiled.Wide()
+    x = torch.randn(8, 16)
+    assert first_differing_block(model, "", ((x,), {}), "aot_eager") is None
+
+
+def _failing_search(ctx, case, spool, spec):
+    raise RuntimeError("the search broke")
+
+
+def test_a_search_that_fails_is_a_note(monkeypatch):
+    monkeypatch.setattr(compiled_module, "compiled_blocks_task", _failing_search)
+    report = check(compiled.differs_when_compiled(), modes=("single",), world_sizes=(2,), compile="aot_eager")
+    run = single(report)
+    assert run.status == "diverged" and run.first_divergence.module is None
+    [note] = [n for n in run.notes if n.startswith("first block that differs compiled: not found")]
+    assert "the search failed" in note, note
