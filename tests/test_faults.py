@@ -120,3 +120,23 @@ def test_clean_models_raise_no_false_desync_or_straggler(pool):
         report = check(factory(), modes=("ddp",), world_sizes=(2, 4), pool=pool)
         assert report.ok, report.render()
         assert all(r.desync is None and not r.stragglers for r in report.runs)
+
+
+# -- the hang blame matrix under check: a rank that stalls at each place of a step -------------
+
+STALLS = [(where, on, ws) for ws in (2, 3) for where in ("data", "forward", "inforward", "backward", "step",
+                                                          "inoptim", "end") for on in (0, -1)]
+DEFAULT_STALLS = {("forward", 0, 2), ("data", -1, 3), ("backward", -1, 2)}
+
+
+@pytest.mark.parametrize("where, on, ws", [
+    pytest.param(*s, marks=() if s in DEFAULT_STALLS else pytest.mark.breadth, id=f"{s[0]}-rank{s[1]}-ws{s[2]}")
+    for s in STALLS])
+def test_the_rank_that_stalls_is_the_one_blamed_wherever_it_stalls(where, on, ws):
+    """Before its forward, its rank's peers wait inside DDP's reducer (the rebuilt buckets'
+    sync at step 1), a collective the ledger does not see: their stacks say so."""
+    from ddparity.fixtures import faults
+
+    report = check(faults.stalled_at(where, on), modes=("ddp",), world_sizes=(ws,), timeout=3)
+    [run] = report.runs
+    assert run.status == "hang" and run.hang.suspect_ranks == [on % ws], report.render()

@@ -161,9 +161,30 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     if n > 1 and ops and ops != ["all_reduce"] and kind(mode).buckets:
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
+    traffic = extra_traffic(mode, ops, per_step_bytes, profiles[0].memory.get("grads", 0))
+    if traffic:
+        out.notes.append(traffic)
     if step_s > 0:
         out.samples_per_s = out.samples_per_step / step_s
     return out
+
+
+def extra_traffic(mode: str, ops: list[str], per_step: int, grad_bytes: int) -> str | None:
+    """A note where DDP all-reduced the gradients more than once a step (each micro-batch's
+    forward with sync on: accumulation without ``no_sync()``): the bytes ``no_sync()`` for all
+    but the last micro-batch would save."""
+    if not (kind(mode).buckets and ops == ["all_reduce"] and grad_bytes and per_step >= 1.5 * grad_bytes):
+        return None
+    times = per_step / grad_bytes
+    return (f"traffic: DDP all-reduced {times:.1f}x the model's gradient bytes a step ({size_text(per_step)} against "
+            f"{size_text(grad_bytes)} of gradients): each forward ran with gradient sync on (micro-batches accumulated "
+            f"without no_sync(), a second forward); correct, but ctx.no_sync() (model.no_sync()) for all but the "
+            f"last micro-batch would send {size_text(per_step - grad_bytes)} less a step per rank")
+
+
+def size_text(n: float) -> str:
+    """``6.8 kB``, ``1.5 MB``."""
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
 
 
 def add_scaling(runs: list[WorldProfile]) -> None:
@@ -181,4 +202,5 @@ def add_scaling(runs: list[WorldProfile]) -> None:
                 r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "memory_per_rank", "summarize"]
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "extra_traffic", "memory_per_rank", "size_text",
+           "summarize"]

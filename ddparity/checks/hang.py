@@ -18,12 +18,24 @@ def positions(records: dict[int, Any]) -> dict[int, Position | None]:
     return {r: parse_progress(s.progress) for r, s in records.items()}
 
 
-def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list[int]:
+WAITING_IN_C10D = ("c10d::", "distributed_c10d.py")
+"""A stack with one of these frames waits inside a collective (torch's C++ process group, or
+its Python API): one the ledger may not have seen, such as DDP's reducer syncing its rebuilt
+buckets at the start of the second step."""
+
+
+def waits_in_a_collective(stack: str) -> bool:
+    return any(marker in stack for marker in WAITING_IN_C10D)
+
+
+def suspect_ranks(where: dict[int, Position | None], pending: list[int],
+                  stacks: dict[int, str] | None = None) -> list[int]:
     """The ranks most likely to cause a hang, in this order of evidence:
 
     1. pending ranks behind the others (earlier step, phase or collective);
     2. ranks that finished the task while others still wait in a collective;
-    3. pending ranks not inside a blocking collective;
+    3. pending ranks not inside a blocking collective (by their ledger, or by their stack:
+       torch's own collectives, which the ledger does not see, wait in c10d's frames);
     4. every pending rank (all sit in the same collective: the transport is stuck).
     """
     if not pending:
@@ -37,7 +49,9 @@ def suspect_ranks(where: dict[int, Position | None], pending: list[int]) -> list
     finished = sorted(r for r in where if r not in pending)
     if finished:
         return finished
-    outside = sorted(r for r in pending if (p := where.get(r)) is None or p.inflight is None)
+    stacks = stacks or {}
+    outside = sorted(r for r in pending if ((p := where.get(r)) is None or p.inflight is None)
+                     and not waits_in_a_collective(stacks.get(r, "")))
     if outside and len(outside) < len(pending):
         return outside
     return sorted(pending)
@@ -73,7 +87,7 @@ def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[in
                flight: dict[int, dict[str, Any]] | None = None) -> Hang:
     """The suspect ranks and every rank's position and stack (and the Flight Recorders'
     finding, where the ranks read theirs)."""
-    return Hang(suspect_ranks(positions(records), pending), rank_places(records, stacks, pending),
+    return Hang(suspect_ranks(positions(records), pending, stacks), rank_places(records, stacks, pending),
                 flight_finding(flight) if flight else None)
 
 

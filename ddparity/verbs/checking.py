@@ -14,6 +14,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.causes import likely_cause
+from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
@@ -304,12 +305,8 @@ def extra_syncs(runs: list[Distances]) -> str | None:
     saved = (most - 1) * grad_bytes
     return (f"traffic: DDP all-reduced every gradient {most} times in a step (each forward ran with gradient sync "
             f"on: micro-batches accumulated without no_sync()); correct, but ctx.no_sync() (model.no_sync()) for "
-            f"all but the last micro-batch would send {_size(saved)} less a step per rank "
-            f"({_size(most * grad_bytes)} -> {_size(grad_bytes)})")
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
+            f"all but the last micro-batch would send {size_text(saved)} less a step per rank "
+            f"({size_text(most * grad_bytes)} -> {size_text(grad_bytes)})")
 
 
 def _until(stop: NonFinite | Uncalibrated | None) -> int | None:

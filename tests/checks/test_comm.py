@@ -120,3 +120,25 @@ def test_each_op_is_summed_in_its_own_group_with_its_own_bus_factor():
     assert out.memory_per_rank == {"params": 400, "grads": 100, "optimizer": 200}  # the largest rank's
     text = render("c", [out])
     assert "hsdp world size 4: all_gather x2 a step, 8.0 kB" in text and "state a rank holds" in text
+
+
+def test_gradients_all_reduced_more_than_once_a_step_are_a_traffic_note():
+    from ddparity.checks.comm import extra_traffic
+
+    note = extra_traffic("ddp", ["all_reduce"], 4 * 6963, 6963)
+    assert note.startswith("traffic: DDP all-reduced 4.0x the model's gradient bytes a step (27.2 kB against 6.8 kB")
+    assert note.endswith("would send 20.4 kB less a step per rank")
+    assert extra_traffic("ddp", ["all_reduce"], 6963, 6963) is None  # once a step: what DDP needs
+    assert extra_traffic("ddp", ["all_reduce"], 3482, 6963) is None  # an fp16 compress hook: half
+    assert extra_traffic("fsdp", ["all_gather", "reduce_scatter"], 4 * 6963, 6963) is None
+
+
+@pytest.mark.parametrize("fixture, said", [("accumulation_without_no_sync", True), ("accumulation", False)])
+def test_profile_of_accumulation_says_what_no_sync_would_save(fixture, said):
+    from ddparity import profile
+    from ddparity.fixtures import loops
+
+    report = profile(getattr(loops, fixture)(), world_sizes=(2,), steps=2, warmup=1)
+    [run] = [r for r in report.runs if r.world_size == 2]
+    traffic = [n for n in run.notes if n.startswith("traffic:")]
+    assert bool(traffic) == said, run.notes

@@ -159,6 +159,28 @@ def test_a_skipped_collective_is_a_desync_naming_the_rank(tmp_path):
     assert run["status"] == "desync" and run["desync"]["ranks"] == [1], run
 
 
+STALLS = "from ddparity.fixtures import faults\n" + "".join(
+    f"def {where}_{'first' if on == 0 else 'last'}(): return faults.stalled_at({where!r}, {on})\n"
+    for where in ("data", "forward", "inforward", "backward", "step", "inoptim", "end") for on in (0, -1))
+
+
+@pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "forward" else pytest.mark.breadth)
+                                   for w in ("data", "forward", "inforward", "backward", "step", "inoptim", "end")])
+@pytest.mark.parametrize("on", ["first", "last"])
+def test_the_rank_that_stalls_is_blamed_at_every_place_of_a_step(tmp_path, where, on):
+    """The hang blame matrix under torchrun: rank 0 (which holds the reference and reports)
+    or the last rank stalls at one place of step 1; the suspect is that rank, and the ranks'
+    own Flight Recorders agree where they saw a collective the stalled rank never issued."""
+    (tmp_path / "stalls.py").write_text(STALLS)
+    _, _, data = torchrun(tmp_path, "check", f"stalls.py:{where}_{on}", "--timeout", "5")
+    run = ddp_run(data)
+    stalled = 0 if on == "first" else 1
+    assert run["status"] == "hang" and run["hang"]["suspect_ranks"] == [stalled], run["hang"]
+    flight = run["hang"].get("flight_recorder")
+    if flight is not None and flight["finding"] == "host":
+        assert flight["not_issued_by"] == [stalled], flight
+
+
 RANK_0_FAULTS = """
 from ddparity.fixtures import faults
 
