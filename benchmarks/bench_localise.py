@@ -6,8 +6,10 @@ by construction: tests/checks/test_localise.py proves the locator is never calle
 
 The localisation re-runs the first differing step (step 0 here) three times: the reference
 on one device, the same batch reversed (its rounding noise), and the failing run's ranks,
-each from the initial state with a hook on every module. Its baseline is the same three
-trainings without hooks: "plain re-run" (one device twice, then the world of the run).
+each from the initial state with a hook on every module; where a module differs in forward
+(BatchNorm on shards), twice more (the reference and the ranks, that call's aten ops
+recorded). Its baseline is the same three trainings without hooks: "plain re-run" (one
+device twice, then the world of the run).
 
     python benchmarks/bench_localise.py
 """
@@ -77,7 +79,8 @@ def timed_plain(case, pool) -> float:
 def main() -> None:
     pool = WorldPool()
     cases = [("MLP 25 M, summed loss", dataclasses.replace(large.mlp_case(25), loss=summed)),
-             ("GPT-2 tiny, summed loss", real_models.gpt2_summed())]
+             ("GPT-2 tiny, summed loss", real_models.gpt2_summed()),
+             ("ResNet-style, BN on shards", real_models.resnet_bn_on_shards())]
     print(f"{'case':26s} {'check s':>8s} {'without s':>10s} {'extra s':>8s} {'ratio':>6s} {'plain re-run s':>15s} "
           f"{'extra / plain':>14s}")
     for label, case in cases:

@@ -179,8 +179,10 @@ def module_line(f: ModuleFinding) -> str:
         err = f" (rel {f.agrees_error:.2g})" if f.agrees_error is not None else ""
         before = f"{f.agrees} {'agrees' if f.agrees_ok else 'differs too'}{err}"
     by = f.mismatch or f"{f.scale} {f.error:.2g}, tolerance {f.tolerance:.2g}"
+    inside = (f"; inside it, the first op that differs: {f.op} (rel {f.op_error:.2g})" if f.op
+              else f"; {f.note}" if f.note else "")
     return (f"first differing module: {_label(f)}, step {f.step}, rank {f.rank}, {f.phase}: {before}, "
-            f"{f.differs} differs ({by})")
+            f"{f.differs} differs ({by}){inside}")
 
 
 def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None = None) -> list[str]:

@@ -78,7 +78,12 @@ class ModuleFinding(_ReadsAsJson):
     """Why the error is infinite, in words (a gradient on one side only)."""
     scale: str = "rel"
     note: str = ""
-    """What else the finding says (a compiled block's graph breaks)."""
+    """What else the finding says (a compiled block's graph breaks, why no op is named)."""
+    op: str = ""
+    """Inside a module that differs in forward: the first aten op whose output differs."""
+    op_error: float | None = None
+    call: int = 0
+    """The module's call number in the step (a module called twice: 0, then 1)."""
     position: int = 0
     """The call's place in its phase (forward: calls in the order they finished; backward:
     in the order their output gradients arrived)."""
@@ -93,7 +98,8 @@ class ModuleFinding(_ReadsAsJson):
                 "tolerance": self.tolerance, "agrees": self.agrees or None,
                 "agrees_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
                 "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {}),
-                **({"note": self.note} if self.note else {})}
+                **({"note": self.note} if self.note else {}),
+                **({"op": self.op, "op_error": _finite(self.op_error or 0.0)} if self.op else {})}
 
 
 @dataclass(frozen=True)

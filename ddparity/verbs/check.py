@@ -130,9 +130,9 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
     checking.referenced(reference, valid)
     checking.loss_probe = lambda: _probe(ref_world if not ref_world.busy else pool.get(1, chosen, role="probe"),
                                          checking, spool)
-    checking.locator = lambda mode, ws, backend, step, size: _locate(
+    checking.locator = lambda mode, ws, backend, step, size, inside=None: _locate(
         ref_world if not ref_world.busy else pool.get(1, chosen, role="probe"), pool, checking, spool,
-        (mode, ws, backend), step, size)
+        (mode, ws, backend), step, size, inside)
     blowup = checking.blowup
     report.runs += checking.reference_rows(chosen, time.perf_counter() - started, blowup.reason() if blowup else None)
     if checking.sharded and case.fsdp is not None:
@@ -198,22 +198,24 @@ def _probe(world: Any, checking: Checking, spool: Spool) -> float | None:
 
 
 def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, run: tuple[str, int, str],
-            step: int, size: int) -> list[Any] | str:
-    """A failing run's step ``step`` re-run module by module: the reference's in its world
-    (or one beside it), then the run's ranks in a world like the run's; every rank's
-    finding, or why there is none."""
+            step: int, size: int, inside: tuple[str, int, float] | None = None) -> list[Any] | str:
+    """A failing run's step ``step`` re-run module by module (``inside``: that module call's
+    aten ops): the reference's in its world (or one beside it), then the run's ranks in a
+    world like the run's; every rank's answer, or why there is none."""
     mode, ws, backend = run
     case, timeout = checking.case, checking.opts.timeout
+    call = inside[:2] if inside is not None else None
     try:
-        ref_world.run(reference_trace_task, case, spool.path, step, size, timeout=timeout)
+        ref_world.run(reference_trace_task, case, spool.path, step, size, call, timeout=timeout)
         shard_size = kind(mode).shard_size(ws, checking.opts.shard)
         if backend == "threaded":
             host = pool.get(1, "gloo", role=THREADS)
-            [(findings, _)] = host.run(threaded_task, replica_trace_task, case, spool.path, ws, mode, shard_size,
-                                       step, size, timeout=timeout, shown_as=replica_run_name(mode, simulated=True))
-            return list(findings)
+            [(answers, _)] = host.run(threaded_task, replica_trace_task, case, spool.path, ws, mode, shard_size,
+                                      step, size, inside, timeout=timeout,
+                                      shown_as=replica_run_name(mode, simulated=True))
+            return list(answers)
         return list(pool.get(ws, backend).run(replica_trace_task, case, spool.path, mode, shard_size, step, size,
-                                              timeout=timeout, shown_as=replica_run_name(mode)))
+                                              inside, timeout=timeout, shown_as=replica_run_name(mode)))
     except (WorldFailure, WorldStartError) as exc:
         return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 

@@ -54,11 +54,11 @@ class Checking:
     is (set by the orchestrator): asked at most once, by a run whose loss fits both a sum
     and a mean divided by W."""
     _probed: list[float | None] = field(default_factory=list)
-    locator: Callable[[str, int, str, int, int], list[Any] | str] | None = None
-    """``(mode, world size, backend, step, global batch size)``: re-runs a failing run's
-    first differing step module by module where the ranks are (set by the orchestrator;
-    :mod:`ddparity.harness.ranks.probes`): every rank's finding and module order, or why
-    it could not."""
+    locator: Callable[..., list[Any] | str] | None = None
+    """``(mode, world size, backend, step, global batch size[, (module, call, tolerance)])``:
+    re-runs a failing run's first differing step module by module where the ranks are (set by
+    the orchestrator; :mod:`ddparity.harness.ranks.probes`): every rank's finding and module
+    order (or the first differing op of that module call), or why it could not."""
 
     @classmethod
     def of(cls, case: Case, opts: CheckOptions, launched: bool = False) -> Checking:
@@ -201,11 +201,24 @@ class Checking:
             run.notes.append(f"first differing module: not found ({answers})")
             return run
         best = earliest([finding for finding, _ in answers])
+        if best.phase == "forward":
+            best = self._inside(run, best, sizes[d.step] if d.step < len(sizes) else -1)
         if not best.found:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
         return run
+
+    def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:
+        """A module that differs in forward, given the first aten op of its call that differs
+        on its rank (where the ops of the call match the reference's), or why none is named."""
+        assert self.locator is not None
+        answers = self.locator(run.mode, run.world_size, run.backend, module.step, size,
+                               (module.module, module.call, module.tolerance))
+        if isinstance(answers, str):
+            return dataclasses.replace(module, note=f"no op named ({answers})")
+        op, error, why = answers[module.rank]
+        return dataclasses.replace(module, op=op, op_error=error, note=f"no op named: {why}" if why else "")
 
     def _hook_collectives(self, records: dict[int, Any]) -> int | None:
         """With a comm hook of the case's: the collectives it issued at step 0 over the ranks'

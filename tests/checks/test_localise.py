@@ -37,11 +37,14 @@ def test_batchnorm_on_shards_is_named_in_forward_with_both_errors():
     assert m.error > 0.05  # a shard's statistics are not the batch's
     text = report.render()
     assert ("first differing module: bn (BatchNorm1d), step 0, rank 0, forward: input agrees (rel 0), output "
-            "differs (rel 0.23, tolerance 1.9e-06)") in text, text
+            "differs (rel 0.23, tolerance 1.9e-06); inside it, the first op that differs: "
+            "aten.native_batch_norm.default (rel 0.58)") in text, text
+    assert m.op == "aten.native_batch_norm.default" and m.op_error > m.tolerance
     as_json = report.to_json()
     [ddp] = [r for r in as_json["runs"] if r["mode"] == "ddp"]
     module = ddp["first_divergence"]["module"]
     assert module["module"] == "bn" and module["phase"] == "forward" and module["differs"] == "output"
+    assert module["op"] == "aten.native_batch_norm.default"
     assert module["agrees"] == "input" and module["error"] > module["tolerance"] and module["scale"] == "rel"
 
 
@@ -67,6 +70,15 @@ def test_a_replica_whose_weights_differ_is_named_on_its_own_rank(rank):
     report = check(bugs.replica_nudged(rank), modes=("single", "ddp"), world_sizes=(4,), backend="threaded")
     _, m, _ = found(report)[4]
     assert (m.phase, m.module, m.rank) == ("forward", "net.0", rank % 4), m
+
+
+def test_ops_that_differ_in_number_name_no_op_and_say_why():
+    from ddparity.fixtures import faults
+
+    report = check(faults.rank_local_param(1), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, _ = found(report)[2]
+    assert (m.phase, m.module, m.type) == ("forward", "", "FaultyMLP"), module_line(m)
+    assert m.op == "" and m.note.startswith("no op named: its op sequences differ"), m.note
 
 
 def test_a_gradient_missing_on_the_ranks_names_its_parameter():

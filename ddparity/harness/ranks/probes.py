@@ -22,9 +22,15 @@ from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import NoSink
 from ddparity.harness.ranks.tasks import replica_mode
-from ddparity.harness.ranks.tracing import ModuleTrace, Traced, backward_order, first_difference, noise_of
+from ddparity.harness.ranks.tracing import (
+    ModuleTrace,
+    Traced,
+    backward_order,
+    first_difference,
+    first_op,
+    noise_of,
+)
 from ddparity.harness.ranks.training import train
-from ddparity.verdicts import ModuleFinding
 
 
 @dataclass
@@ -73,13 +79,15 @@ def loss_scaling_task(ctx: RankContext, case: Case, spool: str) -> float | None:
     return twice.loss / once.loss
 
 
-def _trace_path(spool: str, step: int) -> str:
-    return os.path.join(spool, f"trace-{step}.pt")
+def _trace_path(spool: str, step: int, inside: tuple[str, int] | None = None) -> str:
+    return os.path.join(spool, f"trace-{step}.pt" if inside is None else f"trace-{step}-{inside[1]}-{inside[0]}.pt")
 
 
-def _traced(case: Case, spool: str, device: str, mode: Any, step: int) -> dict[str, Any]:
-    """Train ``mode`` (``step + 1`` steps) with step ``step`` recorded module by module."""
-    trace = ModuleTrace(step)
+def _traced(case: Case, spool: str, device: str, mode: Any, step: int,
+            inside: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Train ``mode`` (``step + 1`` steps) with step ``step`` recorded module by module (and
+    the aten ops of module call ``inside``)."""
+    trace = ModuleTrace(step, inside)
     try:
         train(case, spool, device, Traced(mode, trace), trace)
     finally:
@@ -88,16 +96,22 @@ def _traced(case: Case, spool: str, device: str, mode: Any, step: int) -> dict[s
 
 
 @names_run("the first differing step on one device, module by module")
-def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, size: int) -> None:
+def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, size: int,
+                         inside: tuple[str, int] | None = None) -> None:
     """The reference's record of step ``step`` (``size``: its global batch size) and its
-    rounding noise, into the spool (once per step)."""
+    rounding noise, into the spool (once per step); ``inside``: (module, call), that call's
+    aten ops instead (no noise: the module's tolerance is theirs)."""
     import torch
 
-    path = _trace_path(spool, step)
+    path = _trace_path(spool, step, inside)
     if os.path.exists(path):
         return
-    ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step)
+    ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step, inside)
     released()
+    if inside is not None:
+        torch.save({"record": ref}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return
     twin = _traced(case, spool, ctx.device, ReversedMode(step + 1, watch_draws=False), step)
     released()
     rows = torch.arange(size).flip(0) if size > 0 else None
@@ -107,17 +121,23 @@ def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, si
 
 @names_run("the first differing step, module by module", sized=True)
 def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size: int, step: int,
-                       size: int, settle: Any = None) -> tuple[ModuleFinding, list[tuple[str, str, list[str]]]]:
+                       size: int, inside: tuple[str, int, float] | None = None,
+                       settle: Any = None) -> Any:
     """This rank's record of step ``step`` in ``mode``, compared with the reference's
     (:func:`reference_trace_task` wrote it): the first module whose activations differ on
-    this rank, and the modules in the order backward reached them (``settle``: as
+    this rank, and the modules in the order backward reached them; ``inside`` (module, call,
+    tolerance): the first aten op of that call whose output differs, as
+    :func:`~ddparity.harness.ranks.tracing.first_op` says (``settle``: as
     :func:`~ddparity.harness.ranks.tasks.replica_task`'s)."""
     import torch
 
     trains = replica_mode(ctx, case, mode, shard_size, step + 1, settle)
-    mine = _traced(case, spool, ctx.device, trains, step)
+    call = (inside[0], inside[1]) if inside is not None else None
+    mine = _traced(case, spool, ctx.device, trains, step, call)
     rows = trains.share(torch.arange(size), size) if size > 0 else None
-    ref = torch.load(_trace_path(spool, step), weights_only=False)
+    ref = torch.load(_trace_path(spool, step, call), weights_only=False)
     released()
+    if inside is not None:
+        return first_op(ref["record"]["ops"], mine["ops"], rows, size, inside[2])
     found = first_difference(ref["record"], ref["noise"], mine, rows, size, ctx.world_size, ctx.rank, step)
     return found, backward_order(mine)

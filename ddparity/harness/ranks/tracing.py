@@ -58,8 +58,13 @@ class ModuleTrace:
     """Every module call of one step of a model (``target``), recorded on the CPU; also the
     run's sink (:class:`~ddparity.harness.ranks.training.Sink`), which records nothing more."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, inside: tuple[str, int] | None = None) -> None:
         self.target = target
+        self.inside = inside
+        """(module, call): that call's aten ops recorded too (their outputs), in order."""
+        self.ops: list[tuple[str, list[Any]]] = []
+        self._ops: Any = None
+        self._entered = 0
         self.armed = False
         self.calls: list[Call] = []
         self.backward: list[int] = []
@@ -73,6 +78,24 @@ class ModuleTrace:
             self._handles.append(module.register_forward_hook(
                 lambda m, args, kwargs, out, _n=name, _o=own: self._called(m, _n, _o, args, kwargs, out),
                 with_kwargs=True))
+            if self.inside is not None and name == self.inside[0]:
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, module: Any, args: Any) -> None:
+        if self.armed:
+            assert self.inside is not None
+            if self._entered == self.inside[1]:
+                self._ops = _op_recorder()
+                self._ops.__enter__()
+            self._entered += 1
+        return None
+
+    def _leave(self, module: Any, args: Any, out: Any) -> None:
+        if self._ops is not None:
+            self._ops.__exit__(None, None, None)
+            self.ops, self._ops = self._ops.ops, None
+        return None
 
     def _called(self, module: Any, name: str, own: list[str], args: Any, kwargs: Any, out: Any) -> None:
         if not self.armed:
@@ -114,7 +137,7 @@ class ModuleTrace:
 
     def record(self) -> dict[str, Any]:
         """What the comparison needs, plain (``torch.save``-able)."""
-        return {"calls": [vars(c) for c in self.calls], "backward": self.backward}
+        return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "ops": self.ops}
 
 
 @dataclass
@@ -138,6 +161,43 @@ class Traced:
             self.inner.step(step, replica, batch)
         finally:
             self.trace.armed = False
+
+
+COMMS = ("c10d", "_c10d_functional", "fsdp", "_dtensor")
+"""Op namespaces of the wrappers' communication (an FSDP2 module's all-gather in its hooks):
+not the user's computation, left out of a call's ops."""
+
+
+def _op_recorder() -> Any:
+    """A dispatch mode that keeps every aten op's name and floating outputs (on the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, list[Any]]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if not name.startswith(COMMS):
+                self.ops.append((name, [_kept(t) for t in floats(out)]))
+            return out
+
+    return Ops()
+
+
+def first_op(ref_ops: list[tuple[str, list[Any]]], my_ops: list[tuple[str, list[Any]]], rows: Any, size: int,
+             tol: float) -> tuple[str, float | None, str]:
+    """Inside a differing module's call: the first aten op whose output differs beyond ``tol``
+    (its name, its error, ""), where the op sequences match; else ("", None, why not)."""
+    if [n for n, _ in ref_ops] != [n for n, _ in my_ops]:
+        return "", None, f"its op sequences differ ({len(my_ops)} ops on the rank, {len(ref_ops)} on the reference)"
+    for (name, mine), (_, theirs) in zip(my_ops, ref_ops):
+        e = errors(mine, theirs, rows, size)
+        if e is not None and e > tol:
+            return name, e, ""
+    return "", None, "no op's output differs alone"
 
 
 def type_name(module: Any) -> str:
@@ -282,7 +342,7 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
         return ModuleFinding(step=step, rank=rank, phase="forward", module=c["name"], type=c["type"],
                              differs="output", error=out[0], tolerance=out[1], agrees="input",
                              agrees_error=inp[0] if inp is not None else None,
-                             agrees_ok=None if inp is None else not inp[2], position=position)
+                             agrees_ok=None if inp is None else not inp[2], position=position, call=c["index"])
     scale = 1.0 / world_size
     for n, position in enumerate(mine["backward"]):
         c = mine["calls"][position]
@@ -326,4 +386,4 @@ def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-__all__ = ["ModuleTrace", "Traced", "backward_order", "first_difference", "floats", "noise_of"]
+__all__ = ["ModuleTrace", "Traced", "backward_order", "first_difference", "first_op", "floats", "noise_of"]
