@@ -175,6 +175,11 @@ SHARD_TAG = " [shard "
 replica, compared only among the ranks that hold the same shard."""
 
 
+NONFINITE = "nonfinite params"
+"""Not a tensor's fingerprint: how many of the rank's parameters hold a NaN or inf in the
+part fingerprinted, the evidence of which of two ranks that disagree went wrong."""
+
+
 def encode_fingerprints(step: int, values: dict[str, int]) -> str:
     return json.dumps({"step": step, "fp": values}, separators=(",", ":"))
 

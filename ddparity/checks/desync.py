@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ddparity.checks.collectives import minority
-from ddparity.records import SHARD_TAG
+from ddparity.records import NONFINITE, SHARD_TAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,8 @@ class ReplicaDrift:
     names: list[str]
     ranks: list[int]
     agreeing: list[int] = field(default_factory=list)
+    nonfinite: list[int] = field(default_factory=list)
+    """Ranks of a tie whose parameters hold a NaN or inf (the tie broken by it)."""
 
     def what(self, limit: int = 4) -> str:
         shown = ", ".join(self.names[:limit])
@@ -37,13 +39,14 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
     shard's replicas').
 
     ``prefer_wrong``: ranks known to diverge from the single-device reference, which
-    break a tie (world size 2) in favour of the rank that matches the reference.
+    break a tie (world size 2) in favour of the rank that matches the reference; without
+    them, a tie is broken by a NaN or inf (:data:`~ddparity.records.NONFINITE`) on one side.
     """
     if len(per_rank) < 2:
         return None
     common = set.intersection(*(set(steps) for steps in per_rank.values()))
     for step in sorted(common):
-        prints = {r: per_rank[r][step] for r in per_rank}
+        prints = {r: {n: v for n, v in per_rank[r][step].items() if n != NONFINITE} for r in per_rank}
         names = list(dict.fromkeys(n for p in prints.values() for n in p))
         every = frozenset(prints)  # a name a rank lacks differs there; a shard's is only its replicas'
         held = {n: frozenset(r for r, p in prints.items() if n in p) if SHARD_TAG in n else every for n in names}
@@ -56,9 +59,12 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
         for r in sorted(among):
             signature = json.dumps([prints[r].get(n) for n in differing])
             votes.setdefault(signature, []).append(r)
-        ranks = minority(votes, prefer_wrong)
+        broken = [r for r in among if per_rank[r][step].get(NONFINITE, 0)]
+        nan = broken if not prefer_wrong and 0 < len(broken) < len(among) else []
+        ranks = minority(votes, prefer_wrong or tuple(nan))
         agreeing = sorted(r for r in among if r not in ranks)
-        return ReplicaDrift(step, _order(differing), ranks, agreeing)
+        return ReplicaDrift(step, _order(differing), ranks, agreeing, nonfinite=sorted(nan) if ranks == sorted(nan)
+                            else [])
     return None
 
 

@@ -40,7 +40,9 @@ def mismatch_desync(mismatch: Mismatch, stacks: dict[int, str] | None = None) ->
 
 def state_desync(found: ReplicaDrift) -> Desync:
     """The desync of replicas whose fingerprints differ after a step."""
-    return Desync(step=found.step, what=f"{found.what()} differ across ranks after step {found.step}",
+    nan = (f" (rank {found.nonfinite[0]}'s parameters hold a NaN or inf, the other's none)"
+           if found.nonfinite else "")
+    return Desync(step=found.step, what=f"{found.what()} differ across ranks after step {found.step}{nan}",
                   ranks=found.ranks, differs=found.names, agreeing_ranks=found.agreeing)
 
 

@@ -209,3 +209,18 @@ def test_sharded_fixtures(fixture, phase, mode):
     report = check(fixture(), modes=("single", mode), world_sizes=(4,))
     _, m, _ = found(report, mode)[4]
     assert m.phase == phase, module_line(m)
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("ws, backend", [(2, "auto"), (4, "auto"), (8, "threaded")], ids=["2", "4", "sim8"])
+@pytest.mark.parametrize("fixture, phase, module, rank", [
+    (bugs.batchnorm_on_shards, "forward", "bn", 0),
+    (bugs.summed_loss, "loss", "net.4", 0),
+    (bugs.loss_over_world_size, "loss", "net.4", 0),
+    (bugs.ddp_bypassed, "reduction", "", 0),
+    (lambda: bugs.replica_nudged(-1), "forward", "net.0", -1),
+], ids=["batchnorm", "summed", "over_w", "bypassed", "nudged_last"])
+def test_every_world_size(fixture, phase, module, rank, ws, backend):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(ws,), backend=backend)
+    _, m, _ = found(report)[ws]
+    assert (m.phase, m.module, m.rank) == (phase, module, rank % ws), module_line(m)

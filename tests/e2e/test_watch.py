@@ -130,6 +130,17 @@ def test_a_rank_local_learning_rate_is_replica_drift_from_the_next_step(tmp_path
     assert "param 0.weight" in desync["what"]
 
 
+@pytest.mark.parametrize("on", [0, -1], ids=["rank0", "last"])
+def test_a_nan_on_one_of_two_ranks_names_that_rank(tmp_path, on):
+    """Two ranks that disagree: nothing in the fingerprints says which is wrong, but a NaN
+    in one rank's parameters does."""
+    result, data = watch(tmp_path, 2, DDP, "--fault", "nan", "--on", str(on))
+    assert result.returncode == 1, result.stderr
+    desync = only_run(data)["desync"]
+    assert (desync["step"], desync["ranks"]) == (2, [on % 2]), desync
+    assert f"(rank {on % 2}'s parameters hold a NaN or inf, the other's none)" in desync["what"]
+
+
 def test_an_fsdp2_script_passes_and_says_its_shards_have_no_replicas(tmp_path):
     result, data = watch(tmp_path, 2, FSDP, flags=("--flight-recorder", "fr"))
     assert result.returncode == 0, result.stderr

@@ -13,6 +13,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from ddparity.records import NONFINITE
+
 _INT_OF_SIZE: dict[int, Any] = {}
 
 
@@ -72,6 +74,28 @@ def _bit_sums(tensors: list[Any], part: int | None = None) -> list[int]:
     return out
 
 
+def nonfinite_count(tensors: list[Any], part: int | None = None, slices: int = SLICES) -> Any:
+    """How many of the floating tensors hold a NaN or inf in the part fingerprinted, a 0-d
+    int64 tensor on the first tensor's device (nothing waits for it): the evidence of which
+    of two ranks that disagree went wrong."""
+    import torch
+
+    finite = []
+    with torch.no_grad():
+        for t in tensors:
+            if not t.is_floating_point():
+                continue
+            if part is not None and t.numel() > SLICE_MIN:
+                flat = t.reshape(-1)
+                size = -(-flat.shape[0] // slices)
+                t = flat[(part % slices) * size : (part % slices + 1) * size]
+            finite.append(torch.isfinite(t).all())
+        if not finite:
+            return torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+        device = finite[0].device
+        return (~torch.stack([f.to(device) for f in finite])).sum(dtype=torch.int64)
+
+
 def fingerprint(model: Any, optimizer: Any = None, buffers: bool = True, part: int | None = None) -> dict[str, int]:
     """Fingerprints of everything that must be identical on every rank after a step.
 
@@ -102,6 +126,7 @@ def fingerprint(model: Any, optimizer: Any = None, buffers: bool = True, part: i
                     names.append(f"optimizer {pname}.{key}")
                     tensors.append(value)
     out = dict(zip(names, _bit_sums(tensors, part))) if tensors else {}
+    out[NONFINITE] = int(nonfinite_count([p for _, p in model.named_parameters()], part))
     out["rng cpu"] = zlib.crc32(torch.get_rng_state().numpy().tobytes())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):

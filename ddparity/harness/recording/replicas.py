@@ -30,10 +30,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddparity.harness.recording.fingerprint import device_sums
+from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
 from ddparity.harness.recording.recorder import StepRecorder
 from ddparity.harness.shards import is_sharded
-from ddparity.records import SHARD_TAG
+from ddparity.records import NONFINITE, SHARD_TAG
 
 _installed: Replicas | None = None
 
@@ -157,6 +157,7 @@ class Replicas:
         if tensors:
             self._publish_pending()
             sums = _device_sums(tensors, step)
+            names.append(NONFINITE)  # _device_sums' last element
             if sums.device.type != "cuda":
                 self.recorder.fingerprints(step, dict(zip(names, sums.tolist())))
             else:  # published at the next step (or the end), the copy finished by then
@@ -202,14 +203,15 @@ def _coordinates(p: Any) -> str:
 
 def _device_sums(tensors: list[Any], step: int) -> Any:
     """Each tensor's fingerprint (large tensors a rotating slice, as
-    :func:`ddparity.harness.recording.fingerprint.fingerprint` takes them), as one int64
-    tensor on the first tensor's device."""
+    :func:`ddparity.harness.recording.fingerprint.fingerprint` takes them), then how many hold
+    a NaN or inf (:data:`~ddparity.records.NONFINITE`), as one int64 tensor on the first
+    tensor's device."""
     import torch
 
     with torch.no_grad():
         sums = device_sums(tensors, step)  # a rotating slice of large tensors: SLICES
         device = sums[0].device
-        return torch.stack([s.to(device) for s in sums])
+        return torch.stack([s.to(device) for s in [*sums, nonfinite_count(tensors, step)]])
 
 
 def install(recorder: StepRecorder, world_size: int) -> Replicas:
