@@ -224,3 +224,33 @@ def test_every_world_size(fixture, phase, module, rank, ws, backend):
     report = check(fixture(), modes=("single", "ddp"), world_sizes=(ws,), backend=backend)
     _, m, _ = found(report)[ws]
     assert (m.phase, m.module, m.rank) == (phase, module, rank % ws), module_line(m)
+
+
+def _summed_elsewhere():
+    from ddparity.fixtures import layouts, recurrent, torch_tests
+
+    cases = [pytest.param(lambda n=n: torch_tests.case(n, summed=True), id=f"torch-{n}") for n in torch_tests.NAMES
+             if n not in torch_tests.ON_SHARDS]  # BatchNorm on shards differs first, in forward
+    cases += [pytest.param(lambda lay=lay: layouts.layout_case(lay, summed=True), id=lay) for lay in layouts.LAYOUTS]
+    cases += [pytest.param(lambda c=c, m=m: recurrent.rnn_case(c, m, summed=True), id=f"{c}-{m}-major")
+              for c in ("LSTM", "GRU") for m in ("batch", "time")]
+    return cases
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("make", _summed_elsewhere())
+def test_a_summed_loss_in_models_nobody_here_wrote_is_the_loss(make):
+    """PyTorch's own DDP test models, blocks in ModuleLists and nested containers, stacked
+    RNNs batch- and time-major: every forward agrees row for row, the loss is 1/W off."""
+    report = check(make(), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, _ = found(report)[2]
+    assert m.phase == "loss" and m.factor == pytest.approx(0.5, rel=1e-3), module_line(m)
+
+
+@pytest.mark.breadth
+def test_batchnorm_in_pytorchs_own_test_model_is_named():
+    from ddparity.fixtures import torch_tests
+
+    report = check(torch_tests.case("BatchNormNet"), modes=("single", "ddp"), world_sizes=(2,))
+    _, m, _ = found(report)[2]
+    assert (m.phase, m.module, m.op) == ("forward", "bn", "aten.native_batch_norm.default"), module_line(m)

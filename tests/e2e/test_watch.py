@@ -130,7 +130,7 @@ def test_a_rank_local_learning_rate_is_replica_drift_from_the_next_step(tmp_path
     assert "param 0.weight" in desync["what"]
 
 
-@pytest.mark.parametrize("on", [0, -1], ids=["rank0", "last"])
+@pytest.mark.parametrize("on", [0, pytest.param(-1, marks=pytest.mark.breadth)], ids=["rank0", "last"])
 def test_a_nan_on_one_of_two_ranks_names_that_rank(tmp_path, on):
     """Two ranks that disagree: nothing in the fingerprints says which is wrong, but a NaN
     in one rank's parameters does."""
