@@ -5,6 +5,7 @@ model whose compiled forward agrees names none."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ddparity import check
@@ -32,6 +33,7 @@ def test_a_block_in_a_module_list_is_named_with_its_graph_break():
     assert report.to_json()["runs"][1]["first_divergence"]["module"]["phase"] == "compiled"
 
 
+@pytest.mark.breadth
 def test_a_difference_in_the_models_own_forward_names_the_model():
     report = check(compiled.differs_when_compiled(), modes=("single",), world_sizes=(2,), compile="aot_eager")
     block = single(report).first_divergence.module

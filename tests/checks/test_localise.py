@@ -65,7 +65,7 @@ def test_gradients_never_reduced_are_the_reductions_not_a_modules(fixture):
     assert "every module's output and activation gradient agrees" in module_line(m)
 
 
-@pytest.mark.parametrize("rank", [0, -1], ids=["rank0", "last"])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.breadth), -1], ids=["rank0", "last"])
 def test_a_replica_whose_weights_differ_is_named_on_its_own_rank(rank):
     report = check(bugs.replica_nudged(rank), modes=("single", "ddp"), world_sizes=(4,), backend="threaded")
     _, m, _ = found(report)[4]
@@ -88,19 +88,21 @@ def test_a_gradient_missing_on_the_ranks_names_its_parameter():
     assert m.mismatch == "missing (the reference has one)" and "inf" not in module_line(m), module_line(m)
 
 
+@pytest.mark.breadth
 def test_simulated_ranks_name_it_too():
     report = check(bugs.batchnorm_on_shards(), modes=("single", "ddp"), world_sizes=(8,), backend="threaded")
     _, m, _ = found(report)[8]
     assert (m.phase, m.module) == ("forward", "bn"), m
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("mode", [pytest.param("fsdp", marks=pytest.mark.breadth), "hsdp"])
 def test_sharded_modes_name_the_module_by_its_own_class(mode):
     report = check(bugs.batchnorm_on_shards(), modes=("single", mode), world_sizes=(4,), backend="threaded")
     _, m, _ = found(report, mode)[4]
     assert (m.phase, m.module, m.type) == ("forward", "bn", "BatchNorm1d"), m  # not FSDPBatchNorm1d
 
 
+@pytest.mark.breadth
 def test_an_optimizer_side_difference_is_after_every_module(monkeypatch):
     report = check(sharded.momentum_reset(1), modes=("single", "fsdp"), world_sizes=(2,))
     status, m, _ = found(report, "fsdp")[2]
