@@ -21,6 +21,7 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
 from ddparity.harness.protocol import RankContext, names_run
+from ddparity.harness.ranks.batches import map_tensors
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.tracing import FLOOR_EPS, NOISE_FACTOR, floats, rel, type_name
@@ -52,29 +53,11 @@ class _FirstCall:
 
 
 def _copied(obj: Any) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return type(obj)((k, _copied(v)) for k, v in obj.items())
-    if isinstance(obj, (tuple, list)):
-        items = [_copied(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 def _float64(obj: Any) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.double() if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _float64(v)) for k, v in obj.items())
-    if isinstance(obj, (tuple, list)):
-        items = [_float64(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    return map_tensors(obj, lambda t: t.double() if t.is_floating_point() else t)
 
 
 def _out(module: Any, call: tuple[Any, Any]) -> list[Any]:
