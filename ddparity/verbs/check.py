@@ -15,7 +15,7 @@ from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.distances import Distances
 from ddparity.errors import Interrupted, UsageError, WorldFailure, WorldStartError
-from ddparity.harness.ranks.probes import loss_scaling_task, reference_trace_task, replica_trace_task
+from ddparity.harness.ranks.probes import dp_trace_task, loss_scaling_task, reference_trace_task, replica_trace_task
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
 from ddparity.harness.ranks.threaded import threaded_task
@@ -207,6 +207,8 @@ def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, r
     call = inside[:2] if inside is not None else None
     try:
         ref_world.run(reference_trace_task, case, spool.path, step, size, call, timeout=timeout)
+        if kind(mode).one_process:  # DataParallel: its replicas in one process, beside the reference
+            return list(ref_world.run(dp_trace_task, case, spool.path, ws, step, size, timeout=timeout))
         shard_size = kind(mode).shard_size(ws, checking.opts.shard)
         if backend == "threaded":
             host = pool.get(1, "gloo", role=THREADS)

@@ -192,7 +192,7 @@ class Checking:
         module backward reached first; a note where it could not be found."""
         d = run.first_divergence
         if (d is None or self.locator is None or self.reference is None or run.compile is not None
-                or run.status not in ("diverged", "desync") or not kind(run.mode).replicated):
+                or run.status not in ("diverged", "desync") or kind(run.mode).reference):
             return run
         sizes = self.reference.batch_sizes
         answers = self.locator(run.mode, run.world_size, run.backend, d.step,
@@ -201,7 +201,7 @@ class Checking:
             run.notes.append(f"first differing module: not found ({answers})")
             return run
         best = earliest([finding for finding, _ in answers])
-        if best.phase == "forward":
+        if best.phase == "forward" and kind(run.mode).replicated:  # (DataParallel's replicas: no op pass)
             best = self._inside(run, best, sizes[d.step] if d.step < len(sizes) else -1)
         if not best.found:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
@@ -246,7 +246,7 @@ class Checking:
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
         if tol.loose:
             run.notes.append(tol.loose)
-        return _compared_up_to(run, stop)
+        return self.localise(_compared_up_to(run, stop), found)
 
     def loss_scaling(self) -> float | None:
         """The probe's ratio (the loss on the first batch given twice, to its loss), run once."""

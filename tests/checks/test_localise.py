@@ -256,3 +256,14 @@ def test_batchnorm_in_pytorchs_own_test_model_is_named():
     report = check(torch_tests.case("BatchNormNet"), modes=("single", "ddp"), world_sizes=(2,))
     _, m, _ = found(report)[2]
     assert (m.phase, m.module, m.op) == ("forward", "bn", "aten.native_batch_norm.default"), module_line(m)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_dataparallels_replicas_name_the_module_on_their_chunks(ws):
+    """DataParallel (emulated here): each replica's calls on its chunk of the batch; the
+    gathered output's loss is the reference's, so its gradients are compared unscaled."""
+    report = check(bugs.batchnorm_on_shards(), modes=("single", "dp"), world_sizes=(ws,))
+    status, m, _ = found(report, "dp")[ws]
+    assert status == "diverged"
+    assert (m.phase, m.module, m.type) == ("forward", "bn", "BatchNorm1d"), module_line(m)
+    assert m.agrees_ok and m.error > m.tolerance

@@ -18,6 +18,7 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors, reverse_samples
+from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import NoSink
@@ -29,8 +30,11 @@ from ddparity.harness.ranks.tracing import (
     first_difference,
     first_op,
     noise_of,
+    replica_rows,
+    same_rows,
 )
 from ddparity.harness.ranks.training import train
+from ddparity.verdicts import ModuleFinding
 
 
 @dataclass
@@ -139,5 +143,25 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
     released()
     if inside is not None:
         return first_op(ref["record"]["ops"], mine["ops"], rows, size, inside[2])
-    found = first_difference(ref["record"], ref["noise"], mine, rows, size, ctx.world_size, ctx.rank, step)
+    found = first_difference(ref["record"], ref["noise"], mine, same_rows(rows), size, 1.0 / ctx.world_size,
+                             ctx.rank, step)
+    return found, backward_order(mine)
+
+
+@names_run("DataParallel's first differing step, module by module")
+def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, step: int,
+                  size: int) -> tuple[ModuleFinding, list[tuple[str, str, list[str]]]]:
+    """DataParallel at ``world_size`` (emulated in this process, or real on enough GPUs) on
+    step ``step``, module by module against the reference's record: each replica's calls on
+    its chunk of the batch (:func:`~ddparity.harness.ranks.tracing.replica_rows`); the
+    gathered output's loss is the reference's, so gradients are compared as they are."""
+    import torch
+
+    trains = DataParallelMode(step + 1, world_size, ctx.device)
+    mine = _traced(case, spool, ctx.device, trains, step)
+    ref = torch.load(_trace_path(spool, step), weights_only=False)
+    released()
+    chunks = list(torch.arange(size).chunk(world_size)) if size > 0 else []
+    found = first_difference(ref["record"], ref["noise"], mine, replica_rows(ref["record"], chunks), size, 1.0, 0,
+                             step)
     return found, backward_order(mine)

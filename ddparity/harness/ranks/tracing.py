@@ -26,6 +26,7 @@ sample order (its rounding noise, module by module) x :data:`NOISE_FACTOR`, neve
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,11 +316,36 @@ def noise_of(ref: dict[str, Any], twin: dict[str, Any], rows: Any, size: int) ->
     return out
 
 
-def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[str, Any], rows: Any, size: int,
-                     world_size: int, rank: int, step: int) -> ModuleFinding:
+def same_rows(rows: Any) -> Callable[[dict[str, Any]], tuple[tuple[str, int], Any]]:
+    """A data-parallel rank's calls: each the reference's call of the same module and number,
+    on this rank's samples (``rows``)."""
+    return lambda c: ((c["name"], c["index"]), rows)
+
+
+def replica_rows(ref: dict[str, Any], chunks: list[Any]) -> Callable[[dict[str, Any]], tuple[tuple[str, int], Any]]:
+    """DataParallel's calls in one process: replica ``i``'s calls of a module (its ``k`` calls
+    a forward, as the reference's) come ``i``-th, on chunk ``i`` of the batch."""
+    per_forward: dict[str, int] = {}
+    for c in ref["calls"]:
+        per_forward[c["name"]] = per_forward.get(c["name"], 0) + 1
+
+    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any]:
+        k = per_forward.get(c["name"], 1)
+        replica = c["index"] // k
+        return (c["name"], c["index"] % k), chunks[replica] if replica < len(chunks) else None
+
+    return match
+
+
+def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[str, Any],
+                     match: Callable[[dict[str, Any]], tuple[tuple[str, int], Any]], size: int,
+                     scale: float, rank: int, step: int) -> ModuleFinding:
     """The first module call of the rank's step whose inputs agree with the reference's and
     whose output differs (forward, in the order calls finish); else, from the loss back, the
-    first whose output gradient agrees and whose input or parameter gradient differs."""
+    first whose output gradient agrees and whose input or parameter gradient differs.
+    ``match``: a call's reference call and its rows (:func:`same_rows`, :func:`replica_rows`);
+    ``scale``: what the rank's activation gradients are multiplied by (1/W under DDP, whose
+    ranks' losses are each over their own samples; 1 for DataParallel's gathered loss)."""
     calls = _by_key(ref)
 
     def judge(key: str, got: float | None, dtype: Any) -> tuple[float, float, bool] | None:
@@ -330,10 +356,11 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
         return got, tol, got > tol
 
     for position, c in enumerate(mine["calls"]):
-        r = calls.get((c["name"], c["index"]))
+        key, rows = match(c)
+        r = calls.get(key)
         if r is None or not c["outputs"]:
             continue
-        label = f"{c['name']}#{c['index']}"
+        label = f"{key[0]}#{key[1]}"
         out = judge(f"out {label}", errors(c["outputs"], r["outputs"], rows, size), c["outputs"][0].dtype)
         if out is None or not out[2]:
             continue
@@ -343,13 +370,13 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                              differs="output", error=out[0], tolerance=out[1], agrees="input",
                              agrees_error=inp[0] if inp is not None else None,
                              agrees_ok=None if inp is None else not inp[2], position=position, call=c["index"])
-    scale = 1.0 / world_size
     for n, position in enumerate(mine["backward"]):
         c = mine["calls"][position]
-        r = calls.get((c["name"], c["index"]))
+        key, rows = match(c)
+        r = calls.get(key)
         if r is None:
             continue
-        label = f"{c['name']}#{c['index']}"
+        label = f"{key[0]}#{key[1]}"
         gout = _grads(c, "out_grads")
         dtype = gout[0].dtype if gout else c["outputs"][0].dtype
         got_out = judge(f"gout {label}", errors(gout, _grads(r, "out_grads"), rows, size, scale, batched_only=True),
@@ -386,4 +413,5 @@ def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-__all__ = ["ModuleTrace", "Traced", "backward_order", "first_difference", "first_op", "floats", "noise_of"]
+__all__ = ["ModuleTrace", "Traced", "backward_order", "first_difference", "first_op", "floats", "noise_of",
+           "replica_rows", "same_rows"]
