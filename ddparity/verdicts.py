@@ -50,7 +50,7 @@ def _by_rank(values: Mapping[int, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ModuleFinding(_ReadsAsJson):
     """Where in the model a run's first differing step first differs from the reference's
-    (:mod:`ddparity.harness.ranks.tracing`): in ``phase`` ``"forward"``, the first module call
+    (:mod:`ddparity.harness.ranks.differing`): in ``phase`` ``"forward"``, the first module call
     whose ``input`` agrees and whose ``output`` differs; ``"loss"``, the gradient backward
     starts from (the loss's, compared x 1/W) differs, by ``factor``; ``"backward"``, the
     first module whose ``output gradient`` agrees and whose input or a parameter's gradient

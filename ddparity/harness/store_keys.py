@@ -94,6 +94,40 @@ SERVED = "served"
 IN_PLACE = "spool"
 
 
+def localise(index: int) -> str:
+    """A launched check's ``index``-th ask, by rank 0 once it judged a diverging run, that
+    every rank re-run that run's first differing step module by module (a JSON
+    :class:`LocaliseAsk`, or ``null``: no more asks, wait for the verdict)."""
+    return f"L{index}"
+
+
+@dataclass(frozen=True)
+class LocaliseAsk:
+    """What every rank re-runs (see :func:`localise`): ``mode``'s step ``step`` of a global
+    batch of ``size``; ``inside``: (module, call, tolerance) for the op pass."""
+
+    mode: str
+    shard_size: int
+    step: int
+    size: int
+    inside: tuple[str, int, float] | None = None
+
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, value: bytes) -> LocaliseAsk | None:
+        data = json.loads(value)
+        if data is None:
+            return None
+        inside = data["inside"]
+        return cls(data["mode"], int(data["shard_size"]), int(data["step"]), int(data["size"]),
+                   (str(inside[0]), int(inside[1]), float(inside[2])) if inside else None)
+
+
+NO_MORE_ASKS = "null"
+
+
 # -- the watch thread -------------------------------------------------------------------------
 
 def beat(rank: int) -> str:

@@ -209,7 +209,6 @@ class _LaunchedCheck:
     def report_completed(self) -> int:
         """Rank 0, once every rank published its distances of the last mode (the others
         wait for the verdict)."""
-        from ddparity.harness.sidechannel import TaskChannel
 
         store, n = self.launch.store, self.ctx.world_size
         ran = self.go.run if self.go else []
@@ -223,6 +222,40 @@ class _LaunchedCheck:
         served = [r for r in range(n) if store.get(store_keys.reference_read(r)).decode() == store_keys.SERVED] if ran \
             else []
         assert self.checking.reference is not None or not ran
+        locator = self._locator(served) if ran else None
+        try:
+            self._judge_each(report, ran, served)
+        finally:
+            if locator is not None:
+                locator.close()
+        return self._emit(report)
+
+    def _locator(self, served: list[int]) -> Any:
+        """Rank 0's re-runs of a diverging run's first differing step by every rank
+        (:mod:`ddparity.harness.launch.localise`), as :class:`Checking` asks for them."""
+        from ddparity.harness.launch.localise import LaunchLocator
+
+        locator = LaunchLocator(self.launch, self.case, self.spool_path, self.opts.timeout, served,
+                                self.localise_stage)
+        self.checking.locator = lambda mode, ws, backend, step, size, inside=None: locator(
+            mode, kind(mode).shard_size(ws, self.opts.shard), step, size, inside)
+        return locator
+
+    @property
+    def localise_stage(self) -> int:
+        """The store's stage of the first re-run asked for (after every mode's)."""
+        return 2 + len(self.modes)
+
+    def answer_asks(self) -> None:
+        """Every rank but 0, after its last run: the re-runs rank 0 asks for, until it says none."""
+        from ddparity.harness.launch.localise import answer_asks
+
+        answer_asks(self.launch, self.case, self.spool_path, self.localise_stage)
+
+    def _judge_each(self, report: Report, ran: list[str], served: list[int]) -> None:
+        from ddparity.harness.sidechannel import TaskChannel
+
+        store, n = self.launch.store, self.ctx.world_size
         for mode in self.modes:
             if mode not in ran:
                 report.runs.append(self._skipped(mode))
@@ -235,7 +268,6 @@ class _LaunchedCheck:
                 run.notes.append(f"rank(s) {served} (not on rank 0's node) compared against the reference served "
                                  f"by rank 0 over the network")
             report.runs.append(self.checking.judge(run, runs, records))
-        return self._emit(report)
 
     def _probe(self) -> float | None:
         """Rank 0: the loss-scaling probe on its own device, from its spool (None should it
@@ -321,6 +353,8 @@ def check_launched(case: Case, opts: CheckOptions, emit: Callable[[Report], None
     except BaseException as exc:
         me.watch.fail(exc)
     if rank != 0:
+        if go.run:
+            me.answer_asks()
         me.watch.idle()
     me.watch.finish(me.report_completed())
 

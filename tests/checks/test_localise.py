@@ -13,7 +13,8 @@ from torch import nn
 
 from ddparity import check
 from ddparity.fixtures import bugs, real_models, sharded
-from ddparity.harness.ranks.tracing import ModuleTrace, aligned, rel
+from ddparity.harness.ranks.differing import aligned, rel
+from ddparity.harness.ranks.tracing import ModuleTrace
 from ddparity.render import module_line
 from ddparity.verbs import check as check_module
 

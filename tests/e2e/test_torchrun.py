@@ -92,18 +92,72 @@ def test_a_clean_case_passes_and_every_rank_exits_0(tmp_path):
     assert "launched: 2 processes" in result.stdout
 
 
-@pytest.mark.parametrize("target, cause", [
-    ("bugs:summed_loss", "a loss summed over the batch (reduction='sum')"),
-    ("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank"),
-    ("bugs:batchnorm_on_shards", "BatchNorm on shards"),
+@pytest.mark.parametrize("target, cause, where", [
+    ("bugs:summed_loss", "a loss summed over the batch (reduction='sum')", ("loss", 0)),
+    ("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank", ("loss", 0)),
+    ("bugs:batchnorm_on_shards", "BatchNorm on shards", ("forward", 0, "bn", "aten.native_batch_norm.default")),
 ])
-def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_path, target, cause):
+def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_path, target, cause, where):
+    """The verdict, its cause, and where it first differs: every rank of the launch re-ran
+    the first differing step module by module once rank 0 judged it."""
     result, _, data = torchrun(tmp_path, "check", f"ddparity.fixtures.{target}", "--steps", "2")
     run = ddp_run(data)
     assert run["status"] == "diverged" and run["first_divergence"]["step"] == 0
     assert cause in result.stdout
     assert ("evidence: on one device, the first batch given twice" in result.stdout) == ("loss" in target)
+    module = run["first_divergence"]["module"]
+    assert (module["phase"], module["rank"], module.get("module"), module.get("op"))[:len(where)] == where, module
+    assert ("first differing module: bn" if module["phase"] == "forward" else "first to differ: the loss") in \
+        result.stdout
     assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
+
+
+RERUN_RAISES = """
+import torch
+from torch import nn
+from ddparity import Case
+from ddparity.fixtures.models import MLP, regression
+
+TRAININGS = []
+
+
+def step(model, batch, optimizer, ctx):
+    if ctx.step == 0 and ctx.rank == ctx.world_size - 1 and ctx.world_size > 1:
+        TRAININGS.append(1)
+        if len(TRAININGS) > 1:
+            raise RuntimeError("only in the re-run")
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def case():
+    return Case(model=MLP, data=regression, optimizer="sgd", lr=0.01, steps=2, train_step=step)
+"""
+
+
+def test_a_rerun_that_fails_on_the_last_rank_is_a_note_and_the_verdict_stands(tmp_path):
+    """The re-run is the launch's last stage, after rank 0 judged: its failure on a rank is a
+    note of the report (never a finding, never a hang), every process exits with the verdict."""
+    (tmp_path / "rerun_raises.py").write_text(RERUN_RAISES)
+    result, _, data = torchrun(tmp_path, "check", "rerun_raises.py:case")
+    run = ddp_run(data)
+    assert run["status"] == "diverged" and "module" not in run["first_divergence"], result.stdout
+    assert any(n.startswith("first differing module: not found (the re-run of step 0 failed: rank 1: RuntimeError: "
+                            "only in the re-run") for n in run["notes"]), run["notes"]
+    assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
+
+
+def test_the_module_that_differs_on_the_last_rank_alone_is_named_on_it(tmp_path):
+    """A replica moved on the last rank only: the re-run names that rank and the module whose
+    output first differs there (rank 0's own re-run agrees)."""
+    result, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.bugs:replica_nudged", "--steps", "2")
+    module = ddp_run(data)["first_divergence"]["module"]
+    assert (module["phase"], module["rank"], module["module"]) == ("forward", 1, "net.0"), result.stdout
+    assert result.returncode == 1
 
 
 def test_sharded_modes_run_after_ddp_in_one_launch_each_judged_with_its_cause(tmp_path):
@@ -255,6 +309,9 @@ def test_two_nodes_on_loopback_compare_the_remote_rank_against_the_served_refere
     run = ddp_run(data)
     assert run["status"] == "diverged"
     assert any("compared against the reference served by rank 0" in n for n in run["notes"])
+    assert "module" not in run["first_divergence"]  # the reference's records are on rank 0's node: said, not guessed
+    assert any(n.startswith("first differing module: not found (not re-run in this launch: rank(s) [1] run on "
+                            "other nodes") for n in run["notes"]), run["notes"]
     assert [a.returncode for a in agents] == [1, 1]
     # a pass needs every tensor of every step compared on every rank (one never compared is
     # an infinite distance): the served rank compared them all

@@ -22,9 +22,10 @@ from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors
+from ddparity.harness.ranks.differing import FLOOR_EPS, NOISE_FACTOR, rel
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.tracing import FLOOR_EPS, NOISE_FACTOR, floats, rel, type_name
+from ddparity.harness.ranks.tracing import floats, type_name
 from ddparity.harness.ranks.training import prepared, train
 from ddparity.verdicts import ModuleFinding
 

@@ -18,14 +18,7 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors, reverse_samples
-from ddparity.harness.ranks.modes.dp import DataParallelMode
-from ddparity.harness.ranks.modes.single import SingleMode
-from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import NoSink
-from ddparity.harness.ranks.tasks import replica_mode
-from ddparity.harness.ranks.tracing import (
-    ModuleTrace,
-    Traced,
+from ddparity.harness.ranks.differing import (
     backward_order,
     first_difference,
     first_op,
@@ -33,6 +26,12 @@ from ddparity.harness.ranks.tracing import (
     replica_rows,
     same_rows,
 )
+from ddparity.harness.ranks.modes.dp import DataParallelMode
+from ddparity.harness.ranks.modes.single import SingleMode
+from ddparity.harness.ranks.rank import released
+from ddparity.harness.ranks.spool import NoSink
+from ddparity.harness.ranks.tasks import replica_mode
+from ddparity.harness.ranks.tracing import ModuleTrace, Traced
 from ddparity.harness.ranks.training import train
 from ddparity.verdicts import ModuleFinding
 
@@ -131,7 +130,7 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
     (:func:`reference_trace_task` wrote it): the first module whose activations differ on
     this rank, and the modules in the order backward reached them; ``inside`` (module, call,
     tolerance): the first aten op of that call whose output differs, as
-    :func:`~ddparity.harness.ranks.tracing.first_op` says (``settle``: as
+    :func:`~ddparity.harness.ranks.differing.first_op` says (``settle``: as
     :func:`~ddparity.harness.ranks.tasks.replica_task`'s)."""
     import torch
 
@@ -153,7 +152,7 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
                   size: int) -> tuple[ModuleFinding, list[tuple[str, str, list[str]]]]:
     """DataParallel at ``world_size`` (emulated in this process, or real on enough GPUs) on
     step ``step``, module by module against the reference's record: each replica's calls on
-    its chunk of the batch (:func:`~ddparity.harness.ranks.tracing.replica_rows`); the
+    its chunk of the batch (:func:`~ddparity.harness.ranks.differing.replica_rows`); the
     gathered output's loss is the reference's, so gradients are compared as they are."""
     import torch
 
