@@ -65,6 +65,11 @@ def test_data_parallel_bugs_are_caught_at_step_0_in_the_compiled_rows(factory, p
     assert run.first_divergence.step == 0, run.first_divergence
     assert run.first_divergence.max_abs > 100 * run.first_divergence.tolerance  # far beyond compile's noise
     assert any(cause in n for n in run.notes if n.startswith("likely cause")), run.notes
+    # where: not searched compiled (hooks change what is compiled); its eager twin's place, said as such
+    eager = by["ddp"].first_divergence.module
+    [where] = [n for n in run.notes if n.startswith("first differing module: ")]
+    assert where.startswith("first differing module: not searched in a compiled run; the eager ddp run at world "
+                            "size 2 differs too, first at ") and eager.phase in where, where
 
 
 def test_the_clean_twin_compiling_the_ddp_module_in_its_step_passes():
@@ -81,6 +86,9 @@ def test_a_model_that_computes_differently_when_compiled_fails_on_one_device_fir
     assert any("compiling changes the training on one device" in n for n in single.notes)
     # its distance is no noise floor: the compiled DDP run is judged against eager's noise, and fails
     assert by["ddp (compiled aot_eager, ddp_optimizer)"].status == "diverged"
+    assert any(n.startswith("first differing module: not searched in a compiled run; the eager ddp run at world "
+                            "size 2 passes and the compiled single-device run diverges too")
+               for n in by["ddp (compiled aot_eager, ddp_optimizer)"].notes), report.render()
 
 
 def test_what_cannot_be_compared_compiled_is_never_a_pass():

@@ -38,6 +38,7 @@ from ddparity.verbs.compiled import (
     compile_figures,
     compiled_single,
     dropout_drawn,
+    eager_twins,
     refused_run,
     summary_notes,
 )
@@ -167,6 +168,8 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
             report.runs.extend(mark(RunResult(mode=mode, world_size=ws, backend=chosen, status="skipped",
                                               reason=DP_NOT_COMPILED), opts.compile) for ws in dp_sizes)
     report.runs.extend(ddp_runs)
+    if opts.compile is not None:
+        eager_twins(report.runs)
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
                                        f"sample ({reference.dropout_calls} dropout call(s) a step)")

@@ -89,6 +89,36 @@ def _first_block(run: RunResult, checking: Checking, spec: CompileSpec, world: A
     run.first_divergence = dataclasses.replace(run.first_divergence, module=block)
 
 
+def eager_twins(runs: list[RunResult]) -> None:
+    """A compiled data-parallel run that diverged is not re-run module by module (hooks on
+    every module change what is compiled): its notes say what its eager twin (the same mode
+    and world size) found, which tells a data-parallel bug (the eager run differs too) from
+    compile's own (it passes)."""
+    eager = {(r.mode, r.world_size): r for r in runs if r.compile is None}
+    single_differs = any(r.compile is not None and kind(r.mode).reference and r.status == "diverged" for r in runs)
+    for run in runs:
+        twin = eager.get((run.mode, run.world_size))
+        if (run.compile is None or run.status not in ("diverged", "desync") or kind(run.mode).reference
+                or twin is None):
+            continue
+        where = f"the eager {run.mode} run at world size {run.world_size}"
+        d = twin.first_divergence
+        if twin.status in ("diverged", "desync") and d is not None and d.module is not None and d.module.found:
+            m = d.module
+            said = f"{m.module} ({m.phase}, step {m.step})" if m.phase in ("forward", "backward") else \
+                f"the {m.phase} (step {m.step})"
+            run.notes.append(f"first differing module: not searched in a compiled run; {where} differs too, first "
+                             f"at {said}: a data-parallel difference, not compile's")
+        elif twin.status == "pass" and single_differs:
+            run.notes.append(f"first differing module: not searched in a compiled run; {where} passes and the "
+                             f"compiled single-device run diverges too: compiling alone changes the numbers (that "
+                             f"run's block search says where)")
+        elif twin.status == "pass":
+            run.notes.append(f"first differing module: not searched in a compiled run; {where} passes and the "
+                             f"compiled single-device run does not diverge: the difference comes with compiling the "
+                             f"data-parallel run")
+
+
 def _float64_error(case: Case, opts: CheckOptions, world: Any, spool: Any) -> list[dict[tuple[str, str], float]] | None:
     """The reference's own rounding error, per step and tensor: its distance to the same
     training in float64 (None where the case cannot train in float64: the compiled run is then
