@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddparity import check
-from ddparity.fixtures import bugs, real_models, sharded
+from ddparity.fixtures import bugs, calibration, loops, real_models, sharded
 from ddparity.harness.ranks.differing import aligned, rel
 from ddparity.harness.ranks.tracing import ModuleTrace
 from ddparity.render import module_line
@@ -268,3 +268,24 @@ def test_dataparallels_replicas_name_the_module_on_their_chunks(ws):
     assert status == "diverged"
     assert (m.phase, m.module, m.type) == ("forward", "bn", "BatchNorm1d"), module_line(m)
     assert m.agrees_ok and m.error > m.tolerance
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("fixture, phase", [
+    (lambda: loops.late_sync(), "reduction"),  # no_sync() left on for the last micro-batch: a missed sync
+    (lambda: calibration.autocast_bf16_summed(), "loss"),  # a summed loss under bf16 autocast
+], ids=["missed_sync", "bf16_autocast_summed"])
+def test_a_missed_sync_and_a_cast_step_are_named_where_they_differ(fixture, phase):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
+    status, m, _ = found(report)[2]
+    assert status in ("diverged", "desync") and m.phase == phase, module_line(m)
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("fixture", [loops.accumulation, calibration.autocast_bf16, bugs.clean_batchnorm_eval],
+                         ids=["accumulation", "bf16_autocast", "batchnorm_eval"])
+def test_clean_twins_name_nothing(fixture):
+    report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
+    assert report.ok, report.render()
+    assert "first differing module" not in report.render() and "first to differ" not in report.render()
+

@@ -94,7 +94,8 @@ def test_a_clean_case_passes_and_every_rank_exits_0(tmp_path):
 
 @pytest.mark.parametrize("target, cause, where", [
     ("bugs:summed_loss", "a loss summed over the batch (reduction='sum')", ("loss", 0)),
-    ("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank", ("loss", 0)),
+    pytest.param("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank", ("loss", 0),
+                 marks=pytest.mark.breadth),
     ("bugs:batchnorm_on_shards", "BatchNorm on shards", ("forward", 0, "bn", "aten.native_batch_norm.default")),
 ])
 def test_a_data_parallel_bug_diverges_with_its_cause_and_every_rank_exits_1(tmp_path, target, cause, where):
@@ -320,6 +321,7 @@ def test_two_nodes_on_loopback_compare_the_remote_rank_against_the_served_refere
     assert any("compared against the reference served by rank 0" in n for n in ddp_run(data)["notes"])
 
 
+@pytest.mark.breadth
 def test_two_nodes_fsdp_under_a_bf16_policy_compares_served_shards_without_a_false_alarm(tmp_path):
     """FSDP2 with bf16 parameters across two agents: the remote rank compares its shards
     with slices of the reference served by rank 0 (every one: one left out is an infinite
