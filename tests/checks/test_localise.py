@@ -259,7 +259,7 @@ def test_batchnorm_in_pytorchs_own_test_model_is_named():
     assert (m.phase, m.module, m.op) == ("forward", "bn", "aten.native_batch_norm.default"), module_line(m)
 
 
-@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("ws", [2, pytest.param(4, marks=pytest.mark.breadth), pytest.param(8, marks=pytest.mark.breadth)])
 def test_dataparallels_replicas_name_the_module_on_their_chunks(ws):
     """DataParallel (emulated here): each replica's calls on its chunk of the batch; the
     gathered output's loss is the reference's, so its gradients are compared unscaled."""
@@ -288,4 +288,16 @@ def test_clean_twins_name_nothing(fixture):
     report = check(fixture(), modes=("single", "ddp"), world_sizes=(2,))
     assert report.ok, report.render()
     assert "first differing module" not in report.render() and "first to differ" not in report.render()
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("ws, backend", [(2, "auto"), (8, "threaded")], ids=["2", "sim8"])
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("fixture, phase, module", [
+    (bugs.batchnorm_on_shards, "forward", "bn"), (bugs.summed_loss, "loss", "net.4"),
+], ids=["batchnorm", "summed"])
+def test_sharded_modes_at_2_and_simulated_8(fixture, phase, module, mode, ws, backend):
+    report = check(fixture(), modes=("single", mode), world_sizes=(ws,), backend=backend)
+    _, m, _ = found(report, mode)[ws]
+    assert (m.phase, m.module) == (phase, module), module_line(m)
 

@@ -496,3 +496,16 @@ def test_ctrl_c_while_runs_train_side_by_side_prints_every_rank_of_each(tmp_path
     assert "the single-device reference: rank 0: step" in err, err
     for rank in range(4):
         assert f"ddp world_size=4 (gloo): rank {rank}: " in err, err
+
+
+def test_simulated_ranks_start_from_a_temporary_folder_too_deep_for_a_socket(tmp_path):
+    """The forkserver's socket lives in $TMPDIR: a job's or a test's folder can be too deep
+    for a socket's path (CPython 3.11 raised "AF_UNIX path too long", reported as ddparity's
+    internal error); the forkserver's folder is then made in /tmp."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    result = subprocess.run([sys.executable, "-m", "ddparity", "check", "ddparity.fixtures.bugs:summed_loss",
+                             "--world-sizes", "4", "--backend", "threaded", "--steps", "2"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(deep)})
+    assert result.returncode == 1 and "ddp world_size=4 (threaded, simulated): DIVERGED" in result.stdout, \
+        result.stdout + result.stderr

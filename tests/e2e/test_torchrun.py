@@ -172,6 +172,8 @@ def test_sharded_modes_run_after_ddp_in_one_launch_each_judged_with_its_cause(tm
     for run in data["runs"][2:]:
         assert run["first_divergence"]["step"] == 0
         assert any("left out of sharding" in n for n in run["notes"])
+        module = run["first_divergence"]["module"]  # every rank re-ran each sharded mode's step in the launch
+        assert (module["phase"], module["module"]) == ("backward", "net.4"), module
     assert "--modes hsdp --hsdp-shard 1" in data["runs"][3]["repro"]
     assert result.returncode == 1 and set(_worker_exit_codes(result.stderr)) == {1}
 

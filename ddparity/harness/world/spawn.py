@@ -87,6 +87,7 @@ def warm_forkserver() -> None:
         from multiprocessing import forkserver
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        short_socket_folder()
         try:
             forkserver.ensure_running()
         except Exception:  # noqa: BLE001 - the world that needs it starts it, and reports its error
@@ -160,6 +161,28 @@ def _started(proc: Any) -> None:
 
 _SWEPT: set[str] = set()
 
+UNIX_PATH_MAX = 107
+"""The longest AF_UNIX socket path Linux takes (108 bytes with the terminating NUL)."""
+_SOCKET_NAME = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def short_socket_folder() -> None:
+    """The forkserver listens on a socket in multiprocessing's temporary folder, made in
+    ``$TMPDIR``: where that is too deep for a socket's path (a test's or a job's temporary
+    folder), multiprocessing's folder of this process is made in ``/tmp`` instead (private
+    to this user, 0700, removed at exit as multiprocessing removes its own), before it makes
+    one; CPython 3.11 raises ``OSError: AF_UNIX path too long`` there."""
+    import shutil
+    import tempfile
+    from multiprocessing import process, util
+
+    config = process.current_process()._config  # type: ignore[attr-defined]
+    if config.get("tempdir") is not None or len(tempfile.gettempdir()) + _SOCKET_NAME <= UNIX_PATH_MAX:
+        return
+    folder = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    config["tempdir"] = folder
+    util.Finalize(None, shutil.rmtree, args=[folder], kwargs={"ignore_errors": True}, exitpriority=-100)
+
 
 def _clean_up_after_the_forkserver() -> None:
     """multiprocessing's temporary directory (the forkserver's socket) is removed by a
@@ -180,6 +203,7 @@ def start_ranks(ranks: Ranks, specs: list[RankSpec], method: str) -> None:
     mp: Any = multiprocessing.get_context(method)
     if method == "forkserver":
         mp.set_forkserver_preload(PRELOAD)
+        short_socket_folder()
     n = len(specs)
     controls = [mp.Pipe(duplex=True) for _ in range(n)]
     outputs = [mp.Pipe(duplex=False) for _ in range(n)]
