@@ -274,20 +274,22 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def render_profile(label: str, runs: list[WorldProfile]) -> str:
-    """The table users read, one line per mode and world size, then notes and failures."""
+def render_profile(label: str, runs: list[WorldProfile], recommendation: str | None = None) -> str:
+    """The table users read, one line per mode and world size, then notes and failures, then
+    the recommendation."""
     rows = []
     for r in runs:
         if r.status != "ok":
-            rows.append([r.mode, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 9)
+            rows.append([r.mode, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 10)
             continue
         state = sum(v for k, v in (r.memory_per_rank or {}).items() if k != "peak_allocated") or None
         rows.append([
-            r.mode, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.compute_s), _ms(r.exposed_comm_s),
+            r.mode, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.step_p95_s), _ms(r.compute_s),
+            _ms(r.exposed_comm_s),
             _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
             _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"), _size(state),
         ])
-    header = ["mode", "world", "backend", "status", "step ms", "compute ms", "exposed comm ms", "comm ms",
+    header = ["mode", "world", "backend", "status", "step ms", "p95 ms", "compute ms", "exposed comm ms", "comm ms",
               "overlap", "sent/step", "busbw GB/s", "scaling", "state/rank"]
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
@@ -306,6 +308,8 @@ def render_profile(label: str, runs: list[WorldProfile]) -> str:
             lines.append(f"  {where} {r.status.upper()}: {r.reason}")
             if r.repro and r.status in ("hang", "crash", "error"):
                 lines.append(f"  reproduce: {r.repro}")
+    if recommendation:
+        lines += ["", f"recommendation: {recommendation}"]
     return "\n".join(lines).rstrip() + "\n"
 
 

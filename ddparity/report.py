@@ -65,8 +65,16 @@ class ProfileReport:
         """0 every world size profiled (or skipped), 2 bad input, 3 a hang or crash."""
         return exit_code({r.status for r in self.runs})
 
+    @property
+    def recommendation(self) -> str | None:
+        """Which arm to pick, from the measured rows (:mod:`ddparity.checks.recommend`)."""
+        from ddparity.checks.recommend import recommend
+
+        return recommend(self.runs)
+
     def to_json(self) -> dict[str, Any]:
-        return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs]}
+        return {"version": 1, "case": self.case, "cpus": self.cpus, "runs": [r.to_json() for r in self.runs],
+                "recommendation": self.recommendation}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -74,7 +82,7 @@ class ProfileReport:
     def render(self) -> str:
         from ddparity.render import render_profile
 
-        return render_profile(self.case, self.runs)
+        return render_profile(self.case, self.runs, self.recommendation)
 
     def __str__(self) -> str:
         return self.render()

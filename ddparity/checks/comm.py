@@ -47,6 +47,8 @@ class WorldProfile:
     steps: int = 0
     samples_per_step: int = 0
     step_s: float | None = None
+    step_p95_s: float | None = None
+    """The 95th percentile of the measured steps (linear between the two nearest)."""
     compute_s: float | None = None
     optimizer_s: float | None = None
     exposed_comm_s: float | None = None
@@ -135,6 +137,7 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     busy = [max(busy_seconds(p.steps[k].buckets) for p in profiles) for k in range(steps)]
     nbytes = [sum(b.nbytes for b in profiles[0].steps[k].buckets) for k in range(steps)]
     step_s = statistics.median(s + o for s, o in zip(sync, opt))
+    step_p95 = percentile([s + o for s, o in zip(sync, opt)], 0.95)
     compute_s = statistics.median(c + o for c, o in zip(no_sync, opt))
     exposed = max(0.0, statistics.median(s - c for s, c in zip(sync, no_sync)))
     comm = statistics.median(busy)
@@ -142,7 +145,7 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     out = WorldProfile(
         world_size=n, backend=backend, mode=mode, device=profiles[0].device, steps=steps,
         samples_per_step=sum(p.samples for p in profiles),
-        step_s=step_s, compute_s=compute_s, optimizer_s=statistics.median(opt),
+        step_s=step_s, step_p95_s=step_p95, compute_s=compute_s, optimizer_s=statistics.median(opt),
         exposed_comm_s=exposed, comm_s=comm,
         bytes_per_step=per_step_bytes, buckets=len(profiles[0].steps[-1].buckets),
     )
@@ -167,6 +170,15 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     if step_s > 0:
         out.samples_per_s = out.samples_per_step / step_s
     return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linear between the two nearest (numpy's default)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 def extra_traffic(mode: str, ops: list[str], per_step: int, grad_bytes: int) -> str | None:
@@ -202,5 +214,5 @@ def add_scaling(runs: list[WorldProfile]) -> None:
                 r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "extra_traffic", "memory_per_rank", "size_text",
-           "summarize"]
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "extra_traffic", "memory_per_rank",
+           "percentile", "size_text", "summarize"]

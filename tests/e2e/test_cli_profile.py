@@ -76,11 +76,14 @@ def test_demo_profile_measures_the_buckets_and_writes_json_and_a_plot(tmp_path):
         assert run["bytes_per_step"] == 4 * WIDE_MLP_PARAMS  # every float32 gradient, once a step
         assert run["buckets"] >= 2  # 8.4 MB of gradients, 1 MB bucket cap (a big tensor fills one alone)
         assert run["step_s"] > 0 and run["compute_s"] > 0 and run["comm_s"] > 0
+        assert run["step_p95_s"] >= run["step_s"]
         assert run["exposed_comm_s"] >= 0 and 0.0 <= run["overlap"] <= 1.0
     assert one["busbw_gbps"] is None and one["scaling_efficiency"] == 1.0
     assert two["busbw_gbps"] == pytest.approx(two["algbw_gbps"])  # 2(n-1)/n = 1 at n = 2
     assert two["samples_per_step"] == 48 and two["scaling_efficiency"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["recommendation"].startswith("only ddp ran at 2 rank(s): ")  # one arm: no ranking
+    assert f"recommendation: {data['recommendation']}" in result.stdout
 
 
 def test_a_compression_hook_sends_half_the_bytes(user_file):

@@ -1,0 +1,52 @@
+"""The profile's answer: the fastest arm at the largest world size any ran, with its spread
+and scaling, the arms that hold less set against it, and no winner where the spreads meet."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity.checks.comm import WorldProfile, add_scaling, percentile
+from ddparity.checks.recommend import recommend
+from ddparity.report import ProfileReport
+
+
+def row(mode: str, ws: int, p50_ms: float, p95_ms: float, state: int = 1000) -> WorldProfile:
+    return WorldProfile(ws, "gloo", mode=mode, step_s=p50_ms / 1e3, step_p95_s=p95_ms / 1e3,
+                        memory_per_rank={"params": state // 4, "grads": state // 4, "optimizer": state // 2})
+
+
+def test_percentile_is_linear_between_the_nearest():
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile(list(map(float, range(1, 11))), 0.95) == pytest.approx(9.55)
+    assert percentile([4.0], 0.95) == 4.0
+
+
+def test_the_fastest_at_the_largest_world_is_named_with_what_the_lighter_arm_costs():
+    runs = [row("ddp", 1, 20, 21), row("ddp", 2, 12, 13), row("fsdp", 1, 30, 31, 1000), row("fsdp", 2, 18, 19, 520)]
+    add_scaling(runs)
+    assert recommend(runs) == ("fastest at 2 rank(s): ddp: 12.0 ms/step p50 (p95 13.0), 83% scaling against 1 rank(s); "
+                               "fsdp holds 0.52x the state a rank at 1.50x the time")
+
+
+def test_spreads_that_meet_name_no_winner():
+    runs = [row("ddp", 2, 12, 19), row("fsdp", 2, 18, 19)]
+    line = recommend(runs)
+    assert line is not None and line.startswith("too close to rank at 2 rank(s): ddp 12.0 ms/step p50 (p95 19.0), fsdp 18.0")
+    assert "fastest" not in line
+
+
+def test_one_arm_and_none():
+    assert recommend([row("ddp", 4, 10, 11)]) == "only ddp ran at 4 rank(s): 10.0 ms/step p50 (p95 11.0)"
+    failed = WorldProfile(2, "gloo", status="hang", reason="stuck")
+    assert recommend([failed]) is None
+    report = ProfileReport("case", [failed])
+    assert report.to_json()["recommendation"] is None and "recommendation:" not in report.render()
+
+
+def test_the_report_ends_with_it_and_the_json_holds_it():
+    report = ProfileReport("case", [row("ddp", 2, 12, 13), row("hsdp", 2, 30, 31, 500)])
+    assert report.render().rstrip().splitlines()[-1] == (
+        "recommendation: fastest at 2 rank(s): ddp: 12.0 ms/step p50 (p95 13.0); hsdp holds 0.50x the state a rank "
+        "at 2.50x the time")
+    assert report.to_json()["recommendation"].startswith("fastest at 2 rank(s): ddp")
+    assert "p95 ms" in report.render().splitlines()[1]
