@@ -138,8 +138,9 @@ def _profile(args: argparse.Namespace) -> int:
     else:
         case = load_case(args.target)
     try:
-        report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout,
-                         steps=args.steps, warmup=args.warmup, modes=args.modes, hsdp_shard=args.hsdp_shard)
+        report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout, steps=args.steps,
+                         warmup=args.warmup, modes=args.modes, hsdp_shard=args.hsdp_shard,
+                         bucket_cap_mb=args.bucket_cap_mb, ddp=args.ddp, comm_hooks=args.comm_hook)
     finally:
         default_pool().close()
     _show(report.render())
@@ -182,6 +183,8 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
                                          args.hsdp_shard, args.compile, args.compile_ddp)
     elif args.world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
+    elif args.bucket_cap_mb or args.ddp or args.comm_hook:  # (under torchrun: the Case's own settings)
+        raise UsageError("--bucket-cap-mb, --ddp and --comm-hook sweeps run locally for now (ddparity profile TARGET ...)")
     case = load_case(args.target)
 
     def emit(report: Any) -> None:

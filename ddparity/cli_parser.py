@@ -34,6 +34,7 @@ PROFILE_EXAMPLES = """examples:
   ddparity profile --demo
   ddparity profile my_cases.py:case --world-sizes 1,2,4 --plot profile.png
   ddparity profile my_cases.py:case --modes ddp,fsdp --world-sizes 2,4   DDP beside FSDP2: time, bytes, state a rank
+  ddparity profile my_cases.py:case --bucket-cap-mb 1,5,25,100 --comm-hook fp16   DDP's settings swept, one row an arm
 """
 
 WATCH_EXAMPLES = """examples:
@@ -154,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated, of ddp, fsdp, hsdp (default ddp)")
     prof.add_argument("--hsdp-shard", type=_text(parsing.parse_count, "--hsdp-shard"), default=None, metavar="S",
                       help=f"mode hsdp's shard size (default: the Case's, else {settings.HSDP_SHARD})")
+    prof.add_argument("--bucket-cap-mb", type=_text(parsing.parse_bucket_caps, "--bucket-cap-mb"), default=None,
+                      metavar="MB,...", help="sweep DDP's bucket cap: one arm (a row at each world size) a size, "
+                                             "e.g. 1,5,25,100")
+    prof.add_argument("--ddp", type=_text(parsing.parse_names, "--ddp"), default=None, metavar="OPTION,...",
+                      help="sweep DDP's options: one arm an option turned on, of gradient_as_bucket_view, "
+                           "static_graph, find_unused_parameters")
+    prof.add_argument("--comm-hook", type=_text(parsing.parse_names, "--comm-hook"), default=None,
+                      metavar="HOOK,...", help="sweep torch's comm hooks: one arm a hook, of allreduce, fp16, bf16, "
+                                               "powersgd")
     prof.add_argument("--world-sizes", type=_text(parsing.parse_world_sizes, "--world-sizes"),
                       default=None,
                       help=f"comma-separated (default {_csv(settings.PROFILE_WORLD_SIZES)})")

@@ -91,3 +91,23 @@ def parse_sizes_mib(text: str, where: str) -> tuple[float, ...]:
     if not sizes or any(not s > 0 for s in sizes):
         raise UsageError(f"{where}: message sizes must be positive MiB, got {text!r}")
     return sizes
+
+
+def parse_bucket_caps(text: str, where: str) -> tuple[float, ...]:
+    """``1,5,25,100``: DDP bucket caps in MB, each an arm of a profile."""
+    try:
+        sizes = tuple(float(part) for part in _split(text))
+    except ValueError:
+        raise UsageError(f"{where}: {text!r} is not a comma-separated list of sizes in MB, e.g. 1,5,25,100") from None
+    if not sizes or any(not s > 0 or s != s or s == float("inf") for s in sizes):
+        raise UsageError(f"{where}: bucket caps must be positive sizes in MB, got {text!r}")
+    return sizes
+
+
+def parse_names(text: str, where: str) -> tuple[str, ...]:
+    """``a,b``: names, each checked where they are used."""
+    names = tuple(_split(text))
+    if not names:
+        raise UsageError(f"{where}: give one or more names separated by commas")
+    return names
+

@@ -32,13 +32,13 @@ def figure(report: Any) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = {m: i for i, m in enumerate(dict.fromkeys(r.mode for r in report.runs))}
-    every = sorted(report.runs, key=lambda r: (order[r.mode], r.world_size))  # a skipped or failed size keeps its place
+    order = {m: i for i, m in enumerate(dict.fromkeys(r.label for r in report.runs))}  # a mode, or a sweep's arm
+    every = sorted(report.runs, key=lambda r: (order[r.label], r.world_size))  # a skipped or failed size keeps its place
     at = {id(r): i for i, r in enumerate(every)}
     runs = [r for r in every if r.status == "ok"]
     ticks = list(range(len(every)))
     modes = len(order) > 1
-    names = [(f"{r.mode} " if modes else "") + (str(r.world_size) if r.status == "ok" else f"{r.world_size}\n({r.status})")
+    names = [(f"{r.label} " if modes else "") + (str(r.world_size) if r.status == "ok" else f"{r.world_size}\n({r.status})")
              for r in every]
     compute = [(r.compute_s or 0.0) * 1e3 for r in runs]
     exposed = [(r.exposed_comm_s or 0.0) * 1e3 for r in runs]
@@ -54,8 +54,8 @@ def figure(report: Any) -> Any:
     right.set_ylim(0, max((r.busbw_gbps for r in with_bw), default=1.0) * 1.15)
     right.set_ylabel("all-reduce bus bandwidth, GB/s")
     twin = right.twinx()
-    for i, mode in enumerate(order):  # one line a mode: scaling is against that mode's smallest world
-        mine = [r for r in runs if r.mode == mode]
+    for i, label in enumerate(order):  # one line an arm: scaling is against that arm's smallest world
+        mine = [r for r in runs if r.label == label]
         twin.plot([at[id(r)] for r in mine], [(r.scaling_efficiency or 0.0) * 100 for r in mine], marker="s",
                   color="tab:red", label="scaling efficiency" if i == 0 else "_")
     twin.set_ylabel("scaling efficiency, %")
@@ -82,7 +82,7 @@ def notes_of(runs: list[Any], width: int = 150) -> list[str]:
     out = []
     for r in runs:
         for note in r.notes:
-            line = f"{r.mode} world size {r.world_size}: {note}"
+            line = f"{r.label} world size {r.world_size}: {note}"
             out.append(line if len(line) <= width else line[:width - 3] + "...")
     return out
 

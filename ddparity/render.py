@@ -280,11 +280,11 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
     rows = []
     for r in runs:
         if r.status != "ok":
-            rows.append([r.mode, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 10)
+            rows.append([r.label, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 10)
             continue
         state = sum(v for k, v in (r.memory_per_rank or {}).items() if k != "peak_allocated") or None
         rows.append([
-            r.mode, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.step_p95_s), _ms(r.compute_s),
+            r.label, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.step_p95_s), _ms(r.compute_s),
             _ms(r.exposed_comm_s),
             _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
             _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"), _size(state),
@@ -293,7 +293,7 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
               "overlap", "sent/step", "busbw GB/s", "scaling", "state/rank"]
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
-        where = f"{r.mode} world size {r.world_size}"
+        where = f"{r.label} world size {r.world_size}"
         if not kind(r.mode).buckets or any(c["op"] != "all_reduce" for c in r.collectives or []):
             for c in r.collectives or []:
                 bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"

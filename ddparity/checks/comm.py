@@ -42,6 +42,8 @@ class WorldProfile:
     backend: str
     mode: str = "ddp"
     status: str = "ok"
+    arm: str | None = None
+    """The sweep's arm (``ddp bucket 25 MB``), None where the row is the mode as the case has it."""
     reason: str | None = None
     device: str = "cpu"
     steps: int = 0
@@ -67,6 +69,11 @@ class WorldProfile:
     crash: Crash | None = None
     seconds: float = 0.0
     repro: str = ""
+
+    @property
+    def label(self) -> str:
+        """What the table calls the row: its arm, or its mode."""
+        return self.arm or self.mode
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -200,9 +207,9 @@ def size_text(n: float) -> str:
 
 
 def add_scaling(runs: list[WorldProfile]) -> None:
-    """Fill ``scaling_efficiency`` against the smallest world size that ran, mode by mode."""
-    for mode in dict.fromkeys(r.mode for r in runs):
-        ran = [r for r in runs if r.status == "ok" and r.step_s and r.mode == mode]
+    """Fill ``scaling_efficiency`` against the smallest world size that ran, arm by arm."""
+    for label in dict.fromkeys(r.label for r in runs):
+        ran = [r for r in runs if r.status == "ok" and r.step_s and r.label == label]
         if not ran:
             continue
         base = min(ran, key=lambda r: r.world_size)

@@ -26,7 +26,7 @@ def _figures(run: WorldProfile) -> str:
 
 
 def _scaling(run: WorldProfile, runs: list[WorldProfile]) -> str:
-    base = min((r.world_size for r in runs if r.mode == run.mode and r.status == "ok" and r.step_s),
+    base = min((r.world_size for r in runs if r.label == run.label and r.status == "ok" and r.step_s),
                default=run.world_size)
     if run.scaling_efficiency is None or base == run.world_size:
         return ""
@@ -43,19 +43,19 @@ def recommend(runs: list[WorldProfile]) -> str | None:
     best = arms[0]
     assert best.step_s is not None
     if len(arms) == 1:
-        return f"only {best.mode} ran at {ws} rank(s): {_figures(best)}{_scaling(best, ran)}"
+        return f"only {best.label} ran at {ws} rank(s): {_figures(best)}{_scaling(best, ran)}"
     second = arms[1]
     assert second.step_s is not None
     if best.step_p95_s is not None and best.step_p95_s >= second.step_s:
-        return (f"too close to rank at {ws} rank(s): {best.mode} {_figures(best)}, {second.mode} {_figures(second)}: "
+        return (f"too close to rank at {ws} rank(s): {best.label} {_figures(best)}, {second.label} {_figures(second)}: "
                 f"the faster's p95 reaches the other's median; more --steps narrow the spread")
-    line = f"fastest at {ws} rank(s): {best.mode}: {_figures(best)}{_scaling(best, ran)}"
+    line = f"fastest at {ws} rank(s): {best.label}: {_figures(best)}{_scaling(best, ran)}"
     mine = state_bytes(best)
     for other in sorted(arms[1:], key=state_bytes):  # the lightest first
         theirs = state_bytes(other)
         if mine and theirs and theirs < mine:
             assert other.step_s is not None
-            line += (f"; {other.mode} holds {theirs / mine:.2f}x the state a rank at {other.step_s / best.step_s:.2f}x "
+            line += (f"; {other.label} holds {theirs / mine:.2f}x the state a rank at {other.step_s / best.step_s:.2f}x "
                      f"the time")
     return line
 

@@ -168,13 +168,16 @@ def check_repro(case: Case, opts: CheckOptions, mode: str, ws: int | None, backe
 
 
 def profile_repro(case: Case, ws: int, backend: str, steps: int, warmup: int, timeout: float, mode: str = PROFILE_MODES[0],
-                  shard: int = 0) -> str:
+                  shard: int = 0, arm: tuple[str, str] = ("", "")) -> str:
+    """The command that profiles one row again (``arm``: its sweep's CLI flags and
+    ``profile()`` arguments, :class:`~ddparity.verbs.profile_arms.Arm`)."""
+    flags, call = arm
     if case.target:
         modes = f" --modes {mode}{kind(mode).cli_flags(shard)}" if (mode,) != PROFILE_MODES else ""
-        return (f"ddparity profile {case.target}{modes} --world-sizes {ws} --backend {backend} --steps {steps} "
+        return (f"ddparity profile {case.target}{modes}{flags} --world-sizes {ws} --backend {backend} --steps {steps} "
                 f"--warmup {warmup} --timeout {timeout:g}")
     modes = f"modes=({mode!r},){kind(mode).call_args(shard)}, " if (mode,) != PROFILE_MODES else ""
-    return (f"ddparity.profile(case, {modes}world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
+    return (f"ddparity.profile(case, {modes}{call}world_sizes=({ws},), backend={backend!r}, timeout={timeout:g}, "
             f"steps={steps}, warmup={warmup})  # seed={case.seed}")
 
 

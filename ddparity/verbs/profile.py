@@ -31,6 +31,7 @@ from ddparity.settings import (
     validate_count,
 )
 from ddparity.verbs.plan import cannot_run, choose_backend, failure, profile_repro
+from ddparity.verbs.profile_arms import Arm, arms
 
 
 def profile(
@@ -44,10 +45,16 @@ def profile(
     pool: WorldPool | None = None,
     modes: tuple[str, ...] | list[str] = PROFILE_MODES,
     hsdp_shard: int | None = None,
+    bucket_cap_mb: tuple[float, ...] | list[float] | None = None,
+    ddp: tuple[str, ...] | list[str] | None = None,
+    comm_hooks: tuple[str, ...] | list[str] | None = None,
 ) -> ProfileReport:
     """Time ``case`` under DDP (and/or ``modes`` ``fsdp``, ``hsdp``: FSDP2) at every world
-    size: step, compute, exposed and total communication, each collective op's time and
-    bytes, bus bandwidth, overlap, scaling efficiency and the state a rank holds."""
+    size: step (median and p95), compute, exposed and total communication, each collective
+    op's time and bytes, bus bandwidth, overlap, scaling efficiency and the state a rank
+    holds; DDP's settings swept as arms of their own (``bucket_cap_mb`` sizes, ``ddp``
+    options turned on, torch's ``comm_hooks``: :mod:`ddparity.verbs.profile_arms`), every
+    arm timed at each world size in the same warm world, one after another."""
     if not isinstance(case, Case):
         raise UsageError(f"profile() needs a ddparity.Case, got {type(case).__name__}")
     if backend == "threaded":
@@ -61,6 +68,7 @@ def profile(
     if unprofiled:
         raise UsageError(f"profile() times ddp, fsdp and hsdp; not {', '.join(unprofiled)} (single and dp have no "
                          f"communication of their own to time)")
+    sweep = arms(case, opts.modes, bucket_cap_mb, ddp, comm_hooks)
     case = case.validate()
     opts = opts.for_case(case)
     chosen = choose_backend(opts.backend, opts.world_sizes)
@@ -72,19 +80,32 @@ def profile(
             [(batch_sizes, _)] = pool.get(1, chosen, role="reference").run(prepare_task, case, spool.path,
                                                                            timeout=opts.timeout)
         except WorldFailure as exc:
-            report.runs = [failed_run(ws, chosen, exc, time.perf_counter() - started, mode)
-                           for mode in opts.modes for ws in opts.world_sizes]
-            for run in report.runs:
-                run.repro = profile_repro(case, run.world_size, chosen, steps, warmup, opts.timeout, run.mode,
-                                          shard(opts))
+            for arm in sweep:
+                for ws in opts.world_sizes:
+                    run = failed_run(ws, chosen, exc, time.perf_counter() - started, arm.mode)
+                    report.runs.append(_as_arm(run, arm, case, chosen, steps, warmup, opts))
             return report
-        for mode in opts.modes:
-            for ws in opts.world_sizes:
-                run = _profile_one(case, opts, chosen, (mode, ws), spool.path, batch_sizes, steps, warmup, pool)
-                run.repro = profile_repro(case, ws, run.backend, steps, warmup, opts.timeout, mode, shard(opts))
-                report.runs.append(run)
+        rows: dict[tuple[int, int], WorldProfile] = {}
+        for ws in opts.world_sizes:  # each world warm once, its arms one after another
+            for i, arm in enumerate(sweep):
+                if arm.not_on_gloo and chosen == "gloo" and ws > 1:
+                    run = WorldProfile(world_size=ws, backend="gloo", mode=arm.mode, status="skipped",
+                                       reason=arm.not_on_gloo)
+                else:
+                    run = _profile_one(arm.case, opts, chosen, (arm.mode, ws), spool.path, batch_sizes, steps, warmup,
+                                       pool)
+                rows[i, ws] = _as_arm(run, arm, case, run.backend, steps, warmup, opts)
+        report.runs = [rows[key] for key in sorted(rows)]  # the table: arm by arm, world sizes in order
     add_scaling(report.runs)
     return report
+
+
+def _as_arm(run: WorldProfile, arm: Arm, case: Case, backend: str, steps: int, warmup: int,
+            opts: CheckOptions) -> WorldProfile:
+    run.arm = arm.label if arm.label != arm.mode else None
+    run.repro = profile_repro(case, run.world_size, backend, steps, warmup, opts.timeout, arm.mode, shard(opts),
+                              (arm.flags, arm.call))
+    return run
 
 
 def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[str, int], state: Any,

@@ -86,6 +86,32 @@ def test_demo_profile_measures_the_buckets_and_writes_json_and_a_plot(tmp_path):
     assert f"recommendation: {data['recommendation']}" in result.stdout
 
 
+def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tmp_path):
+    """--bucket-cap-mb and --comm-hook: one row an arm at each world size, timed in the same
+    warm worlds. Known answers: every bucket arm all-reduces the model's gradient bytes once a
+    step, in fewer buckets as the cap grows (8.4 MB of gradients: one bucket at 100 MB; DDP's
+    own first bucket is 1 MB until it rebuilds); fp16 sends half; PowerSGD over gloo is a
+    skipped row saying why (a plain DDP script hangs the same way). The last line ranks them."""
+    out = tmp_path / "sweep.json"
+    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--bucket-cap-mb", "1,100", "--comm-hook",
+                      "fp16,powersgd", "--steps", "3", "--warmup", "2", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {(r["arm"], r["world_size"]): r for r in json.loads(out.read_text())["runs"]}
+    assert list(dict.fromkeys(a for a, _ in runs)) == ["ddp bucket 1 MB", "ddp bucket 100 MB", "ddp fp16 hook",
+                                                       "ddp powersgd hook"]
+    small, large, half = runs["ddp bucket 1 MB", 2], runs["ddp bucket 100 MB", 2], runs["ddp fp16 hook", 2]
+    assert small["bytes_per_step"] == large["bytes_per_step"] == 4 * WIDE_MLP_PARAMS == 2 * half["bytes_per_step"]
+    assert small["buckets"] >= 3 and large["buckets"] == 1, (small["buckets"], large["buckets"])  # 3 tensors > 1 MB
+    assert small["scaling_efficiency"] > 0 and runs["ddp bucket 1 MB", 1]["scaling_efficiency"] == 1.0  # per arm
+    powersgd = runs["ddp powersgd hook", 2]
+    assert powersgd["status"] == "skipped" and "not timed over gloo" in powersgd["reason"]
+    assert runs["ddp powersgd hook", 1]["status"] == "ok"  # one rank: nothing to mismatch
+    assert "--bucket-cap-mb 100 --world-sizes 2" in large["repro"] and "--comm-hook fp16" in half["repro"]
+    assert "ddp bucket 100 MB  2" in result.stdout  # the table names the arm
+    last = result.stdout.rstrip().splitlines()[-1]
+    assert last.startswith(("recommendation: fastest at 2 rank(s): ddp ", "recommendation: too close to rank at 2")), last
+
+
 def test_a_compression_hook_sends_half_the_bytes(user_file):
     result = ddparity("profile", f"{user_file}:fp16", "--world-sizes", "2", "--steps", "2", "--warmup", "1",
                       "--json", str(user_file.parent / "fp16.json"))
@@ -158,6 +184,10 @@ def test_plot_without_matplotlib_names_the_install(monkeypatch):
     (("--demo", "--plot", "/no/such/folder/p.png"), "does not exist"),
     (("--demo", "--warmup", "-1"), "expected an integer >= 0"),
     (("no_such_module:case",), "no_such_module"),
+    (("--demo", "--bucket-cap-mb", "0,25"), "bucket caps must be positive sizes in MB"),
+    (("--demo", "--ddp", "fast"), "--ddp 'fast' is not one of DDP's options swept here: gradient_as_bucket_view"),
+    (("--demo", "--comm-hook", "int8"), "--comm-hook 'int8' is not one of allreduce, fp16, bf16, powersgd"),
+    (("--demo", "--modes", "fsdp", "--bucket-cap-mb", "1"), "--bucket-cap-mb sweep DDP's settings: add ddp to --modes"),
 ])
 def test_bad_input_exits_2_with_a_message(args, message):
     result = ddparity("profile", *args)
