@@ -7,6 +7,7 @@ timings (:mod:`ddparity.harness.ranks.modes.timed`) and a rank's health measurem
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class RankProfile:
     memory: dict[str, int] = field(default_factory=dict)
     """Bytes this rank held after the last step: ``params``, ``grads``, ``optimizer`` (its
     shards only, where sharded); ``peak_allocated`` on a GPU (over the measured steps)."""
+    ddp_logging: dict[str, Any] = field(default_factory=dict)
+    """What DDP's own logger said after the last step (``_get_ddp_logging_data()``: its
+    average times in ns, bucket sizes, whether it rebuilt them); empty outside DDP."""
 
 
 @dataclass(slots=True)

@@ -302,6 +302,13 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
         if r.memory_per_rank:
             parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items())
             lines.append(f"  {where}: state a rank holds (the largest rank): {parts}")
+        logged = r.ddp_logging
+        if logged and r.world_size > 1:
+            times = ", ".join(f"{name} {logged[key]:.2f} ms" for name, key in (
+                ("forward", "forward_ms"), ("backward compute", "backward_compute_ms"),
+                ("backward comm", "backward_comm_ms"), ("overlap", "overlap_ms")) if logged.get(key) is not None)
+            lines.append(f"  {where}: DDP's own logging: {times}; {logged['buckets']} bucket(s)"
+                         f"{' (rebuilt)' if logged['rebuilt'] else ''}")
         for note in r.notes:
             lines.append(f"  {where}: {note}")
         if r.status != "ok" and r.reason:

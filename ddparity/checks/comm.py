@@ -64,6 +64,8 @@ class WorldProfile:
     scaling_efficiency: float | None = None
     collectives: list[dict[str, Any]] | None = None
     memory_per_rank: dict[str, int] | None = None
+    ddp_logging: dict[str, Any] | None = None
+    """DDP's own logger's figures for the same run (rank 0; :func:`ddp_logged`), beside these."""
     notes: list[str] = field(default_factory=list)
     hang: Hang | None = None
     crash: Crash | None = None
@@ -171,12 +173,53 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     if n > 1 and ops and ops != ["all_reduce"] and kind(mode).buckets:
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
+    out.ddp_logging = ddp_logged(profiles[0].ddp_logging)
+    out.notes += cross_checked(out, out.ddp_logging)
     traffic = extra_traffic(mode, ops, per_step_bytes, profiles[0].memory.get("grads", 0))
     if traffic:
         out.notes.append(traffic)
     if step_s > 0:
         out.samples_per_s = out.samples_per_step / step_s
     return out
+
+
+def ddp_logged(data: dict[str, Any]) -> dict[str, Any] | None:
+    """DDP's own logging data as a profile shows it: its average forward, backward compute,
+    backward communication and overlap times (ms; sampled by DDP over the iterations it ran,
+    the profile's no_sync passes among them) and its buckets (the rebuilt ones where it
+    rebuilt them)."""
+    if not data:
+        return None
+    rebuilt = bool(data.get("has_rebuilt_buckets"))
+    sizes_text = str(data.get("rebuilt_bucket_sizes" if rebuilt else "bucket_sizes", ""))
+    sizes = [int(v) for v in sizes_text.replace(",", " ").split() if v.strip().isdigit()]
+
+    def ms(key: str) -> float | None:
+        value = data.get(key)
+        return value / 1e6 if isinstance(value, (int, float)) and value > 0 else None
+
+    return {"forward_ms": ms("avg_forward_compute_time"), "backward_compute_ms": ms("avg_backward_compute_time"),
+            "backward_comm_ms": ms("avg_backward_comm_time"),
+            "overlap_ms": ms("avg_backward_compute_comm_overlap_time"), "buckets": len(sizes) or None,
+            "bucket_bytes": sizes, "rebuilt": rebuilt}
+
+
+def cross_checked(run: WorldProfile, logged: dict[str, Any] | None) -> list[str]:
+    """Notes where DDP's own logging disagrees with the profile's figures: another number of
+    buckets (a count, no noise), or backward communication more than 2x apart (the two time
+    different things: DDP from its first bucket's launch to its last's end, averaged over
+    the iterations it sampled; the profile each bucket's flight, median over synced steps)."""
+    if not logged:
+        return []
+    notes = []
+    if logged["buckets"] is not None and run.buckets is not None and logged["buckets"] != run.buckets:
+        notes.append(f"DDP's own logging reports {logged['buckets']} bucket(s) "
+                     f"({'rebuilt' if logged['rebuilt'] else 'as first built'}); the profile timed {run.buckets} a step")
+    comm = logged["backward_comm_ms"]
+    if comm is not None and run.comm_s and run.world_size > 1 and not 0.5 <= comm / (run.comm_s * 1e3) <= 2.0:
+        notes.append(f"DDP's own logging: backward communication {comm:.2f} ms a sampled iteration against the "
+                     f"profile's {run.comm_s * 1e3:.2f} ms in flight: more than 2x apart")
+    return notes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -221,5 +264,5 @@ def add_scaling(runs: list[WorldProfile]) -> None:
                 r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "extra_traffic", "memory_per_rank",
-           "percentile", "size_text", "summarize"]
+__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "cross_checked", "ddp_logged",
+           "extra_traffic", "memory_per_rank", "percentile", "size_text", "summarize"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddparity.checks.comm import WorldProfile, add_scaling, percentile
+from ddparity.checks.comm import WorldProfile, add_scaling, cross_checked, ddp_logged, percentile
 from ddparity.checks.recommend import recommend
 from ddparity.report import ProfileReport
 
@@ -50,3 +50,20 @@ def test_the_report_ends_with_it_and_the_json_holds_it():
         "at 2.50x the time")
     assert report.to_json()["recommendation"].startswith("fastest at 2 rank(s): ddp")
     assert "p95 ms" in report.render().splitlines()[1]
+
+
+def test_ddps_own_logging_is_read_and_a_disagreement_is_a_note():
+    data = {"avg_forward_compute_time": 5_000_000, "avg_backward_compute_time": 27_000_000,
+            "avg_backward_comm_time": 25_800_000, "avg_backward_compute_comm_overlap_time": 0,
+            "bucket_sizes": "10563648", "rebuilt_bucket_sizes": "3179560, 4198400, 1052672", "has_rebuilt_buckets": 1}
+    logged = ddp_logged(data)
+    assert logged == {"forward_ms": 5.0, "backward_compute_ms": 27.0, "backward_comm_ms": 25.8, "overlap_ms": None,
+                      "buckets": 3, "bucket_bytes": [3179560, 4198400, 1052672], "rebuilt": True}
+    agreeing = WorldProfile(2, "gloo", buckets=3, comm_s=0.0247)
+    assert cross_checked(agreeing, logged) == []
+    off = WorldProfile(2, "gloo", buckets=1, comm_s=0.005)
+    notes = cross_checked(off, logged)
+    assert notes[0] == "DDP's own logging reports 3 bucket(s) (rebuilt); the profile timed 1 a step"
+    assert "more than 2x apart" in notes[1]
+    assert ddp_logged({}) is None and cross_checked(off, None) == []
+

@@ -103,6 +103,10 @@ def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tm
     assert small["bytes_per_step"] == large["bytes_per_step"] == 4 * WIDE_MLP_PARAMS == 2 * half["bytes_per_step"]
     assert small["buckets"] >= 3 and large["buckets"] == 1, (small["buckets"], large["buckets"])  # 3 tensors > 1 MB
     assert small["scaling_efficiency"] > 0 and runs["ddp bucket 1 MB", 1]["scaling_efficiency"] == 1.0  # per arm
+    for arm in (small, large, half):  # DDP's own logger counts the same buckets (rebuilt after the first step)
+        assert arm["ddp_logging"]["buckets"] == arm["buckets"] and arm["ddp_logging"]["rebuilt"], arm["ddp_logging"]
+        assert not any(n.startswith("DDP's own logging reports") for n in arm["notes"]), arm["notes"]
+    assert "ddp bucket 100 MB world size 2: DDP's own logging: forward " in result.stdout
     powersgd = runs["ddp powersgd hook", 2]
     assert powersgd["status"] == "skipped" and "not timed over gloo" in powersgd["reason"]
     assert runs["ddp powersgd hook", 1]["status"] == "ok"  # one rank: nothing to mismatch

@@ -105,6 +105,25 @@ def state_bytes(replica: Replica) -> dict[str, int]:
             "optimizer": optimizer}
 
 
+DDP_LOGGED = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
+              "avg_backward_compute_comm_overlap_time", "bucket_sizes", "rebuilt_bucket_sizes", "has_rebuilt_buckets",
+              "bucket_cap_bytes")
+"""What a profile keeps of DDP's own logging data (times in ns, sizes as DDP's text)."""
+
+
+def ddp_logging(wrapped: Any) -> dict[str, Any]:
+    """DDP's own logging data of this rank's DDP module (:data:`DDP_LOGGED`), or {} where
+    there is none (FSDP; a torch without it)."""
+    get = getattr(wrapped, "_get_ddp_logging_data", None)
+    if get is None:
+        return {}
+    try:
+        data = get()
+    except Exception:  # noqa: BLE001 - the logger is torch's private API: its absence is no failure of the profile
+        return {}
+    return {k: data[k] for k in DDP_LOGGED if k in data}
+
+
 def _bucket(mark: list[Any], origin: Any, clock: _Clock) -> BucketTiming:
     index, start, end, sent, buffer_bytes = mark
     if sent is None:  # outside a rank nothing is counted: the bucket as DDP's default hook sends it
@@ -169,6 +188,7 @@ class TimedMode:
         self.profile.steps.append(timing)
         if step == self.steps - 1:
             self.profile.memory = state_bytes(replica)
+            self.profile.ddp_logging = ddp_logging(replica.wrapped)
             if self.clock.cuda:
                 self.profile.memory["peak_allocated"] = int(self._torch.cuda.max_memory_allocated())
 
