@@ -8,12 +8,14 @@ detection; the rank side is :mod:`ddparity.harness.ranks.modes.timed`, the figur
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.comm import WorldProfile, add_scaling, summarize
+from ddparity.checks.comm import WorldProfile, add_scaling, percentile, size_text, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
+from ddparity.harness.ranks.modes.timed_dp import dp_profile_task
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task, profile_task
 from ddparity.harness.world.pool import WorldPool, default_pool
@@ -64,10 +66,10 @@ def profile(
     validate_count(warmup, "warmup", "profile()", least=0)
     opts = CheckOptions.validated("profile()", modes=modes, world_sizes=world_sizes, backend=backend,
                                   timeout=timeout, hsdp_shard=hsdp_shard)
-    unprofiled = [m for m in opts.modes if m not in REPLICA_MODES]
+    unprofiled = [m for m in opts.modes if m not in REPLICA_MODES and not kind(m).one_process]
     if unprofiled:
-        raise UsageError(f"profile() times ddp, fsdp and hsdp; not {', '.join(unprofiled)} (single and dp have no "
-                         f"communication of their own to time)")
+        raise UsageError(f"profile() times dp, ddp, fsdp and hsdp; not {', '.join(unprofiled)} (one device: the "
+                         f"smallest world size of a mode is its baseline)")
     sweep = arms(case, opts.modes, bucket_cap_mb, ddp, comm_hooks)
     case = case.validate()
     opts = opts.for_case(case)
@@ -91,6 +93,8 @@ def profile(
                 if arm.not_on_gloo and chosen == "gloo" and ws > 1:
                     run = WorldProfile(world_size=ws, backend="gloo", mode=arm.mode, status="skipped",
                                        reason=arm.not_on_gloo)
+                elif kind(arm.mode).one_process:
+                    run = _profile_dp(case, opts, chosen, ws, spool.path, batch_sizes, steps, warmup, pool)
                 else:
                     run = _profile_one(arm.case, opts, chosen, (arm.mode, ws), spool.path, batch_sizes, steps, warmup,
                                        pool)
@@ -139,6 +143,35 @@ def _profile_one(case: Case, opts: CheckOptions, backend: str, planned: tuple[st
     mesh = kind(mode).mesh_note(ws, shard(opts))
     if mesh:
         run.notes.append(mesh)
+    return run
+
+
+def _profile_dp(case: Case, opts: CheckOptions, backend: str, ws: int, state: Any, batch_sizes: list[int],
+                steps: int, warmup: int, pool: WorldPool) -> WorldProfile:
+    """DataParallel over ``ws`` CUDA devices in the reference's one process
+    (:mod:`ddparity.harness.ranks.modes.timed_dp`), or the row that says why not here."""
+    started = time.perf_counter()
+    try:
+        [answer] = pool.get(1, backend, role="reference").run(dp_profile_task, case, state, steps, warmup, ws,
+                                                              timeout=opts.timeout)
+    except WorldFailure as exc:
+        return failed_run(ws, backend, exc, time.perf_counter() - started, "dp")
+    if isinstance(answer, str):
+        return WorldProfile(world_size=ws, backend=backend, mode="dp", status="skipped", reason=answer)
+    seconds, peaks = answer
+    step = statistics.median(seconds)
+    run = WorldProfile(world_size=ws, backend=backend, mode="dp", device="cuda", steps=len(seconds),
+                       samples_per_step=batch_sizes[0] if batch_sizes else 0, step_s=step,
+                       step_p95_s=percentile(seconds, 0.95), memory_per_rank={"peak_allocated": max(peaks)},
+                       seconds=time.perf_counter() - started)
+    run.samples_per_s = run.samples_per_step / step if step > 0 else None
+    others = statistics.mean(peaks[1:])
+    run.notes.append(f"one process over {ws} devices: no communication figures (DataParallel scatters, replicates "
+                     f"and gathers inside its forward); step = the training loop's whole step, every device "
+                     f"synchronised")
+    run.notes.append(f"peak allocated per device: {', '.join(f'cuda:{i} {size_text(p)}' for i, p in enumerate(peaks))}"
+                     + (f"; device 0 holds {peaks[0] / others:.2f}x the others' mean (the gathered outputs, the loss)"
+                        if others > 0 else ""))
     return run
 
 

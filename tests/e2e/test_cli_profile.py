@@ -116,6 +116,29 @@ def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tm
     assert last.startswith(("recommendation: fastest at 2 rank(s): ddp ", "recommendation: too close to rank at 2")), last
 
 
+def test_dataparallel_is_timed_on_gpus_and_elsewhere_its_row_says_why_not(tmp_path):
+    """No figure from emulation: without two CUDA devices each dp row is skipped with the reason
+    (the ddp rows beside it timed as ever); with them, DataParallel's whole step and each
+    device's peak memory (device 0's against the others')."""
+    from ddparity.harness.world.rendezvous import cuda_device_count
+
+    out = tmp_path / "dp.json"
+    result = ddparity("profile", "--demo", "--modes", "dp,ddp", "--world-sizes", "1,2", "--steps", "2", "--warmup", "1",
+                      "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {(r["mode"], r["world_size"]): r for r in json.loads(out.read_text())["runs"]}
+    assert runs["dp", 1]["status"] == "skipped" and "over one device is the model alone" in runs["dp", 1]["reason"]
+    assert runs["ddp", 2]["status"] == "ok"
+    if cuda_device_count() >= 2:
+        dp = runs["dp", 2]
+        assert dp["status"] == "ok" and dp["step_s"] > 0 and dp["step_p95_s"] >= dp["step_s"], dp
+        assert any(n.startswith("peak allocated per device: cuda:0 ") for n in dp["notes"]), dp["notes"]
+    else:
+        assert runs["dp", 2]["status"] == "skipped" and "emulation of it on one device gives no figure" in \
+            runs["dp", 2]["reason"]
+        assert "dp    2      gloo     SKIPPED" in result.stdout
+
+
 def test_a_compression_hook_sends_half_the_bytes(user_file):
     result = ddparity("profile", f"{user_file}:fp16", "--world-sizes", "2", "--steps", "2", "--warmup", "1",
                       "--json", str(user_file.parent / "fp16.json"))
