@@ -277,20 +277,22 @@ def _num(value: float | None, fmt: str) -> str:
 def render_profile(label: str, runs: list[WorldProfile], recommendation: str | None = None) -> str:
     """The table users read, one line per mode and world size, then notes and failures, then
     the recommendation."""
+    from ddparity.checks.comm import state_of
+
     rows = []
     for r in runs:
         if r.status != "ok":
-            rows.append([r.label, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 10)
+            rows.append([r.label, str(r.world_size), r.backend, r.status.upper()] + ["-"] * 11)
             continue
-        state = sum(v for k, v in (r.memory_per_rank or {}).items() if k != "peak_allocated") or None
+        state = state_of(r.memory_per_rank) or None
         rows.append([
             r.label, str(r.world_size), r.backend, "ok", _ms(r.step_s), _ms(r.step_p95_s), _ms(r.compute_s),
             _ms(r.exposed_comm_s),
             _ms(r.comm_s), _num(r.overlap, ".0%"), _size(r.bytes_per_step),
-            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"), _size(state),
+            _num(r.busbw_gbps, ".3f"), _num(r.scaling_efficiency, ".0%"), _size(state), _size(r.step_memory),
         ])
     header = ["mode", "world", "backend", "status", "step ms", "p95 ms", "compute ms", "exposed comm ms", "comm ms",
-              "overlap", "sent/step", "busbw GB/s", "scaling", "state/rank"]
+              "overlap", "sent/step", "busbw GB/s", "scaling", "state/rank", "mem/step"]
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
         where = f"{r.label} world size {r.world_size}"
@@ -300,8 +302,12 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
                 lines.append(f"  {where}: {c['op']} x{c['calls']} a step, {_size(c['bytes'])} in "
                              f"{_ms(c['seconds'])} ms{bw}")
         if r.memory_per_rank:
-            parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items())
-            lines.append(f"  {where}: state a rank holds (the largest rank): {parts}")
+            parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items()
+                              if k != "activations")
+            saved = r.memory_per_rank.get("activations")
+            lines.append(f"  {where}: state a rank holds (the largest rank): {parts}"
+                         + (f"; in a step also activations {_size(saved)} (what autograd saved for backward, "
+                            f"counted in a warm-up step)" if saved is not None else ""))
         logged = r.ddp_logging
         if logged and r.world_size > 1:
             times = ", ".join(f"{name} {logged[key]:.2f} ms" for name, key in (

@@ -66,6 +66,9 @@ class WorldProfile:
     memory_per_rank: dict[str, int] | None = None
     ddp_logging: dict[str, Any] | None = None
     """DDP's own logger's figures for the same run (rank 0; :func:`ddp_logged`), beside these."""
+    step_memory: int | None = None
+    """A rank's memory in a step: on a GPU its peak allocated; elsewhere the state it holds
+    plus the activations autograd saved in a step (:func:`step_memory`)."""
     notes: list[str] = field(default_factory=list)
     hang: Hang | None = None
     crash: Crash | None = None
@@ -174,6 +177,10 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
     out.ddp_logging = ddp_logged(profiles[0].ddp_logging)
+    if out.ddp_logging and out.memory_per_rank is not None:  # DDP's flat buckets: a copy of the gradients, unless views
+        copies = 0 if profiles[0].ddp_logging.get("gradient_as_bucket_view") else sum(out.ddp_logging["bucket_bytes"])
+        out.memory_per_rank["ddp_buckets"] = copies
+    out.step_memory = step_memory(out.memory_per_rank)
     out.notes += cross_checked(out, out.ddp_logging)
     traffic = extra_traffic(mode, ops, per_step_bytes, profiles[0].memory.get("grads", 0))
     if traffic:
@@ -181,6 +188,28 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     if step_s > 0:
         out.samples_per_s = out.samples_per_step / step_s
     return out
+
+
+NOT_STATE = ("peak_allocated", "activations")
+"""Of ``memory_per_rank``: what is not the state a rank holds between steps."""
+
+
+def state_of(memory: dict[str, int] | None) -> int:
+    """The state a rank holds between steps: parameters, gradients, optimizer state, DDP's
+    bucket copies of the gradients."""
+    return sum(v for k, v in (memory or {}).items() if k not in NOT_STATE)
+
+
+def step_memory(memory: dict[str, int] | None) -> int | None:
+    """A rank's memory in a step: its peak allocated where measured (GPUs), else its state
+    plus the activations saved for backward (counted in a warm-up step; None without)."""
+    if not memory:
+        return None
+    if "peak_allocated" in memory:
+        return memory["peak_allocated"]
+    if "activations" in memory:
+        return state_of(memory) + memory["activations"]
+    return None
 
 
 def ddp_logged(data: dict[str, Any]) -> dict[str, Any] | None:
@@ -264,5 +293,6 @@ def add_scaling(runs: list[WorldProfile]) -> None:
                 r.notes.append(f"scaling efficiency relative to world size {base.world_size}")
 
 
-__all__ = ["WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "cross_checked", "ddp_logged",
-           "extra_traffic", "memory_per_rank", "percentile", "size_text", "summarize"]
+__all__ = ["NOT_STATE", "WorldProfile", "add_scaling", "bus_factor", "busy_seconds", "by_op", "cross_checked",
+           "ddp_logged", "extra_traffic", "memory_per_rank", "percentile", "size_text", "state_of", "step_memory",
+           "summarize"]

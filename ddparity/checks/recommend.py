@@ -10,13 +10,13 @@ the steps measured to rank: the line says so, with both spreads, and names no wi
 
 from __future__ import annotations
 
-from ddparity.checks.comm import WorldProfile
+from ddparity.checks.comm import WorldProfile, state_of
 
 
 def state_bytes(run: WorldProfile) -> int:
-    """What a rank holds after a step (parameters, gradients, optimizer state; its shards
-    under FSDP), without the GPU's peak."""
-    return sum(v for k, v in (run.memory_per_rank or {}).items() if k != "peak_allocated")
+    """What a rank holds between steps (parameters, gradients, optimizer state, DDP's bucket
+    copies; its shards under FSDP)."""
+    return state_of(run.memory_per_rank)
 
 
 def _figures(run: WorldProfile) -> str:

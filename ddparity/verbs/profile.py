@@ -90,7 +90,7 @@ def profile(
         rows: dict[tuple[int, int], WorldProfile] = {}
         for ws in opts.world_sizes:  # each world warm once, its arms one after another
             for i, arm in enumerate(sweep):
-                if arm.not_on_gloo and chosen == "gloo" and ws > 1:
+                if arm.not_on_gloo and chosen == "gloo":
                     run = WorldProfile(world_size=ws, backend="gloo", mode=arm.mode, status="skipped",
                                        reason=arm.not_on_gloo)
                 elif kind(arm.mode).one_process:

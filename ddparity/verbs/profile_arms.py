@@ -20,9 +20,9 @@ DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"
 """DDP's boolean options an arm may turn on (``--ddp``)."""
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 """torch's own comm hooks an arm may use (``--comm-hook``)."""
-POWERSGD_ON_GLOO = ("not timed over gloo: PowerSGD's hook issues its second all-reduce from a completion callback, "
-                    "whose order across buckets differs from rank to rank there; a plain DDP script with it hangs "
-                    "the same way (torch 2.13, gloo, several buckets). Profile it over nccl (GPUs)")
+POWERSGD_ON_GLOO = ("not timed over gloo: PowerSGD's hook issues all-reduces from completion callbacks, whose order "
+                    "across ranks gloo does not keep (a plain DDP script with it hangs at 2 ranks, torch 2.13, several "
+                    "buckets; the profile's timed run of it hung once at 1 rank too). Profile it over nccl (GPUs)")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -93,12 +94,18 @@ def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tm
     own first bucket is 1 MB until it rebuilds); fp16 sends half; PowerSGD over gloo is a
     skipped row saying why (a plain DDP script hangs the same way). The last line ranks them."""
     out = tmp_path / "sweep.json"
-    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--bucket-cap-mb", "1,100", "--comm-hook",
-                      "fp16,powersgd", "--steps", "3", "--warmup", "2", "--json", str(out))
+    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--bucket-cap-mb", "1,100", "--ddp",
+                      "gradient_as_bucket_view", "--comm-hook", "fp16,powersgd", "--steps", "3", "--warmup", "2",
+                      "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     runs = {(r["arm"], r["world_size"]): r for r in json.loads(out.read_text())["runs"]}
-    assert list(dict.fromkeys(a for a, _ in runs)) == ["ddp bucket 1 MB", "ddp bucket 100 MB", "ddp fp16 hook",
+    assert list(dict.fromkeys(a for a, _ in runs)) == ["ddp bucket 1 MB", "ddp bucket 100 MB",
+                                                       "ddp gradient_as_bucket_view", "ddp fp16 hook",
                                                        "ddp powersgd hook"]
+    # memory a rank: DDP's flat buckets copy the gradients, unless they are views of them; a step's activations
+    copies, views = runs["ddp bucket 1 MB", 2]["memory_per_rank"], runs["ddp gradient_as_bucket_view", 2]["memory_per_rank"]
+    assert copies["ddp_buckets"] == copies["grads"] == 4 * WIDE_MLP_PARAMS and views["ddp_buckets"] == 0
+    assert copies["activations"] > 0 and runs["ddp bucket 1 MB", 2]["step_memory"] == sum(copies.values())
     small, large, half = runs["ddp bucket 1 MB", 2], runs["ddp bucket 100 MB", 2], runs["ddp fp16 hook", 2]
     assert small["bytes_per_step"] == large["bytes_per_step"] == 4 * WIDE_MLP_PARAMS == 2 * half["bytes_per_step"]
     assert small["buckets"] >= 3 and large["buckets"] == 1, (small["buckets"], large["buckets"])  # 3 tensors > 1 MB
@@ -109,9 +116,9 @@ def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tm
     assert "ddp bucket 100 MB world size 2: DDP's own logging: forward " in result.stdout
     powersgd = runs["ddp powersgd hook", 2]
     assert powersgd["status"] == "skipped" and "not timed over gloo" in powersgd["reason"]
-    assert runs["ddp powersgd hook", 1]["status"] == "ok"  # one rank: nothing to mismatch
+    assert runs["ddp powersgd hook", 1]["status"] == "skipped"  # it hung at one rank too
     assert "--bucket-cap-mb 100 --world-sizes 2" in large["repro"] and "--comm-hook fp16" in half["repro"]
-    assert "ddp bucket 100 MB  2" in result.stdout  # the table names the arm
+    assert re.search(r"^  ddp bucket 100 MB +2 +gloo +ok ", result.stdout, re.M)  # the table names the arm
     last = result.stdout.rstrip().splitlines()[-1]
     assert last.startswith(("recommendation: fastest at 2 rank(s): ddp ", "recommendation: too close to rank at 2")), last
 

@@ -105,9 +105,50 @@ def state_bytes(replica: Replica) -> dict[str, int]:
             "optimizer": optimizer}
 
 
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward while it is entered, each storage
+    once and the model's own parameters and buffers not (``torch.autograd.graph.saved_tensors_hooks``:
+    the pack hook returns the tensor itself, so nothing computed changes): a step's
+    activation memory (under FSDP the unsharded parameters kept for backward too), measured
+    on any device (on CPU torch keeps no allocator statistics)."""
+
+    def __init__(self, model: Any = None) -> None:
+        self._seen: dict[Any, int] = {}
+        self._own = set()
+        for t in [*model.parameters(), *model.buffers()] if model is not None else []:
+            try:
+                self._own.add((t.device, t.untyped_storage().data_ptr()))
+            except (RuntimeError, NotImplementedError):
+                pass
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._seen.values())
+
+    def _pack(self, t: Any) -> Any:
+        try:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if key not in self._own:
+                self._seen[key] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a DTensor, a subclass)
+            pass
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 DDP_LOGGED = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
               "avg_backward_compute_comm_overlap_time", "bucket_sizes", "rebuilt_bucket_sizes", "has_rebuilt_buckets",
-              "bucket_cap_bytes")
+              "bucket_cap_bytes", "gradient_as_bucket_view")
 """What a profile keeps of DDP's own logging data (times in ns, sizes as DDP's text)."""
 
 
@@ -157,6 +198,7 @@ class TimedMode:
         self.clock = _Clock(self.device)
         self._torch = self.clock._torch
         self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
+        self._count_activations, self._model = False, None
 
     def wrap(self, model: Any) -> Any:
         ddp = distributed(model, self.device, self.ddp_options)
@@ -187,7 +229,8 @@ class TimedMode:
             self._torch.cuda.reset_peak_memory_stats()
         self.profile.steps.append(timing)
         if step == self.steps - 1:
-            self.profile.memory = state_bytes(replica)
+            counted = {k: v for k, v in self.profile.memory.items() if k == "activations"}  # (warm-up's count)
+            self.profile.memory = {**state_bytes(replica), **counted}
             self.profile.ddp_logging = ddp_logging(replica.wrapped)
             if self.clock.cuda:
                 self.profile.memory["peak_allocated"] = int(self._torch.cuda.max_memory_allocated())
@@ -199,6 +242,7 @@ class TimedMode:
         self._optimizer_marks.append(self.clock.mark())
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
+        self._count_activations, self._model = False, replica.model
         if step == 0:
             self.profile.samples = batch_size(batch) or 0
             self._optimizer_marks: list[Any] = []
@@ -209,13 +253,20 @@ class TimedMode:
             self._own_step(step, replica, *batch)
 
     def _timed(self, fn: Any, *args: Any) -> tuple[float, Any, Any]:
-        """Seconds ``fn`` took, started on every rank at once; its start and end marks."""
+        """Seconds ``fn`` took, started on every rank at once; its start and end marks. In the
+        first warm-up step's synced pass (never a measured one), the activations it saved
+        for backward are counted (:class:`SavedBytes`)."""
         import torch.distributed as dist
 
         dist.barrier()
         self.clock.sync()
         first = self.clock.mark()
-        fn(*args)
+        if self._count_activations:
+            with SavedBytes(self._model) as saved:
+                fn(*args)
+            self.profile.memory["activations"] = saved.nbytes
+        else:
+            fn(*args)
         last = self.clock.mark()
         self.clock.sync()
         return self.clock.seconds(first, last), first, last
@@ -243,7 +294,9 @@ class TimedMode:
         self.recorder.set_phase(step, "profile forward")
         self.clear_comm()
         self._optimizer_marks.clear()
+        self._count_activations = step == 0 and self.warmup > 0
         total, origin, _ = self._timed(run)
+        self._count_activations = False
         marks = self._optimizer_marks
         sync = until_optimizer(total, origin)
         opt = clock.seconds(marks[0], marks[1]) if len(marks) >= 2 else 0.0
@@ -264,7 +317,9 @@ class TimedMode:
             no_sync, _, _ = self._timed(forward_backward)
         rec.set_phase(step, "profile forward")
         self.clear_comm()
+        self._count_activations = step == 0 and self.warmup > 0
         sync, origin, _ = self._timed(forward_backward, step)
+        self._count_activations = False
         rec.set_phase(step, "profile optimizer")
         replica.watch.begin()
         opt, _, _ = self._timed(replica.optimizer.step)
