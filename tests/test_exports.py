@@ -26,8 +26,9 @@ def test_cli_flags_are_pinned():
                             "--world-sizes", "-h", "--help", "-q", "--quiet", "-v", "--verbose"])
     profile = parser._subparsers._group_actions[0].choices["profile"]
     flags = sorted(opt for action in profile._actions for opt in action.option_strings)
-    assert flags == sorted(["--backend", "--demo", "--hsdp-shard", "--json", "--modes", "--plot", "--steps", "--timeout",
-                            "--warmup", "--world-sizes", "-h", "--help", "-v", "--verbose"])
+    assert flags == sorted(["--backend", "--bucket-cap-mb", "--comm-hook", "--ddp", "--demo", "--hsdp-shard", "--json",
+                            "--modes", "--plot", "--steps", "--timeout", "--warmup", "--world-sizes", "-h", "--help", "-v",
+                            "--verbose"])
     health = parser._subparsers._group_actions[0].choices["health"]
     flags = sorted(opt for action in health._actions for opt in action.option_strings)
     assert flags == sorted(["--backend", "--json", "--min-busbw", "--sizes", "--timeout", "--world-size", "-h", "--help",
