@@ -27,7 +27,17 @@ DDP_OPTIONS = (
     "gradient_as_bucket_view",
     "broadcast_buffers",
     "bucket_cap_mb",
+    "bucket_cap_mb_list",
 )
+
+
+def takes_bucket_lists() -> bool:
+    """Whether this torch's DistributedDataParallel takes ``bucket_cap_mb_list`` (caps bucket by bucket)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 @dataclass(kw_only=True)
@@ -101,6 +111,9 @@ class Case:
             raise UsageError(
                 f"unknown DDP option(s) {unknown}; ddparity passes these through: {', '.join(DDP_OPTIONS)}"
             )
+        if "bucket_cap_mb_list" in self.ddp_options and not takes_bucket_lists():
+            raise UsageError(f"Case.ddp_options: DistributedDataParallel in torch {torch.__version__} takes no "
+                             f"bucket_cap_mb_list (newer torch releases do): upgrade torch, or give bucket_cap_mb")
         if self.train_step is not None and not (callable(self.train_step) or isinstance(self.train_step, str)):
             raise UsageError(
                 f"Case.train_step must be a callable (model, batch, optimizer, ctx) -> loss, or 'module:function', "

@@ -140,7 +140,8 @@ def _profile(args: argparse.Namespace) -> int:
     try:
         report = profile(case, world_sizes=args.world_sizes, backend=args.backend, timeout=args.timeout, steps=args.steps,
                          warmup=args.warmup, modes=args.modes, hsdp_shard=args.hsdp_shard,
-                         bucket_cap_mb=args.bucket_cap_mb, ddp=args.ddp, comm_hooks=args.comm_hook)
+                         bucket_cap_mb=args.bucket_cap_mb, bucket_cap_mb_list=args.bucket_cap_mb_list, ddp=args.ddp,
+                         comm_hooks=args.comm_hook)
     finally:
         default_pool().close()
     _show(report.render())
@@ -169,7 +170,7 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     """``check`` or ``profile`` inside a torchrun (or srun) launch: this process is one rank."""
     from ddparity.case import load_case
     from ddparity.errors import WorldStartError
-    from ddparity.verbs import launched, launched_profile
+    from ddparity.verbs import launched, launched_profile, profile_arms
 
     if args.demo or getattr(args, "demo_faults", False):
         raise UsageError(f"under torchrun, {verb} one TARGET; the built-in demos run locally (ddparity {verb} --demo)")
@@ -183,8 +184,6 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
                                          args.hsdp_shard, args.compile, args.compile_ddp)
     elif args.world_sizes is not None:
         raise UsageError("--world-sizes is torchrun's to decide here (--nnodes x --nproc-per-node)")
-    elif args.bucket_cap_mb or args.ddp or args.comm_hook:  # (under torchrun: the Case's own settings)
-        raise UsageError("--bucket-cap-mb, --ddp and --comm-hook sweeps run locally for now (ddparity profile TARGET ...)")
     case = load_case(args.target)
 
     def emit(report: Any) -> None:
@@ -203,8 +202,9 @@ def _under_torchrun(args: argparse.Namespace, verb: str) -> int:
     try:
         if verb == "check":
             launched.check_launched(case, opts, emit)
+        sweep = profile_arms.Sweep.of(args.bucket_cap_mb, args.bucket_cap_mb_list, args.ddp, args.comm_hook)
         launched_profile.profile_launched(case, args.backend, timeout, args.steps, args.warmup, emit, args.modes,
-                                  args.hsdp_shard)
+                                          args.hsdp_shard, sweep)
     except WorldStartError as exc:
         print(f"ddparity: {exc}", file=sys.stderr)
         return Exit.HANG_OR_CRASH

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--bucket-cap-mb", type=_text(parsing.parse_bucket_caps, "--bucket-cap-mb"), default=None,
                       metavar="MB,...", help="sweep DDP's bucket cap: one arm (a row at each world size) a size, "
                                              "e.g. 1,5,25,100")
+    prof.add_argument("--bucket-cap-mb-list", type=_text(parsing.parse_bucket_lists, "--bucket-cap-mb-list"),
+                      default=None, metavar="MB:MB,...", help="sweep DDP's caps bucket by bucket (its "
+                      "bucket_cap_mb_list, newer torch): one arm a list, e.g. 1:25,5:25 (the first bucket 1 MB, "
+                      "then 25 MB)")
     prof.add_argument("--ddp", type=_text(parsing.parse_names, "--ddp"), default=None, metavar="OPTION,...",
                       help="sweep DDP's options: one arm an option turned on, of gradient_as_bucket_view, "
                            "static_graph, find_unused_parameters")

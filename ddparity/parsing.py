@@ -104,6 +104,14 @@ def parse_bucket_caps(text: str, where: str) -> tuple[float, ...]:
     return sizes
 
 
+def parse_bucket_lists(text: str, where: str) -> tuple[tuple[float, ...], ...]:
+    """``1:25,5:25``: lists of DDP bucket caps in MB, bucket by bucket, each an arm of a profile."""
+    lists = tuple(parse_bucket_caps(part.replace(":", ","), f"{where} {part!r}") for part in _split(text))
+    if not lists:
+        raise UsageError(f"{where}: give lists of sizes in MB, bucket by bucket, e.g. 1:25,5:25")
+    return lists
+
+
 def parse_names(text: str, where: str) -> tuple[str, ...]:
     """``a,b``: names, each checked where they are used."""
     names = tuple(_split(text))

@@ -26,7 +26,7 @@ def test_cli_flags_are_pinned():
                             "--world-sizes", "-h", "--help", "-q", "--quiet", "-v", "--verbose"])
     profile = parser._subparsers._group_actions[0].choices["profile"]
     flags = sorted(opt for action in profile._actions for opt in action.option_strings)
-    assert flags == sorted(["--backend", "--bucket-cap-mb", "--comm-hook", "--ddp", "--demo", "--hsdp-shard", "--json",
+    assert flags == sorted(["--backend", "--bucket-cap-mb", "--bucket-cap-mb-list", "--comm-hook", "--ddp", "--demo", "--hsdp-shard", "--json",
                             "--modes", "--plot", "--steps", "--timeout", "--warmup", "--world-sizes", "-h", "--help", "-v",
                             "--verbose"])
     health = parser._subparsers._group_actions[0].choices["health"]

@@ -44,6 +44,8 @@ class WorldProfile:
     status: str = "ok"
     arm: str | None = None
     """The sweep's arm (``ddp bucket 25 MB``), None where the row is the mode as the case has it."""
+    bucket_cap_mb: float | None = None
+    """The arm's bucket cap in MB where it sweeps one (``--bucket-cap-mb``): the plot's bucket-size curve."""
     reason: str | None = None
     device: str = "cpu"
     steps: int = 0

@@ -1,7 +1,8 @@
 """``profile`` inside a torchrun (or Slurm) launch: the launched processes are the world
 (``torchrun ... -m ddparity profile TARGET [--modes ddp,fsdp,hsdp]``). Rank 0 times the case
-alone first (the baseline of the scaling figure), then every rank times its steps, mode
-after mode; rank 0 summarises them (:mod:`ddparity.checks.comm`) and reports."""
+alone first (the baseline of the scaling figure), then every rank times its steps, arm after
+arm (each mode, DDP's swept settings: :mod:`ddparity.verbs.profile_arms`); rank 0 summarises
+them (:mod:`ddparity.checks.comm`) and reports."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from ddparity.errors import UsageError, WorldFailure
 from ddparity.run_kinds import REPLICA_MODES, kind
 from ddparity.settings import CheckOptions, needs_newer_torch
 from ddparity.verbs.launched import everyone, launch_world_size, processes
+from ddparity.verbs.profile_arms import Arm, Sweep, arms
 
 
 def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmup: int,
                      emit: Callable[[Any], None], modes: tuple[str, ...] | list[str] = ("ddp",),
-                     hsdp_shard: int | None = None) -> NoReturn:
+                     hsdp_shard: int | None = None, sweep: Sweep = Sweep()) -> NoReturn:
     """This process's part of ``profile`` in a launch: rank 0 times the case on its own
     first (world size 1, in a process group of its own: the baseline of the scaling
-    figure), then every rank times its steps, mode after mode (ddp, fsdp, hsdp); rank 0
-    summarises them and reports; every process exits with the report's code."""
+    figure), then every rank times its steps, arm after arm (ddp, fsdp, hsdp, DDP's swept
+    settings); rank 0 summarises them and reports; every process exits with the report's
+    code."""
     from ddparity.checks.comm import add_scaling, summarize
     from ddparity.harness.ranks.tasks import profile_task
     from ddparity.harness.ranks.training import initial_state
@@ -38,11 +41,12 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
     if any(m not in REPLICA_MODES for m in opts.modes):
         raise UsageError("profile times ddp, fsdp and hsdp (--modes); single and dp have no communication to time")
     case = case.validate()
+    every = arms(case, opts.modes, sweep)  # bad sweeps refused before any work
     shard = opts.for_case(case).shard
-    ran = [m for m in opts.modes if kind(m).skip_reason(opts.world_sizes[0], shard) is None]
     started = time.perf_counter()
     runs: list[Any] = []
-    timing = [ran[0] if ran else "ddp"]  # the mode being timed, for a failure's report
+    ran: list[Arm] = []  # the arms this launch can time (its backend decided once it is up)
+    timing = [every[0].mode]  # the mode being timed, for a failure's report
 
     def failed(exc: WorldFailure, stage: int) -> int:
         ws = 1 if stage == 1 else me.ctx.world_size
@@ -52,39 +56,48 @@ def profile_launched(case: Case, backend: str, timeout: float, steps: int, warmu
         return report.exit_code
 
     def baseline() -> None:
-        for mode in ran:
-            if kind(mode).skip_reason(1, shard) is not None:
+        for arm in ran:
+            if kind(arm.mode).skip_reason(1, shard) is not None:
                 continue  # no (replicate, shard) mesh of one rank but the degenerate one
-            timing[0] = mode
-            one = summarize([me.alone(profile_task, case, initial_state(case), steps, warmup, mode, shard)],
-                            me.ctx.backend, mode)
-            one.notes += [one_rank_note(mode), "rank 0 alone: the baseline of the scaling figure"]
-            runs.append(one)
+            timing[0] = arm.mode
+            one = summarize([me.alone(profile_task, arm.case, initial_state(case), steps, warmup, arm.mode, shard)],
+                            me.ctx.backend, arm.mode)
+            one.notes += [one_rank_note(arm.mode), "rank 0 alone: the baseline of the scaling figure"]
+            runs.append(arm.row(one))
 
-    def every_mode(ctx: Any) -> list[Any]:
+    def every_arm(ctx: Any) -> list[Any]:
         profiles = []
-        for mode in ran:
-            timing[0] = mode
-            profiles.append(profile_task(ctx, case, initial_state(case), steps, warmup, mode, shard))
+        for arm in ran:
+            timing[0] = arm.mode
+            profiles.append(profile_task(ctx, arm.case, initial_state(case), steps, warmup, arm.mode, shard))
         return profiles
 
     me = everyone(backend, timeout, failed)
+    skipped = {}
+    for arm in every:
+        reason = kind(arm.mode).skip_reason(me.ctx.world_size, shard) or (
+            arm.not_on_gloo if me.ctx.backend == "gloo" else None)
+        if reason is None:
+            ran.append(arm)
+        else:
+            skipped[arm.label] = reason
     # every rank builds the initial state from the seed; DDP broadcasts rank 0's anyway
-    by_rank = me.run(baseline, every_mode)
-    for i, mode in enumerate(ran):
-        run = summarize([profiles[i] for profiles in by_rank], me.ctx.backend, mode)
+    by_rank = me.run(baseline, every_arm)
+    for i, arm in enumerate(ran):
+        run = summarize([profiles[i] for profiles in by_rank], me.ctx.backend, arm.mode)
         run.seconds = time.perf_counter() - started
         run.notes.append(f"launched: {processes(me.ctx.world_size)}; bus bandwidth over the launch's own "
                          f"interconnect")
-        mesh = kind(mode).mesh_note(me.ctx.world_size, shard)
+        mesh = kind(arm.mode).mesh_note(me.ctx.world_size, shard)
         if mesh:
             run.notes.append(mesh)
-        runs.append(run)
-    for mode in opts.modes:
-        if mode not in ran:
-            runs.append(WorldProfile(world_size=me.ctx.world_size, backend=me.ctx.backend, mode=mode,
-                                     status="skipped", reason=kind(mode).skip_reason(me.ctx.world_size, shard)))
-    report = ProfileReport(case.label, sorted(runs, key=lambda r: REPLICA_MODES.index(r.mode)))
+        runs.append(arm.row(run))
+    for arm in every:
+        if arm.label in skipped:
+            runs.append(arm.row(WorldProfile(world_size=me.ctx.world_size, backend=me.ctx.backend, mode=arm.mode,
+                                             status="skipped", reason=skipped[arm.label])))
+    order = {arm.label: i for i, arm in enumerate(every)}
+    report = ProfileReport(case.label, sorted(runs, key=lambda r: (REPLICA_MODES.index(r.mode), order[r.label], r.world_size)))
     add_scaling(report.runs)
     emit(report)
     me.watch.finish(report.exit_code)

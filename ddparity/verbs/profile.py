@@ -33,7 +33,7 @@ from ddparity.settings import (
     validate_count,
 )
 from ddparity.verbs.plan import cannot_run, choose_backend, failure, profile_repro
-from ddparity.verbs.profile_arms import Arm, arms
+from ddparity.verbs.profile_arms import Arm, Sweep, arms
 
 
 def profile(
@@ -48,14 +48,16 @@ def profile(
     modes: tuple[str, ...] | list[str] = PROFILE_MODES,
     hsdp_shard: int | None = None,
     bucket_cap_mb: tuple[float, ...] | list[float] | None = None,
+    bucket_cap_mb_list: tuple[tuple[float, ...], ...] | list[list[float]] | None = None,
     ddp: tuple[str, ...] | list[str] | None = None,
     comm_hooks: tuple[str, ...] | list[str] | None = None,
 ) -> ProfileReport:
     """Time ``case`` under DDP (and/or ``modes`` ``fsdp``, ``hsdp``: FSDP2) at every world
     size: step (median and p95), compute, exposed and total communication, each collective
     op's time and bytes, bus bandwidth, overlap, scaling efficiency and the state a rank
-    holds; DDP's settings swept as arms of their own (``bucket_cap_mb`` sizes, ``ddp``
-    options turned on, torch's ``comm_hooks``: :mod:`ddparity.verbs.profile_arms`), every
+    holds; DDP's settings swept as arms of their own (``bucket_cap_mb`` sizes,
+    ``bucket_cap_mb_list`` lists of caps bucket by bucket, ``ddp`` options turned on,
+    torch's ``comm_hooks``: :mod:`ddparity.verbs.profile_arms`), every
     arm timed at each world size in the same warm world, one after another."""
     if not isinstance(case, Case):
         raise UsageError(f"profile() needs a ddparity.Case, got {type(case).__name__}")
@@ -70,7 +72,7 @@ def profile(
     if unprofiled:
         raise UsageError(f"profile() times dp, ddp, fsdp and hsdp; not {', '.join(unprofiled)} (one device: the "
                          f"smallest world size of a mode is its baseline)")
-    sweep = arms(case, opts.modes, bucket_cap_mb, ddp, comm_hooks)
+    sweep = arms(case, opts.modes, Sweep.of(bucket_cap_mb, bucket_cap_mb_list, ddp, comm_hooks))
     case = case.validate()
     opts = opts.for_case(case)
     chosen = choose_backend(opts.backend, opts.world_sizes)
@@ -106,7 +108,7 @@ def profile(
 
 def _as_arm(run: WorldProfile, arm: Arm, case: Case, backend: str, steps: int, warmup: int,
             opts: CheckOptions) -> WorldProfile:
-    run.arm = arm.label if arm.label != arm.mode else None
+    arm.row(run)
     run.repro = profile_repro(case, run.world_size, backend, steps, warmup, opts.timeout, arm.mode, shard(opts),
                               (arm.flags, arm.call))
     return run

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from ddparity.case import takes_bucket_lists
 from ddparity.settings import REAL_RANKS_LIMIT
 from tests.e2e.test_cli import ddparity
 
@@ -94,14 +95,21 @@ def test_ddps_settings_swept_are_arms_of_one_table_each_with_its_known_answer(tm
     own first bucket is 1 MB until it rebuilds); fp16 sends half; PowerSGD over gloo is a
     skipped row saying why (a plain DDP script hangs the same way). The last line ranks them."""
     out = tmp_path / "sweep.json"
-    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--bucket-cap-mb", "1,100", "--ddp",
+    lists = ("--bucket-cap-mb-list", "1:100") if takes_bucket_lists() else ()  # caps bucket by bucket: newer torch
+    result = ddparity("profile", "--demo", "--world-sizes", "1,2", "--bucket-cap-mb", "1,100", *lists, "--ddp",
                       "gradient_as_bucket_view", "--comm-hook", "fp16,powersgd", "--steps", "3", "--warmup", "2",
                       "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     runs = {(r["arm"], r["world_size"]): r for r in json.loads(out.read_text())["runs"]}
     assert list(dict.fromkeys(a for a, _ in runs)) == ["ddp bucket 1 MB", "ddp bucket 100 MB",
+                                                       *(["ddp buckets 1:100 MB"] if lists else []),
                                                        "ddp gradient_as_bucket_view", "ddp fp16 hook",
                                                        "ddp powersgd hook"]
+    assert runs["ddp bucket 100 MB", 2]["bucket_cap_mb"] == 100 and runs["ddp fp16 hook", 2]["bucket_cap_mb"] is None
+    if lists:  # the first bucket 1 MB (the last layer, whose gradients come first), the rest in one of 100 MB
+        listed = runs["ddp buckets 1:100 MB", 2]
+        assert listed["buckets"] == 2 == listed["ddp_logging"]["buckets"], listed
+        assert listed["bytes_per_step"] == 4 * WIDE_MLP_PARAMS and "--bucket-cap-mb-list 1:100" in listed["repro"]
     # memory a rank: DDP's flat buckets copy the gradients, unless they are views of them; a step's activations
     copies, views = runs["ddp bucket 1 MB", 2]["memory_per_rank"], runs["ddp gradient_as_bucket_view", 2]["memory_per_rank"]
     assert copies["ddp_buckets"] == copies["grads"] == 4 * WIDE_MLP_PARAMS and views["ddp_buckets"] == 0
@@ -219,6 +227,7 @@ def test_plot_without_matplotlib_names_the_install(monkeypatch):
     (("--demo", "--warmup", "-1"), "expected an integer >= 0"),
     (("no_such_module:case",), "no_such_module"),
     (("--demo", "--bucket-cap-mb", "0,25"), "bucket caps must be positive sizes in MB"),
+    (("--demo", "--bucket-cap-mb-list", "1:0"), "bucket caps must be positive sizes in MB"),
     (("--demo", "--ddp", "fast"), "--ddp 'fast' is not one of DDP's options swept here: gradient_as_bucket_view"),
     (("--demo", "--comm-hook", "int8"), "--comm-hook 'int8' is not one of allreduce, fp16, bf16, powersgd"),
     (("--demo", "--modes", "fsdp", "--bucket-cap-mb", "1"), "--bucket-cap-mb sweep DDP's settings: add ddp to --modes"),
@@ -248,8 +257,57 @@ def test_the_plot_keeps_every_world_size_in_place_and_no_legend_over_the_data():
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8\n(skipped)"]
         assert list(ax.get_xticks()) == [0, 1, 2, 3]
     fig.canvas.draw()
-    for ax in (left, right):  # below the axes, not over them
-        assert ax.get_legend().get_window_extent().y1 < ax.get_window_extent().y0
+    for ax in (left, right):  # outside the axes (over them), not on the data
+        assert ax.get_legend().get_window_extent().y0 > ax.get_window_extent().y1
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_the_plot_draws_memory_a_rank_and_the_bucket_size_curve():
+    """Bottom left: what a rank holds in a step, stacked by kind (the row's figures, in MB).
+    Bottom right: a bucket sweep's step time against the cap, a line a world size with bars
+    to p95, exposed communication dashed; without a sweep of two caps it says how to draw it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ddparity.checks.comm import WorldProfile
+    from ddparity.plot import figure
+    from ddparity.report import ProfileReport
+
+    held = {"params": 4_000_000, "grads": 4_000_000, "optimizer": 8_000_000, "ddp_buckets": 4_000_000,
+            "activations": 500_000}
+
+    def row(ws, cap, step):
+        return WorldProfile(ws, "gloo", arm=f"ddp bucket {cap:g} MB", bucket_cap_mb=cap, step_s=step,
+                            step_p95_s=step * 1.5, compute_s=step / 2, exposed_comm_s=step / 4,
+                            scaling_efficiency=1.0, memory_per_rank=dict(held))
+
+    fig = figure(ProfileReport("c", [row(1, 1, 0.02), row(2, 1, 0.04), row(1, 25, 0.02), row(2, 25, 0.03)]))
+    memory, curve = fig.axes[2], fig.axes[3]
+    tops = {round(p.get_y() + p.get_height(), 3) for p in memory.patches}
+    assert max(tops) == pytest.approx(sum(held.values()) / 1e6, rel=1e-3)  # every kind stacked, in MB
+    assert [t.get_text() for t in memory.get_legend().get_texts()][:2] == ["parameters", "gradients"]
+    assert curve.get_xscale() == "log" and curve.get_xlabel() == "DDP bucket cap, MB"
+    lines = {line.get_label(): list(line.get_ydata()) for line in curve.get_lines() if not line.get_label().startswith("_")}
+    bars = {c.get_label(): list(c.lines[0].get_ydata()) for c in curve.containers}
+    assert bars["2 rank(s): step p50 (bar to p95)"] == pytest.approx([40.0, 30.0])
+    assert lines["2 rank(s): exposed communication"] == pytest.approx([10.0, 7.5])
+    plt.close(fig)
+    fig = figure(ProfileReport("c", [WorldProfile(2, "gloo", step_s=0.02, compute_s=0.01, exposed_comm_s=0.01)]))
+    assert not fig.axes[3].axison and "--bucket-cap-mb" in fig.axes[3].texts[0].get_text()
+    plt.close(fig)
+
+
+def test_a_bucket_list_sweep_on_a_torch_without_it_names_the_fix(monkeypatch):
+    from ddparity.errors import UsageError
+    from ddparity.fixtures.models import profile_demo
+    from ddparity.verbs import profile_arms
+
+    monkeypatch.setattr(profile_arms, "takes_bucket_lists", lambda: False)
+    with pytest.raises(UsageError, match=r"--bucket-cap-mb-list: DistributedDataParallel in torch .* takes no "
+                                         r"bucket_cap_mb_list \(newer torch releases do\): upgrade torch"):
+        profile_arms.arms(profile_demo(), ("ddp",), profile_arms.Sweep.of(bucket_cap_mb_list=[(1, 25)]))
+    with pytest.raises(UsageError, match=r"lists of positive sizes in MB, bucket by bucket"):
+        profile_arms.arms(profile_demo(), ("ddp",), profile_arms.Sweep.of(bucket_cap_mb_list=["1:25"]))
+

@@ -271,16 +271,24 @@ def test_a_fault_on_rank_0_the_reporting_rank_is_reported_and_blamed_on_it(tmp_p
     assert (result.returncode == 0) == (fault == "straggler")
 
 
-def test_profile_times_rank_0_alone_then_the_launch_in_ddp_and_fsdp(tmp_path):
+def test_profile_times_rank_0_alone_then_the_launch_in_ddp_and_fsdp_with_ddps_settings_swept(tmp_path):
+    """The launch's own table: rank 0 alone (each arm's scaling baseline), then the launch,
+    arm after arm in the same process group: DDP's bucket caps swept (the known answer: the
+    same gradient bytes a step, fewer buckets as the cap grows), PowerSGD over gloo a skipped
+    row saying why, FSDP's all-gathers and reduce-scatters."""
     result, _, data = torchrun(tmp_path, "profile", "ddparity.fixtures.models:profile_demo", "--modes", "ddp,fsdp",
-                               "--steps", "3", "--warmup", "1")
+                               "--bucket-cap-mb", "1,100", "--comm-hook", "powersgd", "--steps", "3", "--warmup", "1")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [(r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
-        ("ddp", 1, "ok"), ("ddp", 2, "ok"), ("fsdp", 1, "ok"), ("fsdp", 2, "ok")]
-    assert data["runs"][1]["busbw_gbps"] > 0
-    fsdp = data["runs"][3]
+    assert [(r["arm"] or r["mode"], r["world_size"], r["status"]) for r in data["runs"]] == [
+        ("ddp bucket 1 MB", 1, "ok"), ("ddp bucket 1 MB", 2, "ok"), ("ddp bucket 100 MB", 1, "ok"),
+        ("ddp bucket 100 MB", 2, "ok"), ("ddp powersgd hook", 2, "skipped"), ("fsdp", 1, "ok"), ("fsdp", 2, "ok")]
+    small, large, fsdp = data["runs"][1], data["runs"][3], data["runs"][6]
+    assert small["busbw_gbps"] > 0 and small["bytes_per_step"] == large["bytes_per_step"]
+    assert small["buckets"] >= 3 and large["buckets"] == 1 == large["ddp_logging"]["buckets"], (small, large)
+    assert "not timed over gloo" in data["runs"][4]["reason"]
     assert {c["op"] for c in fsdp["collectives"]} == {"all_gather", "reduce_scatter"}
-    assert fsdp["memory_per_rank"]["params"] < data["runs"][1]["memory_per_rank"]["params"]
+    assert fsdp["memory_per_rank"]["params"] < small["memory_per_rank"]["params"]
+    assert "recommendation: " in result.stdout
 
 
 def test_options_torchrun_decides_are_usage_errors_on_every_rank(tmp_path):
