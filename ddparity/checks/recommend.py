@@ -5,7 +5,8 @@ fastest is named with its median and 95th percentile and its scaling, and each a
 holds less state a rank is set against it, the lightest first (the memory it saves, the
 time it costs). Where
 the fastest's 95th percentile reaches the runner-up's median, the two are too close for
-the steps measured to rank: the line says so, with both spreads, and names no winner.
+the steps measured to rank: the line says so, with both spreads, and names no winner (the
+lighter arms are still set against the faster of the two).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def recommend(runs: list[WorldProfile]) -> str | None:
     second = arms[1]
     assert second.step_s is not None
     if best.step_p95_s is not None and best.step_p95_s >= second.step_s:
-        return (f"too close to rank at {ws} rank(s): {best.label} {_figures(best)}, {second.label} {_figures(second)}: "
+        line = (f"too close to rank at {ws} rank(s): {best.label} {_figures(best)}, {second.label} {_figures(second)}: "
                 f"the faster's p95 reaches the other's median; more --steps narrow the spread")
-    line = f"fastest at {ws} rank(s): {best.label}: {_figures(best)}{_scaling(best, ran)}"
+    else:
+        line = f"fastest at {ws} rank(s): {best.label}: {_figures(best)}{_scaling(best, ran)}"
     mine = state_bytes(best)
     for other in sorted(arms[1:], key=state_bytes):  # the lightest first
         theirs = state_bytes(other)

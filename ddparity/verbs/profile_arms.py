@@ -23,8 +23,8 @@ DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 """torch's own comm hooks an arm may use (``--comm-hook``)."""
 POWERSGD_ON_GLOO = ("not timed over gloo: PowerSGD's hook issues all-reduces from completion callbacks, whose order "
-                    "across ranks gloo does not keep (a plain DDP script with it hangs at 2 ranks, torch 2.13, several "
-                    "buckets; the profile's timed run of it hung once at 1 rank too). Profile it over nccl (GPUs)")
+                    "across ranks gloo does not keep (a plain DDP script with it at 2 ranks, torch 2.13: gloo aborts "
+                    "with 'Received data size doesn't match expected size', or hangs). Profile it over nccl (GPUs)")
 
 
 @dataclass(frozen=True)

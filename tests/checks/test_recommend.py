@@ -28,10 +28,12 @@ def test_the_fastest_at_the_largest_world_is_named_with_what_the_lighter_arm_cos
                                "fsdp holds 0.52x the state a rank at 1.50x the time")
 
 
-def test_spreads_that_meet_name_no_winner():
-    runs = [row("ddp", 2, 12, 19), row("fsdp", 2, 18, 19)]
+def test_spreads_that_meet_name_no_winner_and_still_say_what_the_lighter_arm_costs():
+    runs = [row("ddp", 2, 12, 19), row("fsdp", 2, 18, 19, 500), row("ddp bucket 1 MB", 2, 13, 14)]
     line = recommend(runs)
-    assert line is not None and line.startswith("too close to rank at 2 rank(s): ddp 12.0 ms/step p50 (p95 19.0), fsdp 18.0")
+    assert line == ("too close to rank at 2 rank(s): ddp 12.0 ms/step p50 (p95 19.0), ddp bucket 1 MB 13.0 ms/step p50 "
+                    "(p95 14.0): the faster's p95 reaches the other's median; more --steps narrow the spread; fsdp holds "
+                    "0.50x the state a rank at 1.50x the time")
     assert "fastest" not in line
 
 
