@@ -55,8 +55,10 @@ def figure(report: Any) -> Any:
     left.set_ylabel("ms per step (slowest rank, median)")
     left.set_ylim(0, max((c + e for c, e in zip(compute, exposed)), default=1.0) * 1.15)
     with_bw = [r for r in runs if r.busbw_gbps is not None]
-    right.plot([at[id(r)] for r in with_bw], [r.busbw_gbps for r in with_bw], marker="o", color="tab:green",
-               label="bus bandwidth")
+    for i, label in enumerate(order):  # one line an arm: no line joins two arms' figures
+        mine = [r for r in with_bw if r.label == label]
+        right.plot([at[id(r)] for r in mine], [r.busbw_gbps for r in mine], marker="o", color="tab:green",
+                   label="bus bandwidth" if i == 0 else "_")
     right.set_ylim(0, max((r.busbw_gbps for r in with_bw), default=1.0) * 1.15)
     right.set_ylabel("all-reduce bus bandwidth, GB/s")
     twin = right.twinx()
