@@ -1,138 +1,122 @@
-"""What ``profile``'s own timing costs the step it measures: its median DDP step against the
-same training's step with nothing of ddparity's in it, side by side in one run.
+"""What ``profile``'s own timing costs the step it measures: the same DDP step with and
+without ddparity's instrumentation, alternated step by step in the same two rank processes.
 
-The same model (an MLP of ``--params`` parameters, Adam, global batch 32 over 2 gloo ranks of
-one intra-op thread each, DDP's default buckets) is trained two ways, alternating round by
-round so that machine drift hits each alike:
+``profile`` times a DDP step by wrapping its gradient all-reduce in a comm hook that marks
+each bucket's launch and completion and tallies what it sends (through the rank's
+collective recorder), and by marking the optimizer step's end. The obvious alternative is
+the same training with none of that. Both run here in one warm ddparity world of 2 gloo
+ranks (one intra-op thread each), on two replicas of one MLP of ``--params`` parameters
+(Adam, global batch 32): a plain ``DistributedDataParallel`` and the one ``profile``'s timed
+mode builds (``TimedMode.wrap``: the hook and its recorder). Each iteration runs one step of
+each, in alternating order, each started behind a barrier; a step's time is the slowest
+rank's. Pairing step by step is what makes a few percent visible on a loaded machine: the
+drift between two separate runs here was about 20 %. Every step timed must have trained
+(finite loss).
 
-* plain: ``torchrun --nproc-per-node 2`` of a DDP script that times its own steps (forward,
-  backward, ``optimizer.step()``; the slowest rank's median after warm-up);
-* profile: ``ddparity profile case.py:case --world-sizes 2``, its ``step_s`` (forward and
-  backward as training runs them, each bucket timed by a wrapping comm hook, behind a barrier,
-  then the optimizer step; the slowest rank's median).
-
-A run counts only when it exited 0 and reported its steps (a failed run is reported, never
-timed).
-
-    python benchmarks/bench_profile_overhead.py [--params 6e6] [--steps 20] [--rounds 3]
+    python benchmarks/bench_profile_overhead.py [--params 6e6] [--steps 60] [--warmup 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-MODEL = '''
-import torch
-from torch import nn
-
-WIDTH = {width}
 
 
-def model():
-    return nn.Sequential(nn.Linear(256, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 16))
+def paired_steps(ctx, width: int, steps: int, warmup: int, other: str) -> tuple[list[float], list[float]]:  # noqa: ANN001
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddparity.harness.ranks.modes.timed import TimedMode
+
+    torch.set_num_threads(1)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 16))
+
+    plain = DistributedDataParallel(model())
+    timed_mode = TimedMode(rank=ctx.rank, world_size=ctx.world_size, device="cpu", measured=steps, warmup=warmup)
+    if other == "profile":
+        timed = timed_mode.wrap(model())
+    elif other == "plain":  # an A/A run: what the pairing itself reads as a difference
+        timed = DistributedDataParallel(model())
+    else:  # torch's own Python all-reduce hook alone: what any Python comm hook costs
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        timed = DistributedDataParallel(model())
+        timed.register_comm_hook(None, default_hooks.allreduce_hook)
+        timed_mode.timer = None
+    marks: list[float] = []
+    optimizers = {"plain": torch.optim.Adam(plain.parameters(), lr=1e-4),
+                  "timed": torch.optim.Adam(timed.parameters(), lr=1e-4)}
+    optimizers["timed"].register_step_post_hook(lambda *_: marks.append(time.perf_counter()))
+    generator = torch.Generator().manual_seed(0)
+    seconds: dict[str, list[float]] = {"plain": [], "timed": []}
+    for step in range(warmup + steps):
+        x, y = torch.randn(32, 256, generator=generator), torch.randn(32, 16, generator=generator)
+        x, y = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+        order = ("plain", "timed") if step % 2 == 0 else ("timed", "plain")
+        for name in order:
+            wrapped = plain if name == "plain" else timed
+            dist.barrier()
+            started = time.perf_counter()
+            optimizers[name].zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            loss.backward()
+            optimizers[name].step()
+            took = time.perf_counter() - started
+            if name == "timed" and other == "profile":
+                timed_mode.clear_comm()  # as the timed mode does each iteration
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"step {step} of the {name} replica did not train (loss {loss.item()})")
+            if step >= warmup:
+                seconds[name].append(took)
+    slowest = {}
+    for name, times in seconds.items():
+        t = torch.tensor(times)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[name] = t.tolist()
+    if len(marks) != warmup + steps:
+        raise RuntimeError(f"the timed replica's optimizer marks: {len(marks)} of {warmup + steps}")
+    return slowest["plain"], slowest["timed"]
 
 
-def data(step, generator):
-    return torch.randn(32, 256, generator=generator), torch.randn(32, 16, generator=generator)
-'''
-CASE = '''
-from bench_model import data, model
-from ddparity import Case
-
-
-def case():
-    return Case(model=model, data=data, loss="mse_loss", optimizer="adam", lr=1e-4, steps=3)
-'''
-PLAIN = '''
-import json, sys, time
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from bench_model import data, model
-
-out, steps, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)
-torch.manual_seed(0)
-ddp = DDP(model())
-optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4)
-generator = torch.Generator().manual_seed(0)
-times = []
-for step in range(warmup + steps):
-    x, y = data(step, generator)
-    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    dist.barrier()
-    started = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    torch.nn.functional.mse_loss(ddp(x), y).backward()
-    optimizer.step()
-    times.append(time.perf_counter() - started)
-slowest = torch.tensor(times[warmup:])
-dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-if rank == 0:
-    json.dump(slowest.tolist(), open(out, "w"))
-
-'''
-
-
-def _plain(folder: Path, steps: int, warmup: int) -> float:
-    out = folder / "plain.json"
-    out.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder)}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(folder / "plain.py"), str(out), str(steps), str(warmup)], cwd=folder, env=env,
-                            capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0 or not out.exists():
-        raise SystemExit(f"the plain script failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return statistics.median(json.loads(out.read_text()))
-
-
-def _profiled(folder: Path, steps: int, warmup: int) -> float:
-    out = folder / "profile.json"
-    env = {**os.environ, "PYTHONPATH": str(folder)}
-    result = subprocess.run([sys.executable, "-m", "ddparity", "profile", "case.py:case", "--world-sizes", "2",
-                             "--steps", str(steps), "--warmup", str(warmup), "--json", str(out)], cwd=folder, env=env,
-                            capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise SystemExit(f"ddparity profile failed ({result.returncode}):\n{result.stdout}{result.stderr[-3000:]}")
-    [run] = json.loads(out.read_text())["runs"]
-    if run["status"] != "ok":
-        raise SystemExit(f"ddparity profile: {run['status']}: {run['reason']}")
-    return run["step_s"]
+ARMS = {"plain": "A/A: plain beside plain (the pairing's own noise)",
+        "python_hook": "torch's Python all-reduce hook (any comm hook's cost)",
+        "profile": "profile's timing (hook, marks, tally)"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=6e6)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    from ddparity import World
+
     width = int((-274 + math.sqrt(274**2 + 4 * args.params)) / 2)
-    plain, profiled = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        (folder / "bench_model.py").write_text(MODEL.format(width=width))
-        (folder / "case.py").write_text(CASE)
-        (folder / "plain.py").write_text(PLAIN)
+    ratios: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with World(2, "gloo") as world:
+        world.run(paired_steps, width, 30, args.warmup, "plain", timeout=1800)  # the world's own first steps
         for _ in range(args.rounds):
-            plain.append(_plain(folder, args.steps, args.warmup))
-            profiled.append(_profiled(folder, args.steps, args.warmup))
+            for arm in ARMS:
+                [(plain, other), _] = world.run(paired_steps, width, args.steps, args.warmup, arm, timeout=1800)
+                assert len(plain) == len(other) == args.steps, (len(plain), len(other))
+                ratios[arm].append(statistics.median(o / p for p, o in zip(plain, other)))
     print(f"MLP of {(width * width + 274 * width + 16) / 1e6:.1f} M parameters, Adam, batch 32 over 2 gloo ranks; "
-          f"{args.steps} steps after {args.warmup}; {args.rounds} round(s), alternating")
-    print(f"  plain DDP step   {' '.join(f'{t * 1e3:.1f}' for t in plain)} ms")
-    print(f"  profile step_s   {' '.join(f'{t * 1e3:.1f}' for t in profiled)} ms")
-    ratios = [p / q for p, q in zip(profiled, plain)]
-    print(f"profile / plain: {' '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f}; "
-          f"goal <= 1.05)")
+          f"{args.steps} paired steps after {args.warmup} a round, alternating which goes first; {args.rounds} "
+          f"round(s) of every arm")
+    for arm, label in ARMS.items():
+        print(f"  {label:<52} step / plain step: {' '.join(f'{r:.3f}' for r in ratios[arm])} "
+              f"(median {statistics.median(ratios[arm]):.3f})")
+    print("goal: profile's timing <= 1.05 the plain step; the A/A line is what this machine cannot tell apart")
 
 
 if __name__ == "__main__":
