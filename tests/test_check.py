@@ -78,6 +78,7 @@ def test_a_missed_sync_and_a_scaled_gradient_are_named():
     assert "before the last micro-batch's forward" in late[0]
     scaled = causes(check(dropout.overscaling_hook(), world_sizes=(2,)))
     assert len(scaled) == 1 and "gradients are scaled by the same factor (relative error 0.05" in scaled[0], scaled
+    assert "the gradients were scaled after every rank's backward, by a comm hook" in scaled[0], scaled  # (its place)
 
 
 def test_summed_loss_is_equivalent_at_world_size_one():

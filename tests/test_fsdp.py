@@ -32,7 +32,8 @@ BUGS = [
     (sharded.ignored_param, "net.4.bias, net.4.weight left out of sharding (ignored_params)", "grad"),
     (sharded.sync_left_off, "no gradient reached the optimizer (6 of 6 missing at step 0)", "grad"),
     (sharded.token_mean_per_rank, "a loss averaged over each rank's own valid entries", "loss"),
-    (sharded.divided_again, "gradients are scaled by the same factor", "grad"),
+    (sharded.divided_again, "the loss the step gave backward() is scaled, not the one it returns: a loss divided by "
+                            "the world size before backward", "grad"),
 ]
 
 

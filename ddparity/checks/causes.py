@@ -38,6 +38,7 @@ to 2 (a sum) or 1 (a mean) to decide (a float32 loss lands within ~1e-6; dropout
 per sample keeps it so)."""
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
+SAME_FACTOR = "are scaled by the same factor"
 UNIFORM_SCALE_TOL = 1e-2
 """How close every gradient's relative error must be to one another to call it one factor."""
 MISSED_SYNC_SHARE = 0.8
@@ -103,13 +104,41 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         if max(rels) - min(rels) <= UNIFORM_SCALE_TOL * max(rels):
             hint = f" (an unaveraged sum is off by {world_size - 1:g}, a double division by {1 - 1 / world_size:g})"
             share = f"all {len(names)} gradients" if len(names) >= params else f"{len(names)} of {params} gradients"
-            return (f"likely cause: {share} are scaled by the same factor (relative error {rels[0]:.3g} in "
+            return (f"likely cause: {share} {SAME_FACTOR} (relative error {rels[0]:.3g} in "
                     f"each, the loss matches){hint}: a comm hook or step that scales the averaged gradient, such "
                     f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
                     f"mean over ranks: divide the sum by the world size once, and scale nothing else")
     if first.kind == "loss" and first.step == 0:
         return _uneven_valid_entries(valid or {}, world_size, mode)
     return None
+
+
+def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:
+    """The uniform gradient scale of :func:`likely_cause` decided by where its step first
+    differs (the first differing module's ``phase``): at the loss (every forward agrees and
+    the gradient backward starts from is already scaled, by ``factor``) the step scaled the
+    loss it gave ``backward()``; in the reduction (every rank's forward and backward agree
+    with the reference's rows) a comm hook or the step scaled the gradients after backward.
+    None where ``cause`` is not that signature or the place decides nothing."""
+    if not cause.startswith("likely cause: ") or SAME_FACTOR not in cause or phase not in ("loss", "reduction"):
+        return None
+    head = cause[:cause.index(")") + 1]  # likely cause: all 6 gradients are scaled ... (relative error ..., the loss matches)
+    name = mode.upper()
+    if phase == "loss":
+        by = f" ({factor:.3g}x the reference's)" if factor is not None else ""
+        over_w = factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL
+        what = (f"a loss divided by the world size before backward ((loss / world_size).backward()), which {name} "
+                f"already averages over the ranks; backward the mean loss itself" if over_w else
+                "a loss scaled before backward(); backward the loss the step returns (a loss scale, such as "
+                "GradScaler's, must be undone before the optimizer steps)")
+        return (f"{head}: the loss the step gave backward() is scaled, not the one it returns: {what}; evidence: "
+                f"every module's forward agrees and the gradient backward starts from (the loss's) differs "
+                f"already{by}")
+    return (f"{head}: the gradients were scaled after every rank's backward, by a comm hook (one that forgets to "
+            f"divide the all-reduced sum by the world size, or scales by another factor) or by the step between "
+            f"backward() and optimizer.step(); divide the sum by the world size once, and scale nothing else; "
+            f"evidence: every rank's forward and backward agree with the reference's rows, the reduced gradients "
+            f"do not")
 
 
 def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.causes import likely_cause
+from ddparity.checks.causes import likely_cause, scale_placed
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
@@ -207,6 +207,8 @@ class Checking:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
+        for i, note in enumerate(run.notes):  # where the step first differs decides what the numbers left open
+            run.notes[i] = scale_placed(note, best.phase, best.factor, run.world_size, run.mode) or note
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:

@@ -216,17 +216,28 @@ def test_sharded_fixtures(fixture, phase, mode):
 
 @pytest.mark.breadth
 @pytest.mark.parametrize("ws, backend", [(2, "auto"), (4, "auto"), (8, "threaded")], ids=["2", "4", "sim8"])
-@pytest.mark.parametrize("fixture, phase, module, rank", [
-    (bugs.batchnorm_on_shards, "forward", "bn", 0),
-    (bugs.summed_loss, "loss", "net.4", 0),
-    (bugs.loss_over_world_size, "loss", "net.4", 0),
-    (bugs.ddp_bypassed, "reduction", "", 0),
-    (lambda: bugs.replica_nudged(-1), "forward", "net.0", -1),
-], ids=["batchnorm", "summed", "over_w", "bypassed", "nudged_last"])
-def test_every_world_size(fixture, phase, module, rank, ws, backend):
+@pytest.mark.parametrize("fixture, phase, module, rank, cause", [
+    (bugs.batchnorm_on_shards, "forward", "bn", 0, "BatchNorm on shards (bn (BatchNorm1d))"),
+    (bugs.summed_loss, "loss", "net.4", 0, "a loss summed over the batch (reduction='sum')"),
+    (bugs.loss_over_world_size, "loss", "net.4", 0, "a mean loss divided by the world size on every rank"),
+    (sharded.token_mean_per_rank, "loss", "head", None, "a loss averaged over each rank's own valid entries"),
+    (bugs.ddp_bypassed, "reduction", "", None, "DDP's forward never ran"),
+    (loops.late_sync, "reduction", "", None, "a missed sync"),
+    (bugs.comm_hook_never_reduces, "reduction", "", None, "the case's comm hook returns its buckets unreduced"),
+    (lambda: bugs.replica_nudged(0), "forward", "net.0", 0, "rank 0 alone drifts"),
+    (lambda: bugs.replica_nudged(-1), "forward", "net.0", -1, "alone drifts"),
+], ids=["batchnorm", "summed", "over_w", "per_rank_mean", "bypassed", "missed_sync", "hook_never_reduces",
+        "nudged_first", "nudged_last"])
+def test_every_world_size(fixture, phase, module, rank, cause, ws, backend):
+    """Each fixture with a known bug names where its first differing step differs (the
+    module, the loss or the reduction) and on which rank where one rank has it (rank 0 and
+    the last), and the cause the run's records prove, at 2 and 4 ranks and simulated 8."""
     report = check(fixture(), modes=("single", "ddp"), world_sizes=(ws,), backend=backend)
-    _, m, _ = found(report)[ws]
-    assert (m.phase, m.module, m.rank) == (phase, module, rank % ws), module_line(m)
+    _, m, notes = found(report)[ws]
+    assert (m.phase, m.module) == (phase, module), module_line(m)
+    assert rank is None or m.rank == rank % ws, module_line(m)
+    causes = [n for n in notes if n.startswith("likely cause: ")]
+    assert len(causes) == 1 and cause in causes[0], notes
 
 
 def _summed_elsewhere():

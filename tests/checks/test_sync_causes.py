@@ -114,3 +114,23 @@ def test_accumulation_without_no_sync_passes_with_the_traffic_it_could_save():
     for clean in (loops.accumulation(), bugs.clean_regression()):
         quiet = check(clean, modes=("single", "ddp"), world_sizes=(2,))
         assert quiet.ok and not any(n.startswith("traffic:") for r in quiet.runs for n in r.notes), quiet.render()
+
+
+def test_where_a_step_first_differs_decides_a_uniform_gradient_scale():
+    """The numbers alone (every gradient off by one factor, the loss matching) fit a loss
+    divided before backward() and a comm hook that scales; the first differing place
+    decides: at the loss, the step; in the reduction, after every rank's backward."""
+    from ddparity.checks.causes import scale_placed
+
+    cause = ("likely cause: all 6 gradients are scaled by the same factor (relative error 0.5 in each, the loss "
+             "matches) (an unaveraged sum is off by 1, a double division by 0.5): a comm hook or step that scales")
+    at_loss = scale_placed(cause, "loss", 0.5, 2, "fsdp")
+    assert at_loss is not None and at_loss.startswith(cause[:cause.index(")") + 1] + ": the loss the step gave")
+    assert "a loss divided by the world size before backward" in at_loss and "FSDP already averages" in at_loss
+    assert "comm hook" not in at_loss
+    other = scale_placed(cause, "loss", 0.3, 2, "ddp")
+    assert other is not None and "a loss scaled before backward()" in other and "world size" not in other
+    reduced = scale_placed(cause, "reduction", None, 2, "ddp")
+    assert reduced is not None and "after every rank's backward, by a comm hook" in reduced
+    assert scale_placed(cause, "forward", None, 2, "ddp") is None  # another place: the numbers' line stands
+    assert scale_placed("likely cause: BatchNorm on shards (bn)", "loss", 0.5, 2, "ddp") is None
