@@ -93,7 +93,9 @@ def test_a_clean_case_passes_and_every_rank_exits_0(tmp_path):
 
 
 @pytest.mark.parametrize("target, cause, where", [
-    ("bugs:summed_loss", "a loss summed over the batch (reduction='sum')", ("loss", 0)),
+    # (the README's launch, tests/e2e/test_readme.py, runs a summed loss in the default suite)
+    pytest.param("bugs:summed_loss", "a loss summed over the batch (reduction='sum')", ("loss", 0),
+                 marks=pytest.mark.breadth),
     pytest.param("bugs:loss_over_world_size", "a mean loss divided by the world size on every rank", ("loss", 0),
                  marks=pytest.mark.breadth),
     ("bugs:batchnorm_on_shards", "BatchNorm on shards", ("forward", 0, "bn", "aten.native_batch_norm.default")),
