@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
-from ddparity.checks.health import Check
 from ddparity.errors import UsageError
 
 THRESHOLDS: dict[str, float] = {
@@ -127,16 +126,26 @@ def judge_device(reading: dict[str, Any], limits: dict[str, float] | None = None
     return out
 
 
+class Verdict(NamedTuple):
+    """The ``hardware`` check's status (pass | warn | fail | skip), its detail, the ranks it names."""
+
+    status: str
+    detail: str
+    ranks: list[int]
+
+
 def judge_hardware(by_rank: dict[int, list[dict[str, Any]] | str],
-                   limits: dict[str, float] | None = None) -> Check:
-    """One ``hardware`` check over every rank's devices: ``skip`` with the reason where no
+                   limits: dict[str, float] | None = None) -> Verdict:
+    """The ``hardware`` check over every rank's devices: ``skip`` with the reason where no
     rank could read any (no GPU, no NVML), else the worst finding's status with each
     finding named by rank and device."""
     readings = {rank: got for rank, got in by_rank.items() if not isinstance(got, str)}
     if not readings:
         reasons = sorted({got for got in by_rank.values() if isinstance(got, str)})
-        return Check("hardware", "skip", "; ".join(reasons) or "nothing read")
-    findings, failing, flagged = [], set(), set()
+        return Verdict("skip", "; ".join(reasons) or "nothing read", [])
+    findings: list[tuple[str, str]] = []
+    failing: set[int] = set()
+    flagged: set[int] = set()
     for rank, devices in sorted(readings.items()):
         for device in devices:
             for check, status, detail in judge_device(device, limits):
@@ -145,12 +154,11 @@ def judge_hardware(by_rank: dict[int, list[dict[str, Any]] | str],
                 (failing if status == "fail" else flagged).add(rank)
     if not findings:
         count = sum(len(d) for d in readings.values())
-        return Check("hardware", "pass", f"{count} device(s) read: ECC, row remapping, clocks, temperature, PCIe, "
-                                         f"NVLink, processes within their limits")
+        return Verdict("pass", f"{count} device(s) read: ECC, row remapping, clocks, temperature, PCIe, NVLink, "
+                               f"processes within their limits", [])
     status = "fail" if failing else "warn"
     ranks = sorted(failing) if failing else sorted(flagged)
-    return Check("hardware", status, "; ".join(text for _, text in sorted(findings, key=lambda f: f[0] != "fail")),
-                 ranks)
+    return Verdict(status, "; ".join(text for _, text in sorted(findings, key=lambda f: f[0] != "fail")), ranks)
 
 
-__all__ = ["FIELDS", "THRESHOLDS", "judge_device", "judge_hardware", "load_thresholds"]
+__all__ = ["FIELDS", "THRESHOLDS", "Verdict", "judge_device", "judge_hardware", "load_thresholds"]

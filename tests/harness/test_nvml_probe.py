@@ -98,3 +98,22 @@ def test_xid_events_raised_while_the_check_ran_are_collected_once():
     nv.nvmlEventSetCreate = lambda: (_ for _ in ()).throw(NotSupported("Not Supported"))
     unwatched = nvml_probe.XidWatch(nv, ["GPU-1"])
     assert unwatched.why.startswith("XID events not watched") and unwatched.collect() == []
+
+
+def test_a_health_rank_reads_its_own_gpu_by_uuid_and_watches_its_xids(monkeypatch):
+    """The rank side of the health check: torch's UUID of the rank's device (without NVML's
+    ``GPU-`` prefix) finds NVML's device; the XIDs raised meanwhile join its reading."""
+    import torch
+
+    from ddparity.harness.ranks import health_probe
+
+    nv = fake_nvml(xids=(94,))
+    asked = []
+    nv.nvmlDeviceGetHandleByUUID = lambda uuid: asked.append(uuid) or uuid
+    nv.nvmlDeviceGetHandleByIndex = lambda index: f"handle {index}"
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="5e1f-77"))
+    readings, watch = health_probe._hardware("cuda:0")
+    assert asked == ["GPU-5e1f-77"] and readings[0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert watch.collect() == [94]
+    assert health_probe._hardware("cpu") == ("no CUDA device (the ranks run on cpu)", None)
