@@ -1,5 +1,5 @@
 """Rank side of the ``hardware`` health check: this rank's GPU as NVML reports it, rootless
-(``nvidia-ml-py``, an optional extra: ``pip install nvidia-ml-py``).
+(``nvidia-ml-py``, an optional extra: ``pip install nvidia-ml-py``, or ``".[nvml]"`` in a clone).
 
 :func:`read_devices` returns one reading per device (the fields of
 :data:`ddparity.checks.hardware.FIELDS`; a field the device or driver does not report is
