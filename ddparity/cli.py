@@ -97,13 +97,13 @@ def _health(args: argparse.Namespace) -> int:
                 _write_data(args.json, report.to_json(), "JSON health report")
 
         try:
-            health_under_torchrun(emit, args.backend, args.timeout, args.min_busbw, args.sizes)
+            health_under_torchrun(emit, args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds)
         except WorldStartError as exc:
             print(f"ddparity: {exc}", file=sys.stderr)
             return Exit.HANG_OR_CRASH
     from ddparity.verbs.health import health
 
-    report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes)
+    report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds)
     _show(report.render())
     if args.json:
         _write_data(args.json, report.to_json(), "JSON health report")

@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "default: measured, not judged)")
     hl.add_argument("--sizes", type=_text(parsing.parse_sizes_mib, "--sizes"), default=None, metavar="MIB,MIB",
                     help=f"all-reduce message sizes in MiB (default {_csv(settings.HEALTH_SIZES_MIB)})")
+    hl.add_argument("--thresholds", metavar="FILE", default=None,
+                    help="a JSON file of the GPU readings' limits, e.g. {\"temperature_c\": 80} (default: gcm's; "
+                         "see docs/health.md)")
     hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
     wt = _verb(sub, "watch", "run your unmodified training script on every rank, watched for hangs, crashes and desync",
                "Run a training script as it is (no Case) in every rank of a launch, with every collective "

@@ -68,3 +68,5 @@ class RankHealth:
     latency_s: float = 0.0
     # (bytes, seconds per all-reduce on this rank) for each size
     allreduce: list[tuple[int, float]] = field(default_factory=list)
+    hardware: list[dict[str, Any]] | str = "not read"
+    """This rank's devices as NVML reports them (:mod:`ddparity.harness.ranks.nvml_probe`), or why not."""

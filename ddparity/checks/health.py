@@ -4,6 +4,9 @@ Checks, in order:
 
 * ``versions``: every rank runs the same torch, CUDA and Python (a mixed image is the
   classic source of silent numerical differences and NCCL mismatches);
+* ``hardware``: each GPU as NVML reports it (ECC, row remapping, clocks, temperature, PCIe,
+  NVLink, other processes, XIDs) against a site's thresholds (:mod:`ddparity.checks.hardware`);
+  ``skip`` with the reason where there is no GPU or no NVML;
 * ``collectives``: all_reduce, broadcast and all_gather of exactly representable values
   give the exact expected result on every rank;
 * ``compute``: a float32 matmul agrees with float64 on the CPU within
@@ -23,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ddparity.checks.comm import bus_factor
+from ddparity.checks.hardware import judge_hardware
 from ddparity.measurements import RankHealth
 
 MATMUL_REL_TOL = 5e-3
@@ -47,10 +51,14 @@ class Bandwidth:
     busbw_gbps: float | None
 
 
-def judge(ranks: list[RankHealth], min_busbw: float | None = None) -> tuple[list[Check], list[Bandwidth]]:
+def judge(ranks: list[RankHealth], min_busbw: float | None = None,
+          limits: dict[str, float] | None = None) -> tuple[list[Check], list[Bandwidth]]:
+    """Every check (see the module docstring); ``limits``: the hardware readings' thresholds
+    (:func:`ddparity.checks.hardware.load_thresholds`, the defaults where None)."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     n = len(ranks)
-    checks = [_versions(ranks), _collectives(ranks), _compute(ranks), _speed(ranks)]
+    checks = [_versions(ranks), Check("hardware", *judge_hardware({r.rank: r.hardware for r in ranks}, limits)),
+              _collectives(ranks), _compute(ranks), _speed(ranks)]
     bandwidth = []
     for i, (nbytes, _) in enumerate(ranks[0].allreduce):
         seconds = max(r.allreduce[i][1] for r in ranks)

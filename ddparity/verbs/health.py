@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import NoReturn
 
+from ddparity.checks.hardware import load_thresholds
 from ddparity.checks.health import judge
 from ddparity.errors import WorldFailure
 from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, parse_fault
@@ -39,12 +40,15 @@ def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
 
 
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
-           min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> HealthReport:
-    """Run the health checks on a local World of real ranks."""
+           min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
+           thresholds: str | None = None) -> HealthReport:
+    """Run the health checks on a local World of real ranks (``thresholds``: a JSON file of
+    the hardware readings' limits, :func:`ddparity.checks.hardware.load_thresholds`)."""
     from ddparity.harness.world.world import World
 
     opts = options(sizes_mib)
     _check_numbers(timeout, min_busbw)
+    limits = load_thresholds(thresholds)
     if world_size is None:
         gpus = rendezvous.cuda_device_count() if backend in ("auto", "nccl") else 0
         world_size = gpus if gpus else HEALTH_CPU_RANKS
@@ -60,12 +64,13 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
     finally:
         world.close()
     report.ranks = list(outcomes)
-    report.checks, report.bandwidth = judge(report.ranks, min_busbw)
+    report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
     return report
 
 
 def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
-                          min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None) -> NoReturn:
+                          min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
+                          thresholds: str | None = None) -> NoReturn:
     """This process's part of a torchrun-launched health check: every launched process
     measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
     to ``emit``; every process exits with its code. Hangs and crashes are found by the
@@ -74,6 +79,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
 
     opts = options(sizes_mib)
     _check_numbers(timeout, min_busbw)
+    limits = load_thresholds(thresholds)
 
     def report_for(backend: str, world_size: int) -> HealthReport:
         return HealthReport("torchrun", backend, world_size,
@@ -89,7 +95,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     ranks = me.run(None, health_task, opts)
     report = report_for(me.ctx.backend, me.ctx.world_size)
     report.ranks = list(ranks)
-    report.checks, report.bandwidth = judge(report.ranks, min_busbw)
+    report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
     emit(report)
     me.watch.finish(report.exit_code)
 

@@ -17,8 +17,16 @@ def rank(r: int, **changes) -> RankHealth:
     base = RankHealth(rank=r, world_size=4, host=f"node{r // 2}", device=f"cuda:{r % 2}", device_name="H200",
                       torch_version="2.13.0", cuda_version="13.0", python_version="3.11.7", gflops=100.0,
                       matmul_max_rel_error=1e-7, matmul_bits=42, latency_s=1e-4,
-                      allreduce=[(1 << 20, 1e-3), (8 << 20, 4e-3)])
+                      allreduce=[(1 << 20, 1e-3), (8 << 20, 4e-3)], hardware=[device(r % 2)])
     return dataclasses.replace(base, **changes)
+
+
+def device(index: int, **changes) -> dict:
+    """A healthy H200 as NVML reads it (the fields it reports here)."""
+    return {"index": index, "name": "NVIDIA H200", "ecc_uncorrected_volatile": 0, "ecc_corrected_volatile": 0,
+            "remap_failed": False, "remap_pending": False, "throttle_reasons": ["gpu_idle"], "temperature_c": 30,
+            "pcie_width": 16, "pcie_width_max": 16, "nvlink_up": 18, "nvlink_max": 18, "other_processes": 0,
+            "xid": [], **changes}
 
 
 def by_name(checks):
@@ -28,11 +36,11 @@ def by_name(checks):
 def test_a_healthy_world_passes_and_bandwidth_uses_the_slowest_rank():
     ranks = [rank(r) for r in range(3)] + [rank(3, allreduce=[(1 << 20, 2e-3), (8 << 20, 8e-3)])]
     checks, bandwidth = judge(ranks)
-    assert [c.status for c in checks] == ["pass"] * 6
+    assert [c.status for c in checks] == ["pass"] * 7
     assert [b.seconds for b in bandwidth] == [2e-3, 8e-3]
     assert bandwidth[1].algbw_gbps == pytest.approx((8 << 20) / 8e-3 / 1e9)
     assert bandwidth[1].busbw_gbps == pytest.approx(bandwidth[1].algbw_gbps * 1.5)  # 2(n-1)/n, n = 4
-    assert "HEALTHY: 6 checks passed" in render(checks, bandwidth, ranks, "hdr")
+    assert "HEALTHY: 7 checks passed" in render(checks, bandwidth, ranks, "hdr")
 
 
 def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
@@ -43,7 +51,7 @@ def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
     assert checks["speed"].status == "skip" and "no other to compare with" in checks["speed"].detail
     assert checks["bandwidth"].status == "skip" and "no links" in checks["bandwidth"].detail
     text = render(list(checks.values()), [], [only], "hdr")
-    assert "HEALTHY: 4 checks passed; speed, bandwidth skipped (nothing to measure)" in text
+    assert "HEALTHY: 5 checks passed; speed, bandwidth skipped (nothing to measure)" in text
 
 
 def test_each_bad_node_fails_its_own_check_naming_the_rank():
@@ -52,6 +60,7 @@ def test_each_bad_node_fails_its_own_check_naming_the_rank():
         "collectives": rank(2, collective_errors=["all_reduce(sum) of 1 float32: 1 wrong element(s)"]),
         "compute": rank(2, matmul_max_rel_error=10 * MATMUL_REL_TOL),
         "speed": rank(2, gflops=30.0),
+        "hardware": rank(2, hardware=[device(0, pcie_width=8)]),
     }
     for name, bad in cases.items():
         ranks = [rank(r) for r in range(4)]
@@ -85,3 +94,13 @@ def test_fault_drill_syntax():
     for bad in ("hang", "hang@x", "melt@1"):
         with pytest.raises(UsageError, match="KIND@RANK"):
             parse_fault(bad)
+
+
+def test_ranks_without_a_readable_gpu_skip_the_hardware_check_with_the_reason():
+    ranks = [rank(r, hardware="no CUDA device (the ranks run on cpu)") for r in range(2)]
+    check = by_name(judge(ranks)[0])["hardware"]
+    assert (check.status, check.detail) == ("skip", "no CUDA device (the ranks run on cpu)")
+    warm = by_name(judge([rank(0), rank(1, hardware=[device(1, temperature_c=90)])],
+                         limits={**__import__("ddparity.checks.hardware", fromlist=["x"]).THRESHOLDS,
+                                 "temperature_c": 95})[0])["hardware"]
+    assert warm.status == "pass"  # a site's limit in place of the default

@@ -16,7 +16,7 @@ import pytest
 from ddparity.harness.world.rendezvous import cuda_device_count
 from tests.e2e.test_cli import ddparity
 
-CHECKS = ["versions", "collectives", "compute", "speed", "bandwidth", "latency"]
+CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency"]
 
 
 def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180):
@@ -39,11 +39,14 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "HEALTHY: 6 checks passed" in result.stdout
+    assert "HEALTHY: 6 checks passed; hardware skipped (nothing to measure)" in result.stdout
     data = json.loads(out.read_text())
     assert (data["version"], data["launcher"], data["backend"], data["world_size"], data["healthy"]) == \
         (1, "local", "gloo", 2, True)
-    assert list(statuses(data)) == CHECKS and {s for s, _ in statuses(data).values()} == {"pass"}
+    assert list(statuses(data)) == CHECKS and {s for n, (s, _) in statuses(data).items() if n != "hardware"} == {"pass"}
+    hardware = next(c for c in data["checks"] if c["name"] == "hardware")  # no GPU here: NVML has nothing to read
+    assert (hardware["status"], hardware["detail"]) == ("skip", "no CUDA device (the ranks run on cpu)")
+    assert all(r["hardware"] == "no CUDA device (the ranks run on cpu)" for r in data["ranks"])
     assert [b["bytes"] for b in data["bandwidth"]] == [1 << 20, 2 << 20]
     assert all(b["seconds"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"]) for b in data["bandwidth"])
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["gflops"] > 0 for r in data["ranks"])
@@ -59,7 +62,7 @@ def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path
     assert f"reproduce: DDPARITY_HEALTH_FAULT={fault} ddparity health --world-size 2 --backend gloo" in result.stdout
     got = statuses(json.loads(out.read_text()))
     assert got[check] == ("fail", [1])
-    assert all(status == "pass" for name, (status, _) in got.items() if name != check)
+    assert all(status == "pass" for name, (status, _) in got.items() if name not in (check, "hardware"))
 
 
 def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():
@@ -117,6 +120,7 @@ def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):
     (("--sizes", "0"), "message sizes must be positive MiB"),
     (("--world-size", "0"), "expected a positive integer"),
     (("--backend", "threaded"), "need real processes"),
+    (("--thresholds", "/no/such/limits.json"), "--thresholds '/no/such/limits.json': cannot read it"),
 ])
 def test_bad_input_exits_2(args, message):
     result = ddparity("health", *args)

@@ -74,6 +74,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
         python_version=platform.python_version(),
     )
+    readings, xids = _hardware(device)
     started = time.perf_counter()
     dist.barrier()
     out.barrier_s = time.perf_counter() - started
@@ -131,7 +132,29 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     for nbytes in options.sizes_bytes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         out.allreduce.append((t.numel() * 4, _time_allreduce(t, options, device)))
+    if not isinstance(readings, str):  # the XIDs raised while the checks ran
+        raised = xids.collect() if xids is not None else []
+        out.hardware = [{**reading, "xid": raised} for reading in readings]
+    else:
+        out.hardware = readings
     return out
+
+
+def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
+    """This rank's GPU read through NVML, and a watch of its XID events, or why there is no reading."""
+    from ddparity.harness.ranks import nvml_probe
+
+    if not device.startswith("cuda"):
+        return f"no CUDA device (the ranks run on {device})", None
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    readings = nvml_probe.read_devices([uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"])
+    if isinstance(readings, str):
+        return readings, None
+    nv = nvml_probe.nvml()
+    return readings, None if isinstance(nv, str) else nvml_probe.XidWatch(
+        nv, [nv.nvmlDeviceGetHandleByIndex(r["index"]) for r in readings])
 
 
 def _time_allreduce(t: Any, options: HealthOptions, device: str) -> float:
