@@ -65,6 +65,19 @@ def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path
     assert all(status == "pass" for name, (status, _) in got.items() if name not in (check, "hardware"))
 
 
+def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tmp_path):
+    """Silent data corruption: one bit of one element of rank 2's matmul, far inside the
+    float64 tolerance; three CPU ranks of one machine compute the same bits, so the odd one
+    is named."""
+    out = tmp_path / "health.json"
+    result = run_health("--world-size", "3", "--json", str(out), fault="flip_bits@2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "UNHEALTHY: compute failed" in result.stdout
+    compute = statuses(json.loads(out.read_text()))["compute"]
+    assert compute == ("fail", [2])
+    assert "rank 2 cpu" in result.stdout and "silent data corruption" in result.stdout
+
+
 def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():
     started = time.monotonic()
     result = run_health("--timeout", "3", fault="hang@1")
