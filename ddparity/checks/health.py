@@ -39,7 +39,7 @@ SLOW_FRACTION = 0.5
 @dataclass(slots=True)
 class Check:
     name: str
-    status: str  # pass | warn | fail | skip (nothing to measure: one rank)
+    status: str  # pass | warn | fail | skip (nothing to measure, or not run: its detail says why)
     detail: str
     ranks: list[int] = field(default_factory=list)
 

@@ -16,7 +16,7 @@ import pytest
 from ddparity.harness.world.rendezvous import cuda_device_count
 from tests.e2e.test_cli import ddparity
 
-CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency"]
+CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency", "training"]
 
 
 def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180):
@@ -39,7 +39,7 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "HEALTHY: 6 checks passed; hardware skipped (nothing to measure)" in result.stdout
+    assert "HEALTHY: 7 checks passed; hardware skipped (each row says why)" in result.stdout
     data = json.loads(out.read_text())
     assert (data["version"], data["launcher"], data["backend"], data["world_size"], data["healthy"]) == \
         (1, "local", "gloo", 2, True)
@@ -47,6 +47,8 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     hardware = next(c for c in data["checks"] if c["name"] == "hardware")  # no GPU here: NVML has nothing to read
     assert (hardware["status"], hardware["detail"]) == ("skip", "no CUDA device (the ranks run on cpu)")
     assert all(r["hardware"] == "no CUDA device (the ranks run on cpu)" for r in data["ranks"])
+    training = next(c for c in data["checks"] if c["name"] == "training")  # the gate ends with a real training
+    assert training["detail"].startswith("a small MLP trains the same under ddp and fsdp at 2 rank(s) as on one device")
     assert [b["bytes"] for b in data["bandwidth"]] == [1 << 20, 2 << 20]
     assert all(b["seconds"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"]) for b in data["bandwidth"])
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["gflops"] > 0 for r in data["ranks"])
@@ -78,6 +80,20 @@ def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tm
     assert "rank 2 cpu" in result.stdout and "silent data corruption" in result.stdout
 
 
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "last"])
+def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_path):
+    """Every other check passes (the collectives, the matmul, the links are fine); only a
+    real training step shows that one rank's replica trains otherwise."""
+    out = tmp_path / "health.json"
+    result = run_health("--json", str(out), fault=f"wrong_step@{rank}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "UNHEALTHY: training failed" in result.stdout
+    got = statuses(json.loads(out.read_text()))
+    assert got["training"] == ("fail", [rank])
+    assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware"))
+    assert f"rank {rank} alone drifts" in result.stdout
+
+
 def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():
     started = time.monotonic()
     result = run_health("--timeout", "3", fault="hang@1")
@@ -107,7 +123,7 @@ def test_under_torchrun_rank_0_reports_and_every_rank_agrees(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), torchrun=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("HEALTHY: 6 checks passed") == 1  # rank 0 only
+    assert result.stdout.count("HEALTHY: 6 checks passed; hardware, training skipped") == 1  # rank 0 only
     data = json.loads(out.read_text())
     assert (data["launcher"], data["world_size"], data["healthy"]) == ("torchrun", 2, True)
     bad = run_health(torchrun=True, fault="wrong_allreduce@1")

@@ -9,6 +9,8 @@ Fault drills: ``DDPARITY_HEALTH_FAULT=KIND@RANK`` makes that rank misbehave the 
 nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_allreduce``
 (a corrupted reduction result), ``wrong_matmul`` (a device that computes wrong),
 ``flip_bits`` (silent data corruption: one bit of one result, far inside any tolerance),
+``wrong_step`` (a rank whose replica trains wrong: the gate's training check, in
+:mod:`ddparity.verbs.health`),
 ``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
 collective).
 """
@@ -29,7 +31,7 @@ from ddparity.measurements import RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
-FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "hang")
+FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "wrong_step", "hang")
 MATMUL_N = 256
 CORRECTNESS_NUMELS = (1, 1000, 262_144)
 
