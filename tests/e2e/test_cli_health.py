@@ -55,7 +55,8 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
 
 
 @pytest.mark.parametrize(("fault", "check"), [
-    ("wrong_allreduce@1", "collectives"), ("wrong_matmul@1", "compute"), ("slow_compute@1", "speed")])
+    ("wrong_allreduce@1", "collectives"), ("wrong_matmul@1", "compute"),
+    pytest.param("slow_compute@1", "speed", marks=pytest.mark.breadth)])  # (speed's rule: tests/checks/test_health.py)
 def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), fault=fault)
@@ -80,7 +81,7 @@ def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tm
     assert "rank 2 cpu" in result.stdout and "silent data corruption" in result.stdout
 
 
-@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "last"])
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.breadth)], ids=["rank0", "last"])
 def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_path):
     """Every other check passes (the collectives, the matmul, the links are fine); only a
     real training step shows that one rank's replica trains otherwise."""
