@@ -64,6 +64,9 @@ class RankHealth:
     collective_errors: list[str] = field(default_factory=list)
     matmul_max_rel_error: float = 0.0
     matmul_bits: int = 0
+    """A digest of the float32 matmul's result bits (equal devices of one model give equal ones)."""
+    matmul_bits_bf16: int = 0
+    """The same of the bfloat16 matmul."""
     gflops: float = 0.0
     latency_s: float = 0.0
     # (bytes, seconds per all-reduce on this rank) for each size

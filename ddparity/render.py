@@ -346,5 +346,5 @@ def render_health(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[R
     lines.append("")
     lines.append(f"UNHEALTHY: {', '.join(c.name for c in failed)} failed" if failed else
                  f"HEALTHY: {passed} checks passed" + (" (with warnings)" if any(c.status == "warn" for c in checks) else "")
-                 + (f"; {', '.join(skipped)} skipped (nothing to measure)" if skipped else ""))
+                 + (f"; {', '.join(skipped)} skipped (each row says why)" if skipped else ""))
     return "\n".join(lines) + "\n"

@@ -11,7 +11,8 @@ Checks, in order:
   give the exact expected result on every rank;
 * ``compute``: a float32 matmul agrees with float64 on the CPU within
   :data:`MATMUL_REL_TOL` on every rank (a device that computes wrong), and ranks with the
-  same device model agree bit for bit (``warn`` otherwise);
+  same device model agree bit for bit in it and in a bfloat16 one (silent data corruption:
+  ``fail`` naming the rank and device; ``warn`` for CPUs on several hosts);
 * ``speed``: no rank's matmul throughput is below :data:`SLOW_FRACTION` of the other
   ranks' median (a throttled or misconfigured device stalls every step of every rank);
 * ``bandwidth``: all-reduce bus bandwidth per message size (slowest rank), against
@@ -38,7 +39,7 @@ SLOW_FRACTION = 0.5
 @dataclass(slots=True)
 class Check:
     name: str
-    status: str  # pass | warn | fail | skip (nothing to measure: one rank)
+    status: str  # pass | warn | fail | skip (nothing to measure, or not run: its detail says why)
     detail: str
     ranks: list[int] = field(default_factory=list)
 
@@ -99,17 +100,41 @@ def _compute(ranks: list[RankHealth]) -> Check:
         return Check("compute", "fail", f"matmul off by {worst.matmul_max_rel_error:.2g} (relative, vs float64; "
                                         f"limit {MATMUL_REL_TOL:g}) on rank(s) {[r.rank for r in bad]}",
                      [r.rank for r in bad])
-    odd: list[int] = []
-    for name in {r.device_name for r in ranks}:
-        group = [r for r in ranks if r.device_name == name]
-        common = Counter(r.matmul_bits for r in group).most_common(1)[0][0]
-        odd += [r.rank for r in group if r.matmul_bits != common]
-    if odd:
-        return Check("compute", "warn", f"matmul within tolerance everywhere, but rank(s) {sorted(odd)} differ "
-                                        f"bit for bit from others with the same device", sorted(odd))
+    disagreeing = [found for name in sorted({r.device_name for r in ranks})
+                   for found in [_disagreeing([r for r in ranks if r.device_name == name])] if found]
+    if disagreeing:
+        status = "fail" if any(level == "fail" for level, _, _ in disagreeing) else "warn"
+        named = sorted({rank for _, _, suspects in disagreeing for rank in suspects})
+        return Check("compute", status, "; ".join(text for _, text, _ in disagreeing), named)
     largest = max(r.matmul_max_rel_error for r in ranks)
     return Check("compute", "pass", f"matmul matches float64 on every rank (max relative error {largest:.1e}), "
                                     f"identical bits per device model")
+
+
+def _disagreeing(group: list[RankHealth]) -> tuple[str, str, list[int]] | None:
+    """Ranks of one device model whose matmul (float32, then bfloat16) gives other bits than
+    the rest: silent data corruption, a ``fail`` naming them where the group is GPUs of one
+    model or one machine's CPUs (the same seeded product must be bit for bit the same),
+    ``warn`` for CPUs on several hosts (their name says no model). Without a majority every
+    rank of the group is named, and the text says none is known to be the wrong one."""
+    for digest, precision in (("matmul_bits", "float32"), ("matmul_bits_bf16", "bfloat16")):
+        counts = Counter(getattr(r, digest) for r in group).most_common()
+        if len(counts) < 2:
+            continue
+        name = group[0].device_name
+        same = all(r.device.startswith("cuda") for r in group) or len({r.host for r in group}) == 1
+        level = "fail" if same else "warn"
+        if counts[0][1] == counts[1][1]:  # no majority
+            ranks = sorted(r.rank for r in group)
+            return level, (f"rank(s) {ranks} ({name}) disagree bit for bit in the same seeded {precision} matmul, "
+                           f"and no majority says which is right: silent data corruption on one of them (add a "
+                           f"device of the model, or swap one out)"), ranks
+        odd = sorted(r.rank for r in group if getattr(r, digest) != counts[0][0])
+        where = ", ".join(f"rank {r.rank} {r.device}" for r in group if r.rank in odd)
+        return level, (f"{where} ({name}) compute other bits than the {counts[0][1]} other {name} device(s) in the "
+                       f"same seeded {precision} matmul: silent data corruption"
+                       + ("" if same else " (or other CPUs on other hosts: their name says no model)")), odd
+    return None
 
 
 def _speed(ranks: list[RankHealth]) -> Check:

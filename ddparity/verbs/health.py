@@ -8,27 +8,32 @@ The ranks measure (:mod:`ddparity.harness.ranks.health_probe`), rank 0 or the co
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from ddparity.case import Case
 from ddparity.checks.hardware import load_thresholds
-from ddparity.checks.health import judge
+from ddparity.checks.health import Check, judge
 from ddparity.errors import WorldFailure
 from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, parse_fault
 from ddparity.harness.world import rendezvous
 from ddparity.render import render_failure
 from ddparity.report import HealthReport
+from ddparity.run_kinds import kind
 from ddparity.settings import (
     HEALTH_CPU_RANKS,
+    NEWER_TORCH,
     TIMEOUT_S,
+    torch_release,
     validate_min_busbw,
     validate_sizes_mib,
     validate_timeout,
     validate_world_size,
 )
 from ddparity.verbs.plan import failure, health_repro
-from ddparity.verdicts import Failure
+from ddparity.verdicts import Failure, RunResult
 
 
 def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
@@ -65,7 +70,80 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
         world.close()
     report.ranks = list(outcomes)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
+    report.checks.append(training(world_size, chosen, timeout))
     return report
+
+
+TRAINING_STEPS = 3
+"""The gate's training: a small MLP, SGD, this many steps, 8 samples a rank."""
+
+
+def _step(model: Any, batch: Any, optimizer: Any, ctx: Any, drilled: int | None = None) -> Any:
+    """ddparity's own step (cross-entropy, SGD); on the drilled rank (``wrong_step@RANK``)
+    the replica moves before its first step, as a node that trains wrong would."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = batch
+    if drilled is not None and ctx.world_size > 1 and ctx.rank == drilled and not getattr(model, "_drilled", False):
+        model._drilled = True
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def training(world_size: int, backend: str, timeout: float) -> Check:
+    """The gate's last check: a real training step, ``check`` of a small built-in MLP across
+    the world (DDP, and FSDP2 where this torch runs it) against one device; ``fail`` names
+    the runs that differ, hang or crash, and the ranks they blame."""
+    from ddparity.fixtures.models import MLP, vectors
+    from ddparity.harness.world.pool import WorldPool
+    from ddparity.verbs.check import check
+
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    drilled = fault[1] if fault and fault[0] == "wrong_step" else None
+    case = Case(model=MLP, data=functools.partial(vectors, batch=8 * world_size), optimizer="sgd", lr=0.1,
+                steps=TRAINING_STEPS, train_step=functools.partial(_step, drilled=drilled),
+                name="health: MLP + SGD")
+    modes = ("single", "ddp", "fsdp") if torch_release() >= NEWER_TORCH else ("single", "ddp")
+    pool = WorldPool()
+    try:
+        report = check(case, modes=modes, world_sizes=(world_size,), backend=backend, timeout=timeout, pool=pool)
+    finally:
+        pool.close()
+    runs = [r for r in report.runs if not kind(r.mode).reference]
+    bad = [r for r in runs if r.status not in ("pass", "skipped")]
+    if not bad:
+        ran = [r.mode for r in runs if r.status == "pass"]
+        return Check("training", "pass", f"a small MLP trains the same under {' and '.join(ran)} at {world_size} "
+                                         f"rank(s) as on one device ({TRAINING_STEPS} SGD steps)")
+    ranks = sorted({rank for r in bad for rank in _blamed(r)})
+    said = "; ".join(f"{r.mode} at {world_size} rank(s) {r.status.upper()}" + _why(r) for r in bad)
+    return Check("training", "fail", f"a small MLP trains differently than on one device: {said}", ranks)
+
+
+def _blamed(run: RunResult) -> list[int]:
+    """The ranks a run's own evidence names: a desync's (replicas that drift apart), a hang's
+    suspects, the crashed rank; a divergence names none (where it was first seen is not who
+    caused it: under FSDP every rank sees a shard's error)."""
+    if run.desync is not None:
+        return list(run.desync.ranks)
+    if run.hang is not None:
+        return list(run.hang.suspect_ranks)
+    return [run.crash.rank] if run.crash is not None else []
+
+
+def _why(run: RunResult) -> str:
+    cause = next((n[len("likely cause: "):] for n in run.notes if n.startswith("likely cause: ")), None)
+    if cause:
+        return f" ({cause.split(';')[0]})"
+    if run.first_divergence is not None:
+        return f" (first divergence: {run.first_divergence.where})"
+    return f" ({run.reason.splitlines()[0]})" if run.reason else ""
 
 
 def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
@@ -96,6 +174,8 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     report = report_for(me.ctx.backend, me.ctx.world_size)
     report.ranks = list(ranks)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
+    report.checks.append(Check("training", "skip", "not yet in a launch: after the gate, run torchrun <the same "
+                                                   "launch options> -m ddparity check ddparity.fixtures.models:mlp_sgd"))
     emit(report)
     me.watch.finish(report.exit_code)
 

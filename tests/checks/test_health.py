@@ -51,7 +51,7 @@ def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
     assert checks["speed"].status == "skip" and "no other to compare with" in checks["speed"].detail
     assert checks["bandwidth"].status == "skip" and "no links" in checks["bandwidth"].detail
     text = render(list(checks.values()), [], [only], "hdr")
-    assert "HEALTHY: 5 checks passed; speed, bandwidth skipped (nothing to measure)" in text
+    assert "HEALTHY: 5 checks passed; speed, bandwidth skipped (each row says why)" in text
 
 
 def test_each_bad_node_fails_its_own_check_naming_the_rank():
@@ -78,12 +78,26 @@ def test_with_two_ranks_a_rank_at_less_than_half_the_others_speed_is_caught():
     assert check.status == "pass"
 
 
-def test_same_model_different_bits_is_a_warning_and_min_busbw_a_failure():
+def test_a_device_whose_bits_differ_from_its_models_is_silent_data_corruption_named():
+    """GPUs of one model (or one machine's CPUs) run the same seeded matmul bit for bit: the
+    odd one out fails, named with its device, in float32 or in bfloat16; without a majority
+    every one is named and the text says none is known to be the wrong one; CPUs on several
+    hosts only warn (their name says no model); min-busbw is a failure of its own."""
     ranks = [rank(r) for r in range(4)]
     ranks[1] = rank(1, matmul_bits=43)
     checks = by_name(judge(ranks, min_busbw=1000.0)[0])
-    assert (checks["compute"].status, checks["compute"].ranks) == ("warn", [1])
+    assert (checks["compute"].status, checks["compute"].ranks) == ("fail", [1])
+    assert checks["compute"].detail == ("rank 1 cuda:1 (H200) compute other bits than the 3 other H200 device(s) in "
+                                        "the same seeded float32 matmul: silent data corruption")
     assert checks["bandwidth"].status == "fail" and "below --min-busbw 1000 GB/s" in checks["bandwidth"].detail
+    low = [rank(r) for r in range(3)] + [rank(3, matmul_bits_bf16=9)]
+    assert by_name(judge(low)[0])["compute"].ranks == [3] and "bfloat16" in by_name(judge(low)[0])["compute"].detail
+    two = by_name(judge([rank(0, world_size=2), rank(1, world_size=2, matmul_bits=43)])[0])["compute"]
+    assert (two.status, two.ranks) == ("fail", [0, 1]) and "no majority says which is right" in two.detail
+    cpus = [rank(r, device="cpu", host=f"node{r}") for r in range(3)]
+    cpus[2] = rank(2, device="cpu", host="node2", matmul_bits=43)
+    spread = by_name(judge(cpus)[0])["compute"]
+    assert (spread.status, spread.ranks) == ("warn", [2]) and "other CPUs on other hosts" in spread.detail
     mixed = [rank(0), rank(1, device_name="A100", matmul_bits=7)]  # other hardware may round differently
     assert by_name(judge(mixed)[0])["compute"].status == "pass"
 

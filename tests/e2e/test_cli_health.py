@@ -16,7 +16,7 @@ import pytest
 from ddparity.harness.world.rendezvous import cuda_device_count
 from tests.e2e.test_cli import ddparity
 
-CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency"]
+CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency", "training"]
 
 
 def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180):
@@ -39,7 +39,7 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "HEALTHY: 6 checks passed; hardware skipped (nothing to measure)" in result.stdout
+    assert "HEALTHY: 7 checks passed; hardware skipped (each row says why)" in result.stdout
     data = json.loads(out.read_text())
     assert (data["version"], data["launcher"], data["backend"], data["world_size"], data["healthy"]) == \
         (1, "local", "gloo", 2, True)
@@ -47,13 +47,16 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     hardware = next(c for c in data["checks"] if c["name"] == "hardware")  # no GPU here: NVML has nothing to read
     assert (hardware["status"], hardware["detail"]) == ("skip", "no CUDA device (the ranks run on cpu)")
     assert all(r["hardware"] == "no CUDA device (the ranks run on cpu)" for r in data["ranks"])
+    training = next(c for c in data["checks"] if c["name"] == "training")  # the gate ends with a real training
+    assert training["detail"].startswith("a small MLP trains the same under ddp and fsdp at 2 rank(s) as on one device")
     assert [b["bytes"] for b in data["bandwidth"]] == [1 << 20, 2 << 20]
     assert all(b["seconds"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"]) for b in data["bandwidth"])
     assert [r["rank"] for r in data["ranks"]] == [0, 1] and all(r["gflops"] > 0 for r in data["ranks"])
 
 
 @pytest.mark.parametrize(("fault", "check"), [
-    ("wrong_allreduce@1", "collectives"), ("wrong_matmul@1", "compute"), ("slow_compute@1", "speed")])
+    ("wrong_allreduce@1", "collectives"), ("wrong_matmul@1", "compute"),
+    pytest.param("slow_compute@1", "speed", marks=pytest.mark.breadth)])  # (speed's rule: tests/checks/test_health.py)
 def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), fault=fault)
@@ -63,6 +66,33 @@ def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path
     got = statuses(json.loads(out.read_text()))
     assert got[check] == ("fail", [1])
     assert all(status == "pass" for name, (status, _) in got.items() if name not in (check, "hardware"))
+
+
+def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tmp_path):
+    """Silent data corruption: one bit of one element of rank 2's matmul, far inside the
+    float64 tolerance; three CPU ranks of one machine compute the same bits, so the odd one
+    is named."""
+    out = tmp_path / "health.json"
+    result = run_health("--world-size", "3", "--json", str(out), fault="flip_bits@2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "UNHEALTHY: compute failed" in result.stdout
+    compute = statuses(json.loads(out.read_text()))["compute"]
+    assert compute == ("fail", [2])
+    assert "rank 2 cpu" in result.stdout and "silent data corruption" in result.stdout
+
+
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.breadth)], ids=["rank0", "last"])
+def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_path):
+    """Every other check passes (the collectives, the matmul, the links are fine); only a
+    real training step shows that one rank's replica trains otherwise."""
+    out = tmp_path / "health.json"
+    result = run_health("--json", str(out), fault=f"wrong_step@{rank}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "UNHEALTHY: training failed" in result.stdout
+    got = statuses(json.loads(out.read_text()))
+    assert got["training"] == ("fail", [rank])
+    assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware"))
+    assert f"rank {rank} alone drifts" in result.stdout
 
 
 def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():
@@ -94,7 +124,7 @@ def test_under_torchrun_rank_0_reports_and_every_rank_agrees(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), torchrun=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("HEALTHY: 6 checks passed") == 1  # rank 0 only
+    assert result.stdout.count("HEALTHY: 6 checks passed; hardware, training skipped") == 1  # rank 0 only
     data = json.loads(out.read_text())
     assert (data["launcher"], data["world_size"], data["healthy"]) == ("torchrun", 2, True)
     bad = run_health(torchrun=True, fault="wrong_allreduce@1")

@@ -8,6 +8,9 @@ and every rank calls :func:`health_task` with the same options. Results are plai
 Fault drills: ``DDPARITY_HEALTH_FAULT=KIND@RANK`` makes that rank misbehave the way bad
 nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_allreduce``
 (a corrupted reduction result), ``wrong_matmul`` (a device that computes wrong),
+``flip_bits`` (silent data corruption: one bit of one result, far inside any tolerance),
+``wrong_step`` (a rank whose replica trains wrong: the gate's training check, in
+:mod:`ddparity.verbs.health`),
 ``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
 collective).
 """
@@ -28,7 +31,7 @@ from ddparity.measurements import RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
-FAULTS = ("wrong_allreduce", "wrong_matmul", "slow_compute", "hang")
+FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "wrong_step", "hang")
 MATMUL_N = 256
 CORRECTNESS_NUMELS = (1, 1000, 262_144)
 
@@ -106,8 +109,11 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     product = (da @ db).cpu()
     if mine == "wrong_matmul":
         product[0, 0] += 0.05 * product.abs().max()
+    if mine == "flip_bits":  # the lowest mantissa bit of one element: no tolerance can see it, only the bits
+        product.view(torch.int32)[0, 0] ^= 1
     out.matmul_max_rel_error = float(((product.double() - reference).abs().max() / reference.abs().max()).item())
-    out.matmul_bits = int(product.view(torch.int32).sum().item())
+    out.matmul_bits = _digest(product)
+    out.matmul_bits_bf16 = _digest((da.bfloat16() @ db.bfloat16()).cpu())  # another precision, other kernels
     # The best of up to 20 short blocks: a rank preempted for a moment (other work on the
     # machine) is not a slow device; one that is slow in every block is.
     reps = 20 if device.startswith("cuda") else 5
@@ -155,6 +161,16 @@ def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
     nv = nvml_probe.nvml()
     return readings, None if isinstance(nv, str) else nvml_probe.XidWatch(
         nv, [nv.nvmlDeviceGetHandleByIndex(r["index"]) for r in readings])
+
+
+def _digest(t: Any) -> int:
+    """A number that any change of any bit of ``t`` changes (its bytes hashed, 63 bits)."""
+    import hashlib
+
+    import torch
+
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 1
 
 
 def _time_allreduce(t: Any, options: HealthOptions, device: str) -> float:
