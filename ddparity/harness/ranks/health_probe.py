@@ -154,13 +154,7 @@ def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
         return f"no CUDA device (the ranks run on {device})", None
     import torch
 
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    readings = nvml_probe.read_devices([uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"])
-    if isinstance(readings, str):
-        return readings, None
-    nv = nvml_probe.nvml()
-    return readings, None if isinstance(nv, str) else nvml_probe.XidWatch(
-        nv, [nv.nvmlDeviceGetHandleByIndex(r["index"]) for r in readings])
+    return nvml_probe.watched(str(torch.cuda.get_device_properties(device).uuid))
 
 
 def _digest(t: Any) -> int:

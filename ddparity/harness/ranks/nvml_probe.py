@@ -93,6 +93,24 @@ def reading(nv: Any, index: int, handle: Any) -> dict[str, Any]:
 def read_devices(uuids: list[str]) -> list[dict[str, Any]] | str:
     """The readings of the devices with these UUIDs (a rank's own, as torch names them), or
     why there are none."""
+    found = _opened(uuids)
+    return found if isinstance(found, str) else [reading(nv, index, handle) for nv, index, handle in found]
+
+
+def watched(torch_uuid: str) -> tuple[list[dict[str, Any]] | str, XidWatch | None]:
+    """The reading of the device torch calls ``torch_uuid`` (NVML's ``GPU-`` prefix added
+    where torch leaves it out) and a watch of its XID events from now on; or why there is
+    no reading, and no watch."""
+    uuid = torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}"
+    found = _opened([uuid])
+    if isinstance(found, str):
+        return found, None
+    return ([reading(nv, index, handle) for nv, index, handle in found],
+            XidWatch(found[0][0], [handle for _, _, handle in found]))
+
+
+def _opened(uuids: list[str]) -> list[tuple[Any, int, Any]] | str:
+    """NVML (started once) with each device's index and handle, or why not."""
     if not uuids:
         return "no CUDA device"
     nv = nvml()
@@ -103,7 +121,7 @@ def read_devices(uuids: list[str]) -> list[dict[str, Any]] | str:
         handle = _or_none(nv.nvmlDeviceGetHandleByUUID, uuid)
         if handle is None:
             return f"NVML does not know device {uuid}"
-        out.append(reading(nv, _or_none(nv.nvmlDeviceGetIndex, handle) or 0, handle))
+        out.append((nv, _or_none(nv.nvmlDeviceGetIndex, handle) or 0, handle))
     return out
 
 
@@ -136,4 +154,4 @@ class XidWatch:
         return xids
 
 
-__all__ = ["THROTTLE_BITS", "XidWatch", "nvml", "read_devices", "reading"]
+__all__ = ["THROTTLE_BITS", "XidWatch", "nvml", "read_devices", "reading", "watched"]
