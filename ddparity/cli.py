@@ -81,12 +81,13 @@ def _silence(stream: Any) -> None:
 
 def _health(args: argparse.Namespace) -> int:
     from ddparity.harness.launch import torchrun
+    from ddparity.verbs.health import health, health_under_torchrun
 
     if not torchrun.launched() or os.environ.get("RANK") == "0":
         _check_writable(args.json, "JSON health report")
+    given = (args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds, args.pairwise)
     if torchrun.launched():
         from ddparity.errors import WorldStartError
-        from ddparity.verbs.health import health_under_torchrun
 
         if args.world_size is not None:
             raise UsageError("--world-size is torchrun's to decide here (--nnodes x --nproc-per-node)")
@@ -97,13 +98,11 @@ def _health(args: argparse.Namespace) -> int:
                 _write_data(args.json, report.to_json(), "JSON health report")
 
         try:
-            health_under_torchrun(emit, args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds)
+            health_under_torchrun(emit, *given)
         except WorldStartError as exc:
             print(f"ddparity: {exc}", file=sys.stderr)
             return Exit.HANG_OR_CRASH
-    from ddparity.verbs.health import health
-
-    report = health(args.world_size, args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds)
+    report = health(args.world_size, *given)
     _show(report.render())
     if args.json:
         _write_data(args.json, report.to_json(), "JSON health report")

@@ -49,6 +49,7 @@ ddparity's options come before the script's path, the script's own after it
 HEALTH_EXAMPLES = """examples:
   ddparity health                                       this machine: 2 CPU ranks, or one per GPU
   ddparity health --min-busbw 100                       fail below 100 GB/s of all-reduce bus bandwidth
+  ddparity health --world-size 4 --pairwise             which pair of ranks has a slow link
   torchrun --nnodes 2 --nproc-per-node 8 ... -m ddparity health --json health.json
 """
 
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     hl.add_argument("--thresholds", metavar="FILE", default=None,
                     help="a JSON file of the GPU readings' limits, e.g. {\"temperature_c\": 80} (default: gcm's; "
                          "see docs/health.md)")
+    hl.add_argument("--pairwise", action="store_true",
+                    help="also time an all-reduce pair by pair of nodes (of ranks on one node) and name a slow "
+                         "link; under nccl locally, again through the network alone")
     hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
     wt = _verb(sub, "watch", "run your unmodified training script on every rank, watched for hangs, crashes and desync",
                "Run a training script as it is (no Case) in every rank of a launch, with every collective "

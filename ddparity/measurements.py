@@ -50,6 +50,21 @@ class RankProfile:
 
 
 @dataclass(slots=True)
+class PairTiming:
+    """One all-reduce between two ranks alone (``--pairwise``): ``a`` and ``b`` the ranks,
+    standing for their nodes where ``unit`` is ``node``; seconds the median of a few."""
+
+    a: int
+    b: int
+    nbytes: int
+    seconds: float
+    unit: str = "rank"  # rank | node
+    network_only: bool = False
+    """Measured with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: through the network, never NVLink
+    or shared memory."""
+
+
+@dataclass(slots=True)
 class RankHealth:
     rank: int
     world_size: int
@@ -71,5 +86,7 @@ class RankHealth:
     latency_s: float = 0.0
     # (bytes, seconds per all-reduce on this rank) for each size
     allreduce: list[tuple[int, float]] = field(default_factory=list)
+    pairs: list[PairTiming] = field(default_factory=list)
+    """The pairs this rank was one end of (``--pairwise``)."""
     hardware: list[dict[str, Any]] | str = "not read"
     """This rank's devices as NVML reports them (:mod:`ddparity.harness.ranks.nvml_probe`), or why not."""

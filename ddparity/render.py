@@ -13,7 +13,7 @@ from ddparity.run_kinds import kind
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
-    from ddparity.checks.health import Bandwidth, Check
+    from ddparity.checks.health import Bandwidth, Check, PairBandwidth
     from ddparity.measurements import RankHealth
     from ddparity.verdicts import Crash, Desync, Failure, Hang, ModuleFinding, RankPlace, RunResult
 
@@ -329,13 +329,20 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
 # -- health ------------------------------------------------------------------------------
 
 
-def render_health(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth], header: str) -> str:
-    """The health table: checks, bandwidth per size, every rank, then the verdict."""
+def render_health(checks: list[Check], bandwidth: list[Bandwidth], ranks: list[RankHealth], header: str,
+                  pairs: Sequence[PairBandwidth] = ()) -> str:
+    """The health table: checks, bandwidth per size, per pair (``--pairwise``), every rank,
+    then the verdict."""
     lines = [header, *table([["check", "status", "detail"], *[[c.name, c.status.upper(), c.detail] for c in checks]]), ""]
     if bandwidth:
         lines += table([["size", "time", "algbw GB/s", "busbw GB/s"],
                         *[[f"{b.bytes / 2**20:g} MiB", f"{b.seconds * 1e3:.2f} ms", f"{b.algbw_gbps:.3f}",
                            "-" if b.busbw_gbps is None else f"{b.busbw_gbps:.3f}"] for b in bandwidth]])
+        lines.append("")
+    if pairs:
+        lines += table([["pair", "time", "busbw GB/s", "through"],
+                        *[[f"{p.unit}s {p.a}-{p.b}", f"{p.seconds * 1e3:.2f} ms", f"{p.busbw_gbps:.3f}",
+                           "network only" if p.network_only else "any transport"] for p in pairs]])
         lines.append("")
     lines += table([["rank", "host", "device", "GFLOP/s", "barrier"],
                     *[[str(r.rank), r.host, f"{r.device} ({r.device_name})", f"{r.gflops:.1f}",

@@ -15,7 +15,7 @@ from ddparity.verdicts import Failure, RunResult, exit_code, json_or_none
 
 if TYPE_CHECKING:
     from ddparity.checks.comm import WorldProfile
-    from ddparity.checks.health import Bandwidth, Check
+    from ddparity.checks.health import Bandwidth, Check, PairBandwidth
     from ddparity.measurements import RankHealth
 
 @dataclass
@@ -97,6 +97,8 @@ class HealthReport:
     world_size: int
     checks: list[Check] = field(default_factory=list)
     bandwidth: list[Bandwidth] = field(default_factory=list)
+    pairs: list[PairBandwidth] = field(default_factory=list)
+    """``--pairwise``: every pair's all-reduce (and again through the network alone, on nccl)."""
     ranks: list[RankHealth] = field(default_factory=list)
     failure: Failure | None = None
     """Why the health check could not finish (``hang``, ``crash``, ``error``); its reason the
@@ -120,7 +122,7 @@ class HealthReport:
             return f"{header}\n{self.failure.status.upper()}: {self.failure.reason}\nreproduce: {self.repro}\n"
         from ddparity.render import render_health
 
-        text = render_health(self.checks, self.bandwidth, self.ranks, header)
+        text = render_health(self.checks, self.bandwidth, self.ranks, header, self.pairs)
         return text if self.healthy else f"{text}reproduce: {self.repro}\n"
 
     def to_json(self) -> dict[str, Any]:
@@ -129,10 +131,12 @@ class HealthReport:
         if self.failure is not None:
             failed = {"status": self.failure.status, "reason": self.failure.reason,
                       "hang": json_or_none(self.failure.hang), "crash": json_or_none(self.failure.crash)}
-            return {**data, "healthy": False, "failure": failed, "checks": [], "bandwidth": [], "ranks": []}
+            return {**data, "healthy": False, "failure": failed, "checks": [], "bandwidth": [], "pairs": [],
+                    "ranks": []}
         return {**data, "healthy": self.healthy,
                 "checks": [asdict(c) for c in self.checks],
                 "bandwidth": [asdict(b) for b in self.bandwidth],
+                "pairs": [asdict(p) for p in self.pairs],
                 "ranks": [asdict(r) for r in sorted(self.ranks, key=lambda r: r.rank)]}
 
     def dumps(self) -> str:

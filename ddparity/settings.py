@@ -292,6 +292,10 @@ class WorldSpec:
     forked from the controller: for a process that runs many threads of torch work."""
     error_grace: float = 0.5
     """After a rank raised, how long the others may keep running before they are stopped."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables each rank sets before its process group starts (NCCL reads its
+    own once, at a process's first communicator: ``NCCL_P2P_DISABLE`` can only reach a fresh
+    rank)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -304,6 +308,9 @@ class WorldSpec:
                 raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
             raise UsageError(f"threads_per_rank must be an int >= 1, got {self.threads_per_rank!r}")
+        if not all(isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(v, str) for v in pair)
+                   for pair in self.env):
+            raise UsageError(f"env must be (name, value) pairs of strings, got {self.env!r}")
 
 
 def _sequence(value: Any, name: str, where: str, example: str = "(1, 2, 4)") -> Any:

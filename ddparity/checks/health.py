@@ -17,7 +17,10 @@ Checks, in order:
   ranks' median (a throttled or misconfigured device stalls every step of every rank);
 * ``bandwidth``: all-reduce bus bandwidth per message size (slowest rank), against
   ``--min-busbw`` at the largest size when given;
-* ``latency``: a one-element all-reduce (reported).
+* ``latency``: a one-element all-reduce (reported);
+* ``pairwise`` (``--pairwise``): all-reduce bus bandwidth pair by pair of nodes (of ranks
+  on one node); a node whose pairs run below :data:`SLOW_FRACTION` of the others', or a
+  pair below that of the median pair's, fails, named (:func:`judge_pairs`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ddparity.checks.comm import bus_factor
 from ddparity.checks.hardware import judge_hardware
-from ddparity.measurements import RankHealth
+from ddparity.measurements import PairTiming, RankHealth
 
 MATMUL_REL_TOL = 5e-3
 """float32 (or TF32) against float64: ~1e-6 (~1e-3 with TF32); a wrong device is far off."""
@@ -50,6 +53,62 @@ class Bandwidth:
     seconds: float
     algbw_gbps: float
     busbw_gbps: float | None
+
+
+@dataclass(slots=True)
+class PairBandwidth:
+    a: int
+    b: int
+    bytes: int
+    seconds: float
+    busbw_gbps: float
+    unit: str  # rank | node (each node by its lowest rank)
+    network_only: bool
+
+
+def judge_pairs(timings: list[PairTiming], name: str = "pairwise") -> tuple[Check, list[PairBandwidth]]:
+    """Which link is slow: each pair's all-reduce bus bandwidth (its slower end's time; with
+    two ranks bus and algorithm bandwidth are equal). A node (rank) whose pairs' median is
+    below :data:`SLOW_FRACTION` of the median of the pairs without it is named; then a pair
+    below that fraction of the median of the pairs left. Medians, not the fastest pair: one
+    pair's lucky run must not make the others slow (on 4 CPU ranks here pairs spread
+    0.70-1.57x their median at 2 MiB, 0.78-1.21x at 32 MiB)."""
+    slowest: dict[tuple[int, int], PairTiming] = {}
+    for t in timings:
+        key = (t.a, t.b)
+        if key not in slowest or t.seconds > slowest[key].seconds:
+            slowest[key] = t
+    rows = [PairBandwidth(t.a, t.b, t.nbytes, t.seconds, t.nbytes / t.seconds / 1e9 if t.seconds > 0 else 0.0,
+                          t.unit, t.network_only) for _, t in sorted(slowest.items())]
+    if not rows:
+        return Check(name, "skip", "one rank: no pair to measure"), rows
+    unit = rows[0].unit
+    how = " (network only: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" if rows[0].network_only else ""
+    size = f"{rows[0].bytes / 2**20:g} MiB"
+    if len(rows) == 1:
+        r = rows[0]
+        return Check(name, "skip", f"one pair ({unit}s {r.a}-{r.b}: {r.busbw_gbps:.3g} GB/s at {size}){how}: "
+                                   f"no other pair to compare with"), rows
+    spread = (f"{min(r.busbw_gbps for r in rows):.3g}-{max(r.busbw_gbps for r in rows):.3g} GB/s at {size} "
+              f"over {len(rows)} pairs of {unit}s{how}")
+    ends = sorted({u for r in rows for u in (r.a, r.b)})
+    slow_ends = [u for u in ends if len(ends) > 2 and statistics.median(r.busbw_gbps for r in rows if u in (r.a, r.b))
+                 < SLOW_FRACTION * statistics.median(r.busbw_gbps for r in rows if u not in (r.a, r.b))]
+    left = [r for r in rows if r.a not in slow_ends and r.b not in slow_ends]
+    slow = [r for r in left if len(left) > 1 and r.busbw_gbps < SLOW_FRACTION * statistics.median(o.busbw_gbps for o in left)]
+    if not slow_ends and not slow:
+        return Check(name, "pass", f"all-reduce bus bandwidth {spread}"), rows
+    said = []
+    for u in slow_ends:
+        theirs = [r for r in rows if u in (r.a, r.b)]
+        said.append(f"{unit} {u}'s link" + (" (its NIC, cable or switch port)" if unit == "node" else "")
+                    + " is slow: every pair with it below half the others' median ("
+                    + ", ".join(f"{r.a}-{r.b} {r.busbw_gbps:.3g} GB/s" for r in theirs) + ")")
+    if slow:
+        said.append("slow link(s) between " + unit + "s " + ", ".join(f"{r.a}-{r.b} ({r.busbw_gbps:.3g} GB/s)"
+                                                                      for r in slow) + ", below half the median pair's")
+    named = sorted(set(slow_ends) | {u for r in slow for u in (r.a, r.b)})
+    return Check(name, "fail", "; ".join(said) + f"; {spread}", named), rows
 
 
 def judge(ranks: list[RankHealth], min_busbw: float | None = None,

@@ -27,6 +27,7 @@ class RankSpec:
     loopback_ifname: str | None
     controller_pid: int = 0  # allowed to ptrace the rank (py-spy stacks) where ptrace is restricted
     side_dir: str = ""  # the world's private side-channel folder (ddparity.harness.sidechannel)
+    env: tuple[tuple[str, str], ...] = ()  # set before the process group starts (WorldSpec.env)
 
 
 @dataclass(frozen=True, slots=True)

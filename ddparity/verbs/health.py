@@ -15,9 +15,10 @@ from typing import Any, NoReturn
 
 from ddparity.case import Case
 from ddparity.checks.hardware import load_thresholds
-from ddparity.checks.health import Check, judge
-from ddparity.errors import WorldFailure
-from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, parse_fault
+from ddparity.checks.health import Check, judge, judge_pairs
+from ddparity.errors import UsageError, WorldFailure
+from ddparity.harness.ranks.allreduce_timing import NETWORK_ONLY, network_only
+from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, pairwise_task, parse_fault
 from ddparity.harness.world import rendezvous
 from ddparity.render import render_failure
 from ddparity.report import HealthReport
@@ -36,42 +37,66 @@ from ddparity.verbs.plan import failure, health_repro
 from ddparity.verdicts import Failure, RunResult
 
 
-def options(sizes_mib: tuple[float, ...] | None = None) -> HealthOptions:
+def options(sizes_mib: tuple[float, ...] | None = None, pairwise: bool = False) -> HealthOptions:
     parse_fault(os.environ.get(FAULT_ENV))  # a bad fault drill is a usage error, before anything starts
+    if not isinstance(pairwise, bool):
+        raise UsageError(f"health(): pairwise must be True or False, got {pairwise!r}")
     if sizes_mib is None:
-        return HealthOptions()
+        return HealthOptions(pairwise=pairwise)
     validate_sizes_mib(sizes_mib, "health()")
-    return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib))
+    return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib), pairwise=pairwise)
 
 
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
            min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
-           thresholds: str | None = None) -> HealthReport:
+           thresholds: str | None = None, pairwise: bool = False) -> HealthReport:
     """Run the health checks on a local World of real ranks (``thresholds``: a JSON file of
-    the hardware readings' limits, :func:`ddparity.checks.hardware.load_thresholds`)."""
+    the hardware readings' limits, :func:`ddparity.checks.hardware.load_thresholds`;
+    ``pairwise``: all-reduce bandwidth pair by pair, and under nccl again through the
+    network alone, in fresh ranks)."""
     from ddparity.harness.world.world import World
 
-    opts = options(sizes_mib)
+    opts = options(sizes_mib, pairwise)
     _check_numbers(timeout, min_busbw)
     limits = load_thresholds(thresholds)
     if world_size is None:
         gpus = rendezvous.cuda_device_count() if backend in ("auto", "nccl") else 0
         world_size = gpus if gpus else HEALTH_CPU_RANKS
     validate_world_size(world_size, "health()")
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    if fault and max(fault.rank, fault.peer or 0) >= world_size:
+        raise UsageError(f"${FAULT_ENV}={os.environ[FAULT_ENV]!r} drills a rank the world of {world_size} does not "
+                         f"have: name ranks 0 to {world_size - 1}")
     chosen = rendezvous.resolve_backend(backend, world_size)
-    report = HealthReport("local", chosen, world_size, repro=health_repro("ddparity", f"--world-size {world_size} --backend {chosen}",
-                                                                      timeout, min_busbw, opts.sizes_bytes, FAULT_ENV))
-    world = World(world_size, chosen)
+    flags = f"--world-size {world_size} --backend {chosen}" + (" --pairwise" if pairwise else "")
+    report = HealthReport("local", chosen, world_size, repro=health_repro("ddparity", flags, timeout, min_busbw,
+                                                                      opts.sizes_bytes, FAULT_ENV))
     try:
-        outcomes = world.start().run(health_task, opts, timeout=timeout)
+        report.ranks = list(_in_world(World(world_size, chosen), health_task, opts, timeout))
+        network = (_in_world(World(world_size, chosen, env=NETWORK_ONLY), pairwise_task, opts, timeout)
+                   if pairwise and chosen == "nccl" else None)
     except WorldFailure as exc:
         return _failed(report, exc)
-    finally:
-        world.close()
-    report.ranks = list(outcomes)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
+    if pairwise:
+        _judge_pairs(report, [p for r in report.ranks for p in r.pairs])
+    if network is not None:
+        _judge_pairs(report, [p for pairs in network for p in pairs], "pairwise (network only)")
     report.checks.append(training(world_size, chosen, timeout))
     return report
+
+
+def _in_world(world: Any, task: Callable[..., Any], opts: HealthOptions, timeout: float) -> list[Any]:
+    try:
+        return list(world.start().run(task, opts, timeout=timeout))
+    finally:
+        world.close()
+
+
+def _judge_pairs(report: HealthReport, timings: list[Any], name: str = "pairwise") -> None:
+    check, rows = judge_pairs(timings, name)
+    report.checks.append(check)
+    report.pairs += rows
 
 
 TRAINING_STEPS = 3
@@ -105,7 +130,7 @@ def training(world_size: int, backend: str, timeout: float) -> Check:
     from ddparity.verbs.check import check
 
     fault = parse_fault(os.environ.get(FAULT_ENV))
-    drilled = fault[1] if fault and fault[0] == "wrong_step" else None
+    drilled = fault.rank if fault and fault.kind == "wrong_step" else None
     case = Case(model=MLP, data=functools.partial(vectors, batch=8 * world_size), optimizer="sgd", lr=0.1,
                 steps=TRAINING_STEPS, train_step=functools.partial(_step, drilled=drilled),
                 name="health: MLP + SGD")
@@ -148,20 +173,21 @@ def _why(run: RunResult) -> str:
 
 def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
                           min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
-                          thresholds: str | None = None) -> NoReturn:
+                          thresholds: str | None = None, pairwise: bool = False) -> NoReturn:
     """This process's part of a torchrun-launched health check: every launched process
     measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
     to ``emit``; every process exits with its code. Hangs and crashes are found by the
     launch's watch threads (:mod:`ddparity.harness.launch.watchdog`)."""
     from ddparity.verbs.launched import everyone
 
-    opts = options(sizes_mib)
+    opts = options(sizes_mib, pairwise)
     _check_numbers(timeout, min_busbw)
     limits = load_thresholds(thresholds)
 
     def report_for(backend: str, world_size: int) -> HealthReport:
         return HealthReport("torchrun", backend, world_size,
-                            repro=health_repro("torchrun <the same launch options> -m ddparity", f"--backend {backend}",
+                            repro=health_repro("torchrun <the same launch options> -m ddparity",
+                                               f"--backend {backend}" + (" --pairwise" if pairwise else ""),
                                                timeout, min_busbw, opts.sizes_bytes, FAULT_ENV))
 
     def failed(exc: WorldFailure, stage: int) -> int:
@@ -174,6 +200,13 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     report = report_for(me.ctx.backend, me.ctx.world_size)
     report.ranks = list(ranks)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
+    if pairwise:
+        _judge_pairs(report, [p for r in report.ranks for p in r.pairs],
+                     "pairwise (network only)" if network_only(me.ctx.backend) else "pairwise")
+        if me.ctx.backend == "nccl" and not network_only(me.ctx.backend):
+            report.checks.append(Check("pairwise (network only)", "skip", "NCCL reads its transports once per "
+                                       "process: launch again with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 set on "
+                                       "every node for the network alone"))
     report.checks.append(Check("training", "skip", "not yet in a launch: after the gate, run torchrun <the same "
                                                    "launch options> -m ddparity check ddparity.fixtures.models:mlp_sgd"))
     emit(report)

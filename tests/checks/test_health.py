@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from ddparity.checks.health import MATMUL_REL_TOL, judge
+from ddparity.checks.health import MATMUL_REL_TOL, judge, judge_pairs
 from ddparity.errors import UsageError
 from ddparity.harness.ranks.health_probe import parse_fault
-from ddparity.measurements import RankHealth
+from ddparity.measurements import PairTiming, RankHealth
 from ddparity.render import render_health as render
 
 
@@ -104,8 +104,9 @@ def test_a_device_whose_bits_differ_from_its_models_is_silent_data_corruption_na
 
 def test_fault_drill_syntax():
     assert parse_fault(None) is None and parse_fault("") is None
-    assert parse_fault("hang@3") == ("hang", 3)
-    for bad in ("hang", "hang@x", "melt@1"):
+    assert parse_fault("hang@3") == ("hang", 3, None)
+    assert parse_fault("slow_link@0-3") == ("slow_link", 0, 3)
+    for bad in ("hang", "hang@x", "melt@1", "hang@1-2", "slow_link@1", "slow_link@2-2", "slow_link@1-x"):
         with pytest.raises(UsageError, match="KIND@RANK"):
             parse_fault(bad)
 
@@ -118,3 +119,71 @@ def test_ranks_without_a_readable_gpu_skip_the_hardware_check_with_the_reason():
                          limits={**__import__("ddparity.checks.hardware", fromlist=["x"]).THRESHOLDS,
                                  "temperature_c": 95})[0])["hardware"]
     assert warm.status == "pass"  # a site's limit in place of the default
+
+
+def pairs(units: int, slow: dict[tuple[int, int], float] | None = None, unit: str = "rank",
+          network_only: bool = False) -> list[PairTiming]:
+    """Every pair's timing as both of its ends report it (8 MiB in 1 ms: 8.4 GB/s; the
+    second end a little slower), a pair in ``slow`` that many times slower."""
+    out = []
+    for a in range(units):
+        for b in range(a + 1, units):
+            seconds = 1e-3 * (slow or {}).get((a, b), 1.0)
+            out += [PairTiming(a, b, 8 << 20, seconds, unit, network_only),
+                    PairTiming(a, b, 8 << 20, seconds * 1.01, unit, network_only)]
+    return out
+
+
+def test_pairwise_passes_when_every_pair_is_near_the_fastest_and_takes_each_pairs_slower_end():
+    check, rows = judge_pairs(pairs(4, {(1, 2): 1.9}))  # 1.9x slower: within half the fastest's bandwidth
+    assert check.status == "pass" and "over 6 pairs of ranks" in check.detail
+    assert [(r.a, r.b) for r in rows] == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    assert rows[0].seconds == pytest.approx(1.01e-3)
+    assert rows[0].busbw_gbps == pytest.approx((8 << 20) / 1.01e-3 / 1e9)
+
+
+@pytest.mark.parametrize("link", [(0, 3), (1, 2), (2, 3)])
+def test_a_slow_link_is_named_as_its_pair(link):
+    check, _ = judge_pairs(pairs(4, {link: 4.0}))
+    assert (check.status, check.ranks) == ("fail", list(link))
+    assert check.detail.startswith(f"slow link(s) between ranks {link[0]}-{link[1]} (")
+
+
+@pytest.mark.parametrize(("nodes", "node"), [(3, 0), (3, 2), (4, 0), (4, 3), (8, 5)])
+def test_a_node_slow_with_every_peer_is_named_as_the_node_not_its_pairs(nodes, node):
+    slow = {(a, b): 3.0 for a in range(nodes) for b in range(a + 1, nodes) if node in (a, b)}
+    check, _ = judge_pairs(pairs(nodes, slow, unit="node"))
+    assert (check.status, check.ranks) == ("fail", [node])
+    assert check.detail.startswith(f"node {node}'s link (its NIC, cable or switch port) is slow: every pair with it")
+    assert "slow link(s)" not in check.detail and "pairs of nodes" in check.detail
+
+
+def test_a_slow_link_and_a_slow_node_are_both_named():
+    slow = {(a, b): 3.0 for a in range(5) for b in range(a + 1, 5) if 4 in (a, b)} | {(0, 1): 4.0}
+    check, _ = judge_pairs(pairs(5, slow))
+    assert (check.status, check.ranks) == ("fail", [0, 1, 4])
+    assert "rank 4's link is slow" in check.detail and "slow link(s) between ranks 0-1" in check.detail
+
+
+def test_pairs_as_spread_as_measured_on_loaded_cpu_ranks_pass():
+    """Six pairs of 4 CPU ranks at 2 MiB (2026-12-04): 0.72-1.57x their median, the fastest
+    over twice the slowest; no pair is slow (the fastest is no reference)."""
+    for spread in ((0.94, 0.72, 1.18, 0.90, 1.48, 1.06), (0.97, 1.25, 0.96, 1.03, 1.57, 0.96)):
+        timings = [PairTiming(a, b, 2 << 20, 1e-3 / f) for (a, b), f in
+                   zip([(a, b) for a in range(4) for b in range(a + 1, 4)], spread)]
+        assert judge_pairs(timings)[0].status == "pass"
+
+
+def test_pairwise_with_one_pair_or_none_is_skipped_and_says_why():
+    check, rows = judge_pairs(pairs(2))
+    assert check.status == "skip" and "one pair (ranks 0-1: " in check.detail and "no other pair" in check.detail
+    assert len(rows) == 1
+    assert judge_pairs([])[0].status == "skip"
+
+
+def test_a_network_only_pass_says_so_in_its_row_and_table():
+    check, rows = judge_pairs(pairs(3, network_only=True), "pairwise (network only)")
+    assert check.name == "pairwise (network only)"
+    assert "(network only: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" in check.detail
+    text = render([check], [], [rank(0)], "ddparity health", rows)
+    assert "ranks 0-2" in text and "network only" in text.split("ranks 0-2")[1].splitlines()[0]

@@ -20,11 +20,11 @@ from tests.e2e.test_cli import ddparity
 CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency", "training"]
 
 
-def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180):
+def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180, nproc: int = 2):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     if fault:
         env["DDPARITY_HEALTH_FAULT"] = fault
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun \
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if torchrun \
         else [sys.executable]
     with tempfile.TemporaryDirectory(prefix="ddparity-test-") as tmp:  # torchrun leaves its log folders in $TMPDIR
         env["TMPDIR"] = tmp
@@ -95,6 +95,30 @@ def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_p
     assert got["training"] == ("fail", [rank])
     assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware"))
     assert f"rank {rank} alone drifts" in result.stdout
+
+
+@pytest.mark.parametrize("torchrun", [False, True], ids=["local", "torchrun"])
+def test_pairwise_names_the_slow_link_between_rank_0_and_the_last_and_no_other_pair(torchrun, tmp_path):
+    out = tmp_path / "health.json"
+    extra = () if torchrun else ("--world-size", "4")
+    result = run_health(*extra, "--sizes", "1,16", "--pairwise", "--json", str(out), fault="slow_link@0-3",
+                        torchrun=torchrun, nproc=4)  # 16 MiB pairs: bandwidth, not scheduling, decides
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "UNHEALTHY: pairwise failed" in result.stdout
+    data = json.loads(out.read_text())
+    assert statuses(data)["pairwise"] == ("fail", [0, 3])
+    assert [(p["a"], p["b"], p["unit"], p["network_only"]) for p in data["pairs"]] == \
+        [(a, b, "rank", False) for a in range(4) for b in range(a + 1, 4)]
+    slowest = min(data["pairs"], key=lambda p: p["busbw_gbps"])
+    assert (slowest["a"], slowest["b"]) == (0, 3) and all(p["bytes"] == 16 << 20 for p in data["pairs"])
+    assert "ranks 0-3" in result.stdout and "--pairwise" in result.stdout.split("reproduce:")[1]
+    if torchrun:  # gloo: no NCCL transports to leave out, so no network-only row
+        assert not any(c["name"] == "pairwise (network only)" for c in data["checks"])
+
+
+def test_a_drill_naming_a_rank_the_world_lacks_exits_2_before_starting():
+    result = run_health("--pairwise", fault="slow_link@0-2")
+    assert result.returncode == 2 and "drills a rank the world of 2 does not have" in result.stderr
 
 
 def test_a_rank_that_never_arrives_is_a_hang_naming_it_in_time():

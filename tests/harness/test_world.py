@@ -49,6 +49,17 @@ def test_results_come_back_by_rank_with_real_collectives(world2):
     assert world2.run(task) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+@pytest.mark.parametrize("clean_start", [False, True], ids=["forked", "forkserver"])
+def test_a_worlds_env_reaches_every_rank_before_its_process_group_and_not_the_controller(clean_start):
+    """NCCL reads NCCL_P2P_DISABLE once per process: a world's env is how a pass through the
+    network alone reaches fresh ranks (health --pairwise on nccl)."""
+    with World(2, env=(("DDPARITY_TEST_ENV", "network-only"),), clean_start=clean_start) as world:
+        assert world.run(lambda ctx: os.environ.get("DDPARITY_TEST_ENV")) == ["network-only"] * 2
+    assert "DDPARITY_TEST_ENV" not in os.environ
+    with pytest.raises(UsageError, match="env must be"):
+        World(2, env=(("DDPARITY_TEST_ENV", 1),))
+
+
 def test_lambdas_closures_and_test_module_classes_work(world2):
     offset = 10
     assert world2.run(lambda ctx: ctx.rank + offset) == [10, 11]

@@ -12,7 +12,8 @@ nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_a
 ``wrong_step`` (a rank whose replica trains wrong: the gate's training check, in
 :mod:`ddparity.verbs.health`),
 ``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
-collective).
+collective), and ``slow_link@A-B`` (the link between ranks A and B at a quarter of its
+speed: ``--pairwise`` names that pair, :mod:`ddparity.harness.ranks.allreduce_timing`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from __future__ import annotations
 import os
 import platform
 import socket
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext, names_run
-from ddparity.measurements import RankHealth
+from ddparity.harness.ranks.allreduce_timing import measure_pairs, sync, time_allreduce
+from ddparity.measurements import PairTiming, RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
-FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "wrong_step", "hang")
+FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "wrong_step", "hang", "slow_link")
 MATMUL_N = 256
 CORRECTNESS_NUMELS = (1, 1000, 262_144)
 
@@ -41,24 +42,29 @@ class HealthOptions:
     sizes_bytes: tuple[int, ...] = tuple(mib << 20 for mib in HEALTH_SIZES_MIB)
     iters: int = 5
     warmup: int = 2
+    pairwise: bool = False
+    """Also time an all-reduce pair by pair of nodes (of ranks on one node): which link is slow."""
 
 
-def parse_fault(text: str | None) -> tuple[str, int] | None:
-    """``KIND@RANK`` from :data:`FAULT_ENV`, or None."""
+class Fault(NamedTuple):
+    kind: str
+    rank: int
+    peer: int | None = None
+    """The other end of a ``slow_link``."""
+
+
+def parse_fault(text: str | None) -> Fault | None:
+    """``KIND@RANK`` (``slow_link@A-B``) from :data:`FAULT_ENV`, or None."""
     if not text:
         return None
-    kind, _, rank = text.partition("@")
-    if kind not in FAULTS or not rank.isdigit():
-        raise UsageError(f"${FAULT_ENV}={text!r}: use KIND@RANK with KIND one of {', '.join(FAULTS)}, "
-                         f"e.g. wrong_allreduce@1")
-    return kind, int(rank)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
+    kind, _, where = text.partition("@")
+    ends = where.split("-")
+    link = kind == "slow_link"
+    if kind not in FAULTS or len(ends) != (2 if link else 1) or not all(e.isdigit() for e in ends) or \
+            (link and ends[0] == ends[1]):
+        raise UsageError(f"${FAULT_ENV}={text!r}: use KIND@RANK with KIND one of {', '.join(FAULTS[:-1])}, "
+                         f"e.g. wrong_allreduce@1, or slow_link@A-B (two ranks), e.g. slow_link@0-3")
+    return Fault(kind, int(ends[0]), int(ends[1]) if link else None)
 
 
 @names_run("health")
@@ -67,7 +73,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     import torch.distributed as dist
 
     fault = parse_fault(os.environ.get(FAULT_ENV))
-    mine = fault[0] if fault and fault[1] == ctx.rank else None
+    mine = fault.kind if fault and fault.rank == ctx.rank else None
     device = ctx.device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -120,11 +126,11 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     times: list[float] = []
     budget = time.perf_counter() + 0.3
     while len(times) < 20 and (len(times) < 3 or time.perf_counter() < budget):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(reps):
             da @ db
-        _sync(device)
+        sync(device)
         elapsed = time.perf_counter() - t0
         if mine == "slow_compute":  # a device at a third of its speed
             time.sleep(2 * elapsed)
@@ -134,16 +140,34 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
 
     # Latency (one element) and bandwidth (all-reduce at each size), slowest rank decides.
     one = torch.ones(1, device=device)
-    out.latency_s = _time_allreduce(one, options, device)
+    out.latency_s = time_allreduce(one, options.warmup, options.iters, device)
     for nbytes in options.sizes_bytes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        out.allreduce.append((t.numel() * 4, _time_allreduce(t, options, device)))
+        out.allreduce.append((t.numel() * 4, time_allreduce(t, options.warmup, options.iters, device)))
+    if options.pairwise:
+        out.pairs = measure_pairs(ctx, max(options.sizes_bytes), options.warmup, options.iters, _slow_link(fault))
     if not isinstance(readings, str):  # the XIDs raised while the checks ran
         raised = xids.collect() if xids is not None else []
         out.hardware = [{**reading, "xid": raised} for reading in readings]
     else:
         out.hardware = readings
     return out
+
+
+@names_run("health --pairwise (network only)")
+def pairwise_task(ctx: RankContext, options: HealthOptions) -> list[PairTiming]:
+    """The pairwise pass alone, for a world of fresh ranks that set
+    :data:`~ddparity.harness.ranks.allreduce_timing.NETWORK_ONLY`."""
+    if ctx.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(ctx.device)
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    return measure_pairs(ctx, max(options.sizes_bytes), options.warmup, options.iters, _slow_link(fault))
+
+
+def _slow_link(fault: Fault | None) -> frozenset[int]:
+    return frozenset((fault.rank, fault.peer)) if fault and fault.peer is not None else frozenset()
 
 
 def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
@@ -165,22 +189,6 @@ def _digest(t: Any) -> int:
 
     raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 1
-
-
-def _time_allreduce(t: Any, options: HealthOptions, device: str) -> float:
-    """Median seconds of one all-reduce, each started together behind a barrier."""
-    import torch.distributed as dist
-
-    times = []
-    for i in range(options.warmup + options.iters):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        _sync(device)
-        if i >= options.warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _expect(out: RankHealth, what: str, got: Any, want: Any) -> None:

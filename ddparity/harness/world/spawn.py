@@ -335,6 +335,7 @@ def _rank_entry(spec: RankSpec, control: Connection, output: Connection, inherit
     _let_the_forkserver_go()  # a forked rank too: it inherited the controller's copy
     gc.freeze()  # what a forked rank inherited is never collected here (see start_ranks)
     gc.enable()
+    os.environ.update(dict(spec.env))  # before anything reads it: NCCL reads its own once
     from ddparity.harness.ranks.rank import rank_main
 
     rank_main(spec, control, output, inherited)

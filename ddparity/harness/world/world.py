@@ -199,6 +199,7 @@ class World:
                 rendezvous=self._rendezvous(), store_prefix=self._store_prefix,
                 pg_timeout_s=self.spec.timeout + PG_TIMEOUT_MARGIN_S, threads=self.spec.threads_per_rank,
                 loopback_ifname=ifname, controller_pid=os.getpid(), side_dir=self._side_dir(),
+                env=self.spec.env,
             )
             for rank in range(n)
         ]
