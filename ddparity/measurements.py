@@ -86,6 +86,8 @@ class RankHealth:
     latency_s: float = 0.0
     # (bytes, seconds per all-reduce on this rank) for each size
     allreduce: list[tuple[int, float]] = field(default_factory=list)
+    transfers: dict[str, Any] | str = "not measured"
+    """Copy bandwidths, GB/s (:mod:`ddparity.harness.ranks.transfer_probe`), or why not."""
     pairs: list[PairTiming] = field(default_factory=list)
     """The pairs this rank was one end of (``--pairwise``)."""
     hardware: list[dict[str, Any]] | str = "not read"

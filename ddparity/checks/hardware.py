@@ -42,6 +42,10 @@ THRESHOLDS: dict[str, float] = {
 }
 """Default limits: a reading above its limit is a finding (see the module docstring)."""
 
+FLOOR_KEYS = ("host_copy_gbps", "peer_copy_gbps")
+"""Floors a site may set for the ``transfers`` check (:mod:`ddparity.checks.transfers`), for
+every model; a reading below one is a finding."""
+
 FIELDS = ("index", "name", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "ecc_corrected_volatile",
           "remap_failed", "remap_pending", "remap_uncorrectable", "retired_pending", "retired_double_bit",
           "throttle_reasons", "temperature_c", "power_w", "power_limit_w", "pcie_gen", "pcie_gen_max",
@@ -67,9 +71,9 @@ def load_thresholds(path: str | None) -> dict[str, float]:
     if not isinstance(given, dict):
         raise UsageError(f"--thresholds {path!r}: give an object of limits, e.g. {{\"temperature_c\": 80}}")
     for key, value in given.items():
-        if key not in THRESHOLDS:
+        if key not in THRESHOLDS and key not in FLOOR_KEYS:
             raise UsageError(f"--thresholds {path!r}: {key!r} is not a limit; the limits are "
-                             f"{', '.join(THRESHOLDS)}")
+                             f"{', '.join([*THRESHOLDS, *FLOOR_KEYS])}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise UsageError(f"--thresholds {path!r}: {key} must be a number >= 0, got {value!r}")
         limits[key] = value
@@ -161,4 +165,4 @@ def judge_hardware(by_rank: dict[int, list[dict[str, Any]] | str],
     return Verdict(status, "; ".join(text for _, text in sorted(findings, key=lambda f: f[0] != "fail")), ranks)
 
 
-__all__ = ["FIELDS", "THRESHOLDS", "Verdict", "judge_device", "judge_hardware", "load_thresholds"]
+__all__ = ["FIELDS", "FLOOR_KEYS", "THRESHOLDS", "Verdict", "judge_device", "judge_hardware", "load_thresholds"]

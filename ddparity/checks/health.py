@@ -7,6 +7,8 @@ Checks, in order:
 * ``hardware``: each GPU as NVML reports it (ECC, row remapping, clocks, temperature, PCIe,
   NVLink, other processes, XIDs) against a site's thresholds (:mod:`ddparity.checks.hardware`);
   ``skip`` with the reason where there is no GPU or no NVML;
+* ``transfers``: copy bandwidth host to device, device to host and between local devices
+  against floors per device model (:mod:`ddparity.checks.transfers`); ``skip`` without a GPU;
 * ``collectives``: all_reduce, broadcast and all_gather of exactly representable values
   give the exact expected result on every rank;
 * ``compute``: a float32 matmul agrees with float64 on the CPU within
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ddparity.checks.comm import bus_factor
 from ddparity.checks.hardware import judge_hardware
+from ddparity.checks.transfers import judge_transfers
 from ddparity.measurements import PairTiming, RankHealth
 
 MATMUL_REL_TOL = 5e-3
@@ -118,6 +121,7 @@ def judge(ranks: list[RankHealth], min_busbw: float | None = None,
     ranks = sorted(ranks, key=lambda r: r.rank)
     n = len(ranks)
     checks = [_versions(ranks), Check("hardware", *judge_hardware({r.rank: r.hardware for r in ranks}, limits)),
+              Check("transfers", *judge_transfers({r.rank: r.transfers for r in ranks}, limits)),
               _collectives(ranks), _compute(ranks), _speed(ranks)]
     bandwidth = []
     for i, (nbytes, _) in enumerate(ranks[0].allreduce):

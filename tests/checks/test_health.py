@@ -17,8 +17,17 @@ def rank(r: int, **changes) -> RankHealth:
     base = RankHealth(rank=r, world_size=4, host=f"node{r // 2}", device=f"cuda:{r % 2}", device_name="H200",
                       torch_version="2.13.0", cuda_version="13.0", python_version="3.11.7", gflops=100.0,
                       matmul_max_rel_error=1e-7, matmul_bits=42, latency_s=1e-4,
-                      allreduce=[(1 << 20, 1e-3), (8 << 20, 4e-3)], hardware=[device(r % 2)])
+                      allreduce=[(1 << 20, 1e-3), (8 << 20, 4e-3)], hardware=[device(r % 2)],
+                      transfers=copies(r % 2))
     return dataclasses.replace(base, **changes)
+
+
+def copies(index: int, **changes) -> dict:
+    """A healthy H200's copy bandwidths (GB/s), with its node's two peer pairs on the node's
+    first rank (index 0)."""
+    peers = [{"src": 0, "dst": 1, "access": True, "gbps": 371.8}, {"src": 1, "dst": 0, "access": True, "gbps": 369.4}]
+    return {"name": "NVIDIA H200", "index": index, "h2d_gbps": 55.3, "d2h_gbps": 55.7,
+            **({"peers": peers} if index == 0 else {}), **changes}
 
 
 def device(index: int, **changes) -> dict:
@@ -36,11 +45,11 @@ def by_name(checks):
 def test_a_healthy_world_passes_and_bandwidth_uses_the_slowest_rank():
     ranks = [rank(r) for r in range(3)] + [rank(3, allreduce=[(1 << 20, 2e-3), (8 << 20, 8e-3)])]
     checks, bandwidth = judge(ranks)
-    assert [c.status for c in checks] == ["pass"] * 7
+    assert [c.status for c in checks] == ["pass"] * 8
     assert [b.seconds for b in bandwidth] == [2e-3, 8e-3]
     assert bandwidth[1].algbw_gbps == pytest.approx((8 << 20) / 8e-3 / 1e9)
     assert bandwidth[1].busbw_gbps == pytest.approx(bandwidth[1].algbw_gbps * 1.5)  # 2(n-1)/n, n = 4
-    assert "HEALTHY: 7 checks passed" in render(checks, bandwidth, ranks, "hdr")
+    assert "HEALTHY: 8 checks passed" in render(checks, bandwidth, ranks, "hdr")
 
 
 def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
@@ -51,7 +60,7 @@ def test_one_rank_skips_what_it_cannot_measure_rather_than_passing_it():
     assert checks["speed"].status == "skip" and "no other to compare with" in checks["speed"].detail
     assert checks["bandwidth"].status == "skip" and "no links" in checks["bandwidth"].detail
     text = render(list(checks.values()), [], [only], "hdr")
-    assert "HEALTHY: 5 checks passed; speed, bandwidth skipped (each row says why)" in text
+    assert "HEALTHY: 6 checks passed; speed, bandwidth skipped (each row says why)" in text
 
 
 def test_each_bad_node_fails_its_own_check_naming_the_rank():

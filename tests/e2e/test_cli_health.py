@@ -17,7 +17,7 @@ from ddparity.harness.world.rendezvous import cuda_device_count
 from ddparity.settings import NEWER_TORCH, torch_release
 from tests.e2e.test_cli import ddparity
 
-CHECKS = ["versions", "hardware", "collectives", "compute", "speed", "bandwidth", "latency", "training"]
+CHECKS = ["versions", "hardware", "transfers", "collectives", "compute", "speed", "bandwidth", "latency", "training"]
 
 
 def run_health(*args: str, fault: str | None = None, torchrun: bool = False, timeout: float = 180, nproc: int = 2):
@@ -40,14 +40,15 @@ def test_a_healthy_local_world_passes_with_figures(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "HEALTHY: 7 checks passed; hardware skipped (each row says why)" in result.stdout
+    assert "HEALTHY: 7 checks passed; hardware, transfers skipped (each row says why)" in result.stdout
     data = json.loads(out.read_text())
     assert (data["version"], data["launcher"], data["backend"], data["world_size"], data["healthy"]) == \
         (1, "local", "gloo", 2, True)
-    assert list(statuses(data)) == CHECKS and {s for n, (s, _) in statuses(data).items() if n != "hardware"} == {"pass"}
+    assert list(statuses(data)) == CHECKS and {s for n, (s, _) in statuses(data).items() if n not in ("hardware", "transfers")} == {"pass"}
     hardware = next(c for c in data["checks"] if c["name"] == "hardware")  # no GPU here: NVML has nothing to read
     assert (hardware["status"], hardware["detail"]) == ("skip", "no CUDA device (the ranks run on cpu)")
-    assert all(r["hardware"] == "no CUDA device (the ranks run on cpu)" for r in data["ranks"])
+    assert all(r["hardware"] == r["transfers"] == "no CUDA device (the ranks run on cpu)" for r in data["ranks"])
+    assert statuses(data)["transfers"] == ("skip", [])
     training = next(c for c in data["checks"] if c["name"] == "training")  # the gate ends with a real training
     modes = "ddp and fsdp" if torch_release() >= NEWER_TORCH else "ddp"  # FSDP2 where this torch runs it
     assert training["detail"].startswith(f"a small MLP trains the same under {modes} at 2 rank(s) as on one device")
@@ -67,7 +68,7 @@ def test_each_fault_drill_fails_its_check_naming_the_rank(fault, check, tmp_path
     assert f"reproduce: DDPARITY_HEALTH_FAULT={fault} ddparity health --world-size 2 --backend gloo" in result.stdout
     got = statuses(json.loads(out.read_text()))
     assert got[check] == ("fail", [1])
-    assert all(status == "pass" for name, (status, _) in got.items() if name not in (check, "hardware"))
+    assert all(status == "pass" for name, (status, _) in got.items() if name not in (check, "hardware", "transfers"))
 
 
 def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tmp_path):
@@ -93,7 +94,7 @@ def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_p
     assert "UNHEALTHY: training failed" in result.stdout
     got = statuses(json.loads(out.read_text()))
     assert got["training"] == ("fail", [rank])
-    assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware"))
+    assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware", "transfers"))
     assert f"rank {rank} alone drifts" in result.stdout
 
 
@@ -150,7 +151,7 @@ def test_under_torchrun_rank_0_reports_and_every_rank_agrees(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), torchrun=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("HEALTHY: 6 checks passed; hardware, training skipped") == 1  # rank 0 only
+    assert result.stdout.count("HEALTHY: 6 checks passed; hardware, transfers, training skipped") == 1  # rank 0 only
     data = json.loads(out.read_text())
     assert (data["launcher"], data["world_size"], data["healthy"]) == ("torchrun", 2, True)
     bad = run_health(torchrun=True, fault="wrong_allreduce@1")

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.allreduce_timing import measure_pairs, sync, time_allreduce
+from ddparity.harness.ranks.transfer_probe import measure_transfers
 from ddparity.measurements import PairTiming, RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
@@ -137,6 +138,8 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
             elapsed *= 3
         times.append(elapsed)
     out.gflops = 2 * MATMUL_N**3 * reps / min(times) / 1e9
+
+    out.transfers = measure_transfers(ctx)
 
     # Latency (one element) and bandwidth (all-reduce at each size), slowest rank decides.
     one = torch.ones(1, device=device)
