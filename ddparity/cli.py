@@ -85,7 +85,7 @@ def _health(args: argparse.Namespace) -> int:
 
     if not torchrun.launched() or os.environ.get("RANK") == "0":
         _check_writable(args.json, "JSON health report")
-    given = (args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds, args.pairwise)
+    given = (args.backend, args.timeout, args.min_busbw, args.sizes, args.thresholds, args.pairwise, args.long)
     if torchrun.launched():
         from ddparity.errors import WorldStartError
 

@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     hl.add_argument("--pairwise", action="store_true",
                     help="also time an all-reduce pair by pair of nodes (of ranks on one node) and name a slow "
                          "link; under nccl locally, again through the network alone")
+    hl.add_argument("--long", nargs="?", const=settings.HEALTH_LONG_S, default=None, metavar="SECONDS",
+                    type=_text(parsing.parse_seconds, "--long"),
+                    help=f"add a stress pass: a matmul and an all-reduce repeated for SECONDS (default "
+                         f"{settings.HEALTH_LONG_S:g}), every result checked, and a {settings.HEALTH_LONG_SIZES_MIB[-1]} MiB "
+                         f"bandwidth size")
     hl.add_argument("--json", metavar="PATH", help=json_help + " (rank 0 under torchrun)")
     wt = _verb(sub, "watch", "run your unmodified training script on every rank, watched for hangs, crashes and desync",
                "Run a training script as it is (no Case) in every rank of a launch, with every collective "

@@ -90,5 +90,8 @@ class RankHealth:
     """Copy bandwidths, GB/s (:mod:`ddparity.harness.ranks.transfer_probe`), or why not."""
     pairs: list[PairTiming] = field(default_factory=list)
     """The pairs this rank was one end of (``--pairwise``)."""
+    stress: dict[str, Any] | None = None
+    """``--long``'s stress pass: seconds, repeats, matmul repeats whose bits differed from the
+    first, all-reduces that were not exact (:mod:`ddparity.harness.ranks.stress_probe`)."""
     hardware: list[dict[str, Any]] | str = "not read"
     """This rank's devices as NVML reports them (:mod:`ddparity.harness.ranks.nvml_probe`), or why not."""

@@ -43,6 +43,17 @@ def parse_timeout(text: str, where: str) -> float:
     return value
 
 
+def parse_seconds(text: str, where: str) -> float:
+    """A positive, finite number of seconds (``--long 30``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise UsageError(f"{where}: give a positive number of seconds, e.g. 30, got {text!r}")
+    return value
+
+
 def parse_tolerance(text: str, where: str) -> str | float:
     if text == "auto":
         return "auto"

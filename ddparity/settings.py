@@ -94,6 +94,10 @@ HEALTH_CPU_RANKS = 2
 """Local ``health`` ranks on a machine without GPUs."""
 HEALTH_SIZES_MIB = (1, 8, 32)
 """All-reduce message sizes ``health`` measures bandwidth at."""
+HEALTH_LONG_SIZES_MIB = (1, 8, 32, 256)
+"""The same with ``--long`` (a larger message: a link's sustained bandwidth)."""
+HEALTH_LONG_S = 60.0
+"""Seconds of ``--long``'s stress pass by default."""
 DEMO_FAULTS_WORLD_SIZES = (2,)
 """World sizes of ``--demo-faults`` (a fault fires on rank 1)."""
 

@@ -20,6 +20,8 @@ Checks, in order:
 * ``bandwidth``: all-reduce bus bandwidth per message size (slowest rank), against
   ``--min-busbw`` at the largest size when given;
 * ``latency``: a one-element all-reduce (reported);
+* ``stress`` (``--long``): every rank's repeats of one seeded matmul equal the first bit for
+  bit, and every all-reduce run beside them exact, for the pass's seconds;
 * ``pairwise`` (``--pairwise``): all-reduce bus bandwidth pair by pair of nodes (of ranks
   on one node); a node whose pairs run below :data:`SLOW_FRACTION` of the others', or a
   pair below that of the median pair's, fails, named (:func:`judge_pairs`).
@@ -129,6 +131,8 @@ def judge(ranks: list[RankHealth], min_busbw: float | None = None,
         algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
         bandwidth.append(Bandwidth(nbytes, seconds, algbw, algbw * bus_factor(n) if n > 1 else None))
     checks.append(_bandwidth(bandwidth, n, min_busbw))
+    if any(r.stress is not None for r in ranks):
+        checks.append(_stress(ranks))
     latency = max(r.latency_s for r in ranks)
     checks.append(Check("latency", "pass", f"one-element all_reduce: {latency * 1e6:.0f} us (slowest rank, median)"))
     return checks, bandwidth
@@ -217,6 +221,30 @@ def _speed(ranks: list[RankHealth]) -> Check:
                                       + f"; median {median:.1f} GFLOP/s", [r.rank for r in slow])
     low, high = min(r.gflops for r in ranks), max(r.gflops for r in ranks)
     return Check("speed", "pass", f"matmul {low:.1f}-{high:.1f} GFLOP/s across ranks (median {median:.1f})")
+
+
+def _stress(ranks: list[RankHealth]) -> Check:
+    """``--long``: a rank whose repeated product changed bits, or whose all-reduces under load
+    were not exact, fails, named (the first repeats that were wrong are in the JSON)."""
+    said, bad = [], []
+    for r in ranks:
+        s = r.stress or {}
+        if s.get("matmul_mismatches"):
+            said.append(f"rank {r.rank} {r.device} ({r.device_name}): {s['matmul_mismatches']} of {s['repeats']} "
+                        f"repeats of the same seeded float32 matmul gave other bits than the first (first at repeat "
+                        f"{s['first_mismatches'][0]}): unstable under load")
+        if s.get("allreduce_errors"):
+            said.append(f"rank {r.rank}: {s['allreduce_errors']} of {s['repeats']} all-reduces under load were not "
+                        f"exact (first at repeat {s['first_allreduce_errors'][0]})")
+        if s.get("matmul_mismatches") or s.get("allreduce_errors"):
+            bad.append(r.rank)
+    if bad:
+        return Check("stress", "fail", "; ".join(said), bad)
+    fewest = min(ranks, key=lambda r: (r.stress or {}).get("repeats", 0))
+    s = fewest.stress or {}
+    return Check("stress", "pass", f"{s.get('seconds', 0):.0f} s under load: {s.get('repeats', 0)} repeats of a "
+                                   f"{s.get('matrix')}-square float32 matmul identical bit for bit and as many "
+                                   f"{s.get('reduce_bytes', 0) / 2**20:g} MiB all-reduces exact, on every rank")
 
 
 def _bandwidth(rows: list[Bandwidth], n: int, min_busbw: float | None) -> Check:

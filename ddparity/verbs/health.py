@@ -25,6 +25,8 @@ from ddparity.report import HealthReport
 from ddparity.run_kinds import kind
 from ddparity.settings import (
     HEALTH_CPU_RANKS,
+    HEALTH_LONG_SIZES_MIB,
+    HEALTH_SIZES_MIB,
     NEWER_TORCH,
     TIMEOUT_S,
     torch_release,
@@ -37,26 +39,32 @@ from ddparity.verbs.plan import failure, health_repro
 from ddparity.verdicts import Failure, RunResult
 
 
-def options(sizes_mib: tuple[float, ...] | None = None, pairwise: bool = False) -> HealthOptions:
+def options(sizes_mib: tuple[float, ...] | None = None, pairwise: bool = False, long: float | None = None) -> HealthOptions:
     parse_fault(os.environ.get(FAULT_ENV))  # a bad fault drill is a usage error, before anything starts
     if not isinstance(pairwise, bool):
         raise UsageError(f"health(): pairwise must be True or False, got {pairwise!r}")
+    if long is not None:
+        validate_timeout(long, "health(long=...)")
     if sizes_mib is None:
-        return HealthOptions(pairwise=pairwise)
+        sizes_mib = HEALTH_LONG_SIZES_MIB if long else HEALTH_SIZES_MIB
     validate_sizes_mib(sizes_mib, "health()")
-    return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib), pairwise=pairwise)
+    return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib), pairwise=pairwise, long_s=long or 0.0)
+
+
+def _flags(pairwise: bool, long: float | None) -> str:
+    return (" --pairwise" if pairwise else "") + (f" --long {long:g}" if long else "")
 
 
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
            min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
-           thresholds: str | None = None, pairwise: bool = False) -> HealthReport:
+           thresholds: str | None = None, pairwise: bool = False, long: float | None = None) -> HealthReport:
     """Run the health checks on a local World of real ranks (``thresholds``: a JSON file of
     the hardware readings' limits, :func:`ddparity.checks.hardware.load_thresholds`;
     ``pairwise``: all-reduce bandwidth pair by pair, and under nccl again through the
-    network alone, in fresh ranks)."""
+    network alone, in fresh ranks; ``long``: seconds of a stress pass, every result checked)."""
     from ddparity.harness.world.world import World
 
-    opts = options(sizes_mib, pairwise)
+    opts = options(sizes_mib, pairwise, long)
     _check_numbers(timeout, min_busbw)
     limits = load_thresholds(thresholds)
     if world_size is None:
@@ -68,7 +76,7 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
         raise UsageError(f"${FAULT_ENV}={os.environ[FAULT_ENV]!r} drills a rank the world of {world_size} does not "
                          f"have: name ranks 0 to {world_size - 1}")
     chosen = rendezvous.resolve_backend(backend, world_size)
-    flags = f"--world-size {world_size} --backend {chosen}" + (" --pairwise" if pairwise else "")
+    flags = f"--world-size {world_size} --backend {chosen}" + _flags(pairwise, long)
     report = HealthReport("local", chosen, world_size, repro=health_repro("ddparity", flags, timeout, min_busbw,
                                                                       opts.sizes_bytes, FAULT_ENV))
     try:
@@ -173,21 +181,22 @@ def _why(run: RunResult) -> str:
 
 def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
                           min_busbw: float | None = None, sizes_mib: tuple[float, ...] | None = None,
-                          thresholds: str | None = None, pairwise: bool = False) -> NoReturn:
+                          thresholds: str | None = None, pairwise: bool = False,
+                          long: float | None = None) -> NoReturn:
     """This process's part of a torchrun-launched health check: every launched process
     measures, rank 0 (or, should it die, the lowest rank alive) judges and hands the report
     to ``emit``; every process exits with its code. Hangs and crashes are found by the
     launch's watch threads (:mod:`ddparity.harness.launch.watchdog`)."""
     from ddparity.verbs.launched import everyone
 
-    opts = options(sizes_mib, pairwise)
+    opts = options(sizes_mib, pairwise, long)
     _check_numbers(timeout, min_busbw)
     limits = load_thresholds(thresholds)
 
     def report_for(backend: str, world_size: int) -> HealthReport:
         return HealthReport("torchrun", backend, world_size,
                             repro=health_repro("torchrun <the same launch options> -m ddparity",
-                                               f"--backend {backend}" + (" --pairwise" if pairwise else ""),
+                                               f"--backend {backend}" + _flags(pairwise, long),
                                                timeout, min_busbw, opts.sizes_bytes, FAULT_ENV))
 
     def failed(exc: WorldFailure, stage: int) -> int:

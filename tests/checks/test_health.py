@@ -196,3 +196,19 @@ def test_a_network_only_pass_says_so_in_its_row_and_table():
     assert "(network only: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)" in check.detail
     text = render([check], [], [rank(0)], "ddparity health", rows)
     assert "ranks 0-2" in text and "network only" in text.split("ranks 0-2")[1].splitlines()[0]
+
+
+def test_stress_passes_with_its_figures_and_fails_naming_each_unstable_rank():
+    calm = {"seconds": 60.2, "matrix": 4096, "repeats": 900, "reduce_bytes": 64 << 20, "matmul_mismatches": 0,
+            "first_mismatches": [], "allreduce_errors": 0, "first_allreduce_errors": []}
+    checks, _ = judge([rank(r, stress=calm) for r in range(4)])
+    assert by_name(checks)["stress"].status == "pass"
+    assert by_name(checks)["stress"].detail.startswith("60 s under load: 900 repeats of a 4096-square float32 matmul")
+    hot = {**calm, "matmul_mismatches": 2, "first_mismatches": [411, 777]}
+    lossy = {**calm, "allreduce_errors": 1, "first_allreduce_errors": [12]}
+    checks, _ = judge([rank(0, stress=hot), rank(1, stress=calm), rank(2, stress=calm), rank(3, stress=lossy)])
+    stress = by_name(checks)["stress"]
+    assert (stress.status, stress.ranks) == ("fail", [0, 3])
+    assert "rank 0 cuda:0 (H200): 2 of 900 repeats" in stress.detail and "first at repeat 411" in stress.detail
+    assert "rank 3: 1 of 900 all-reduces under load were not exact (first at repeat 12)" in stress.detail
+    assert "stress" not in by_name(judge([rank(0), rank(1)])[0])  # no --long: no row

@@ -117,6 +117,22 @@ def test_pairwise_names_the_slow_link_between_rank_0_and_the_last_and_no_other_p
         assert not any(c["name"] == "pairwise (network only)" for c in data["checks"])
 
 
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.breadth)], ids=["rank0", "last"])
+def test_long_holds_ranks_under_load_and_names_one_whose_bits_change_on_a_repeat(rank, tmp_path):
+    out = tmp_path / "health.json"
+    result = run_health("--long", "2", "--json", str(out), fault=f"flaky_bits@{rank}")
+    assert result.returncode == 1, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert statuses(data)["stress"] == ("fail", [rank])
+    assert statuses(data)["compute"] == ("pass", [])  # one bit of one repeat: only the stress pass sees it
+    stress = {r["rank"]: r["stress"] for r in data["ranks"]}
+    assert stress[rank]["matmul_mismatches"] == 1 and stress[rank]["first_mismatches"] == [3]
+    assert stress[1 - rank]["matmul_mismatches"] == 0 and stress[0]["repeats"] == stress[1]["repeats"] >= 3
+    assert all(s["seconds"] >= 2 and s["allreduce_errors"] == 0 for s in stress.values())
+    assert f"rank {rank} cpu" in result.stdout and "unstable under load" in result.stdout
+    assert "--long 2" in result.stdout.split("reproduce:")[1]
+
+
 def test_a_drill_naming_a_rank_the_world_lacks_exits_2_before_starting():
     result = run_health("--pairwise", fault="slow_link@0-2")
     assert result.returncode == 2 and "drills a rank the world of 2 does not have" in result.stderr
@@ -178,6 +194,8 @@ def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):
     (("--world-size", "0"), "expected a positive integer"),
     (("--backend", "threaded"), "need real processes"),
     (("--thresholds", "/no/such/limits.json"), "--thresholds '/no/such/limits.json': cannot read it"),
+    (("--long", "0"), "--long: give a positive number of seconds, e.g. 30, got '0'"),
+    (("--long", "soon"), "--long: give a positive number of seconds"),
 ])
 def test_bad_input_exits_2(args, message):
     result = ddparity("health", *args)

@@ -9,6 +9,7 @@ Fault drills: ``DDPARITY_HEALTH_FAULT=KIND@RANK`` makes that rank misbehave the 
 nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_allreduce``
 (a corrupted reduction result), ``wrong_matmul`` (a device that computes wrong),
 ``flip_bits`` (silent data corruption: one bit of one result, far inside any tolerance),
+``flaky_bits`` (one bit of one repeat of ``--long``'s stress pass: a device unstable under load),
 ``wrong_step`` (a rank whose replica trains wrong: the gate's training check, in
 :mod:`ddparity.verbs.health`),
 ``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
@@ -28,12 +29,14 @@ from typing import Any, NamedTuple
 from ddparity.errors import UsageError
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.allreduce_timing import measure_pairs, sync, time_allreduce
+from ddparity.harness.ranks.stress_probe import digest, stress
 from ddparity.harness.ranks.transfer_probe import measure_transfers
 from ddparity.measurements import PairTiming, RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
 FAULT_ENV = "DDPARITY_HEALTH_FAULT"
-FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "slow_compute", "wrong_step", "hang", "slow_link")
+FAULTS = ("wrong_allreduce", "wrong_matmul", "flip_bits", "flaky_bits", "slow_compute", "wrong_step", "hang",
+          "slow_link")
 MATMUL_N = 256
 CORRECTNESS_NUMELS = (1, 1000, 262_144)
 
@@ -45,6 +48,8 @@ class HealthOptions:
     warmup: int = 2
     pairwise: bool = False
     """Also time an all-reduce pair by pair of nodes (of ranks on one node): which link is slow."""
+    long_s: float = 0.0
+    """``--long``: seconds of the stress pass (:mod:`ddparity.harness.ranks.stress_probe`); 0: none."""
 
 
 class Fault(NamedTuple):
@@ -119,8 +124,8 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     if mine == "flip_bits":  # the lowest mantissa bit of one element: no tolerance can see it, only the bits
         product.view(torch.int32)[0, 0] ^= 1
     out.matmul_max_rel_error = float(((product.double() - reference).abs().max() / reference.abs().max()).item())
-    out.matmul_bits = _digest(product)
-    out.matmul_bits_bf16 = _digest((da.bfloat16() @ db.bfloat16()).cpu())  # another precision, other kernels
+    out.matmul_bits = digest(product)
+    out.matmul_bits_bf16 = digest((da.bfloat16() @ db.bfloat16()).cpu())  # another precision, other kernels
     # The best of up to 20 short blocks: a rank preempted for a moment (other work on the
     # machine) is not a slow device; one that is slow in every block is.
     reps = 20 if device.startswith("cuda") else 5
@@ -147,6 +152,8 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     for nbytes in options.sizes_bytes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         out.allreduce.append((t.numel() * 4, time_allreduce(t, options.warmup, options.iters, device)))
+    if options.long_s:
+        out.stress = stress(ctx, options.long_s, flaky=mine == "flaky_bits")
     if options.pairwise:
         out.pairs = measure_pairs(ctx, max(options.sizes_bytes), options.warmup, options.iters, _slow_link(fault))
     if not isinstance(readings, str):  # the XIDs raised while the checks ran
@@ -182,16 +189,6 @@ def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
     import torch
 
     return nvml_probe.watched(str(torch.cuda.get_device_properties(device).uuid))
-
-
-def _digest(t: Any) -> int:
-    """A number that any change of any bit of ``t`` changes (its bytes hashed, 63 bits)."""
-    import hashlib
-
-    import torch
-
-    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 1
 
 
 def _expect(out: RankHealth, what: str, got: Any, want: Any) -> None:
