@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run of the CUDA/nccl paths on a lent GPU machine (see benchmarks/README.md).
+# One prepared run of the CUDA/nccl paths on a lent GPU machine (see tests/README.md).
 # Writes its logs and figures under $OUT (or ./gpu-out).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
