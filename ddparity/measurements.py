@@ -90,6 +90,9 @@ class RankHealth:
     """Copy bandwidths, GB/s (:mod:`ddparity.harness.ranks.transfer_probe`), or why not."""
     pairs: list[PairTiming] = field(default_factory=list)
     """The pairs this rank was one end of (``--pairwise``)."""
+    training: dict[str, Any] | None = None
+    """Under torchrun, this rank's part of the gate's training launch: its child's exit code
+    and output tail, and on rank 0 the check's runs (:mod:`ddparity.harness.launch.gate_training`)."""
     stress: dict[str, Any] | None = None
     """``--long``'s stress pass: seconds, repeats, matmul repeats whose bits differed from the
     first, all-reduces that were not exact (:mod:`ddparity.harness.ranks.stress_probe`)."""

@@ -17,9 +17,11 @@ from ddparity.case import Case
 from ddparity.checks.hardware import load_thresholds
 from ddparity.checks.health import Check, judge, judge_pairs
 from ddparity.errors import UsageError, WorldFailure
+from ddparity.harness.launch.gate_training import Training, health_then_training
 from ddparity.harness.ranks.allreduce_timing import NETWORK_ONLY, network_only
 from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, pairwise_task, parse_fault
 from ddparity.harness.world import rendezvous
+from ddparity.measurements import RankHealth
 from ddparity.render import render_failure
 from ddparity.report import HealthReport
 from ddparity.run_kinds import kind
@@ -36,7 +38,7 @@ from ddparity.settings import (
     validate_world_size,
 )
 from ddparity.verbs.plan import failure, health_repro
-from ddparity.verdicts import Failure, RunResult
+from ddparity.verdicts import Failure
 
 
 def options(sizes_mib: tuple[float, ...] | None = None, pairwise: bool = False, long: float | None = None) -> HealthOptions:
@@ -108,7 +110,7 @@ def _judge_pairs(report: HealthReport, timings: list[Any], name: str = "pairwise
 
 
 TRAINING_STEPS = 3
-"""The gate's training: a small MLP, SGD, this many steps, 8 samples a rank."""
+"""The gate's training: a small MLP, SGD, this many steps, 8 samples a rank (:func:`gate_case`)."""
 
 
 def _step(model: Any, batch: Any, optimizer: Any, ctx: Any, drilled: int | None = None) -> Any:
@@ -129,54 +131,76 @@ def _step(model: Any, batch: Any, optimizer: Any, ctx: Any, drilled: int | None 
     return loss.detach()
 
 
-def training(world_size: int, backend: str, timeout: float) -> Check:
-    """The gate's last check: a real training step, ``check`` of a small built-in MLP across
-    the world (DDP, and FSDP2 where this torch runs it) against one device; ``fail`` names
-    the runs that differ, hang or crash, and the ranks they blame."""
+def gate_case() -> Case:
+    """The gate's training as a Case: a small MLP, SGD, :data:`TRAINING_STEPS` steps, 8
+    samples a rank of the world ``$WORLD_SIZE`` names (the launched gate's target,
+    ``ddparity.verbs.health:gate_case``); the drill ``wrong_step@RANK`` from the environment."""
+    return _case(int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _case(world_size: int) -> Case:
     from ddparity.fixtures.models import MLP, vectors
-    from ddparity.harness.world.pool import WorldPool
-    from ddparity.verbs.check import check
 
     fault = parse_fault(os.environ.get(FAULT_ENV))
     drilled = fault.rank if fault and fault.kind == "wrong_step" else None
-    case = Case(model=MLP, data=functools.partial(vectors, batch=8 * world_size), optimizer="sgd", lr=0.1,
-                steps=TRAINING_STEPS, train_step=functools.partial(_step, drilled=drilled),
-                name="health: MLP + SGD")
-    modes = ("single", "ddp", "fsdp") if torch_release() >= NEWER_TORCH else ("single", "ddp")
+    return Case(model=MLP, data=functools.partial(vectors, batch=8 * world_size), optimizer="sgd", lr=0.1,
+                steps=TRAINING_STEPS, train_step=functools.partial(_step, drilled=drilled), name="health: MLP + SGD")
+
+
+def training_modes() -> tuple[str, ...]:
+    return ("single", "ddp", "fsdp") if torch_release() >= NEWER_TORCH else ("single", "ddp")
+
+
+def training(world_size: int, backend: str, timeout: float) -> Check:
+    """The gate's last check: a real training step, ``check`` of a small built-in MLP across
+    the world (DDP, and FSDP2 where this torch runs it) against one device (see
+    :func:`training_check`)."""
+    from ddparity.harness.world.pool import WorldPool
+    from ddparity.verbs.check import check
+
     pool = WorldPool()
     try:
-        report = check(case, modes=modes, world_sizes=(world_size,), backend=backend, timeout=timeout, pool=pool)
+        report = check(_case(world_size), modes=training_modes(), world_sizes=(world_size,), backend=backend,
+                       timeout=timeout, pool=pool)
     finally:
         pool.close()
-    runs = [r for r in report.runs if not kind(r.mode).reference]
-    bad = [r for r in runs if r.status not in ("pass", "skipped")]
-    if not bad:
-        ran = [r.mode for r in runs if r.status == "pass"]
-        return Check("training", "pass", f"a small MLP trains the same under {' and '.join(ran)} at {world_size} "
-                                         f"rank(s) as on one device ({TRAINING_STEPS} SGD steps)")
-    ranks = sorted({rank for r in bad for rank in _blamed(r)})
-    said = "; ".join(f"{r.mode} at {world_size} rank(s) {r.status.upper()}" + _why(r) for r in bad)
-    return Check("training", "fail", f"a small MLP trains differently than on one device: {said}", ranks)
+    return training_check(report.to_json()["runs"], world_size)
 
 
-def _blamed(run: RunResult) -> list[int]:
-    """The ranks a run's own evidence names: a desync's (replicas that drift apart), a hang's
+def training_check(runs: list[dict[str, Any]], world_size: int, where: str = "") -> Check:
+    """The ``training`` row from a check's runs (its JSON): ``pass`` when every replica run
+    passed (or was skipped), else ``fail`` naming the runs that differ, hang or crash and the
+    ranks their own evidence names: a desync's (replicas that drift apart), a hang's
     suspects, the crashed rank; a divergence names none (where it was first seen is not who
     caused it: under FSDP every rank sees a shard's error)."""
-    if run.desync is not None:
-        return list(run.desync.ranks)
-    if run.hang is not None:
-        return list(run.hang.suspect_ranks)
-    return [run.crash.rank] if run.crash is not None else []
+    replicas = [r for r in runs if not kind(r["mode"]).reference]
+    bad = [r for r in replicas if r["status"] not in ("pass", "skipped")]
+    if not bad:
+        ran = [r["mode"] for r in replicas if r["status"] == "pass"]
+        return Check("training", "pass", f"a small MLP trains the same under {' and '.join(ran)} at {world_size} "
+                                         f"rank(s){where} as on one device ({TRAINING_STEPS} SGD steps)")
+    ranks = sorted({rank for r in bad for rank in _blamed(r)})
+    said = "; ".join(f"{r['mode']} at {world_size} rank(s) {r['status'].upper()}" + _why(r) for r in bad)
+    return Check("training", "fail", f"a small MLP trains differently{where} than on one device: {said}", ranks)
 
 
-def _why(run: RunResult) -> str:
-    cause = next((n[len("likely cause: "):] for n in run.notes if n.startswith("likely cause: ")), None)
+def _blamed(run: dict[str, Any]) -> list[int]:
+    if run.get("desync"):
+        return list(run["desync"]["ranks"])
+    if run.get("hang"):
+        return list(run["hang"]["suspect_ranks"])
+    return [run["crash"]["rank"]] if run.get("crash") else []
+
+
+def _why(run: dict[str, Any]) -> str:
+    cause = next((n[len("likely cause: "):] for n in run.get("notes") or () if n.startswith("likely cause: ")), None)
     if cause:
         return f" ({cause.split(';')[0]})"
-    if run.first_divergence is not None:
-        return f" (first divergence: {run.first_divergence.where})"
-    return f" ({run.reason.splitlines()[0]})" if run.reason else ""
+    first = run.get("first_divergence")
+    if first:
+        what = "the loss" if first["kind"] == "loss" else f"{first['kind']} {first['name']!r}"
+        return f" (first divergence: step {first['step']}, {what}, rank {first['rank']})"
+    return f" ({run['reason'].splitlines()[0]})" if run.get("reason") else ""
 
 
 def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "auto", timeout: float = TIMEOUT_S,
@@ -205,7 +229,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
         return report.exit_code
 
     me = everyone(backend, timeout, failed)
-    ranks = me.run(None, health_task, opts)
+    ranks = me.run(None, health_then_training, opts, Training(training_modes(), timeout))
     report = report_for(me.ctx.backend, me.ctx.world_size)
     report.ranks = list(ranks)
     report.checks, report.bandwidth = judge(report.ranks, min_busbw, limits)
@@ -216,10 +240,26 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
             report.checks.append(Check("pairwise (network only)", "skip", "NCCL reads its transports once per "
                                        "process: launch again with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 set on "
                                        "every node for the network alone"))
-    report.checks.append(Check("training", "skip", "not yet in a launch: after the gate, run torchrun <the same "
-                                                   "launch options> -m ddparity check ddparity.fixtures.models:mlp_sgd"))
+    report.checks.append(_launched_training(report.ranks))
     emit(report)
     me.watch.finish(report.exit_code)
+
+
+def _launched_training(ranks: list[RankHealth]) -> Check:
+    """The ``training`` row of a launch: the check its children ran as a launch of their own
+    (:mod:`ddparity.harness.launch.gate_training`), judged as locally; a child that did not
+    finish or a check that gave no report fails, naming those ranks, with the command."""
+    got = {r.rank: r.training or {} for r in ranks}
+    first = got[min(got)]
+    late = sorted(rank for rank, t in got.items() if t.get("exit") is None)
+    if late:
+        return Check("training", "fail", f"the gate's training launch did not finish on rank(s) {late} "
+                                         f"({got[late[0]].get('output', '')}): python -m {first.get('command')}", late)
+    if "runs" not in first:
+        said = (first.get("output") or "").strip().splitlines()
+        return Check("training", "fail", f"the gate's training launch gave no report (exit {first.get('exit')}): "
+                                         f"{said[-1] if said else 'no output'}; python -m {first.get('command')}")
+    return training_check(first["runs"], len(ranks), where=" in the launch")
 
 
 def _failed(report: HealthReport, exc: WorldFailure) -> HealthReport:

@@ -84,21 +84,27 @@ def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tm
     assert "rank 2 cpu" in result.stdout and "silent data corruption" in result.stdout
 
 
-@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.breadth)], ids=["rank0", "last"])
-def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, tmp_path):
+@pytest.mark.parametrize(("rank", "torchrun"), [(0, False), pytest.param(1, False, marks=pytest.mark.breadth),
+                                               (1, True), pytest.param(0, True, marks=pytest.mark.breadth)],
+                         ids=["rank0", "last", "torchrun-last", "torchrun-rank0"])
+def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, torchrun, tmp_path):
     """Every other check passes (the collectives, the matmul, the links are fine); only a
-    real training step shows that one rank's replica trains otherwise."""
+    real training step shows that one rank's replica trains otherwise. Under torchrun the
+    training is a launch of its own across the launched processes."""
     out = tmp_path / "health.json"
-    result = run_health("--json", str(out), fault=f"wrong_step@{rank}")
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "UNHEALTHY: training failed" in result.stdout
+    result = run_health("--json", str(out), fault=f"wrong_step@{rank}", torchrun=torchrun)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert result.stdout.count("UNHEALTHY: training failed") == 1
     got = statuses(json.loads(out.read_text()))
     assert got["training"] == ("fail", [rank])
     assert all(status == "pass" for name, (status, _) in got.items() if name not in ("training", "hardware", "transfers"))
     assert f"rank {rank} alone drifts" in result.stdout
+    assert ("in the launch than on one device" in result.stdout) == torchrun
+    if torchrun:
+        assert result.stderr.count("exitcode  : 1") == 2  # every rank exits with the verdict
 
 
-@pytest.mark.parametrize("torchrun", [False, True], ids=["local", "torchrun"])
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.breadth)], ids=["local", "torchrun"])
 def test_pairwise_names_the_slow_link_between_rank_0_and_the_last_and_no_other_pair(torchrun, tmp_path):
     out = tmp_path / "health.json"
     extra = () if torchrun else ("--world-size", "4")
@@ -167,12 +173,20 @@ def test_under_torchrun_rank_0_reports_and_every_rank_agrees(tmp_path):
     out = tmp_path / "health.json"
     result = run_health("--json", str(out), torchrun=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("HEALTHY: 6 checks passed; hardware, transfers, training skipped") == 1  # rank 0 only
+    assert result.stdout.count("HEALTHY: 7 checks passed; hardware, transfers skipped") == 1  # rank 0 only
     data = json.loads(out.read_text())
     assert (data["launcher"], data["world_size"], data["healthy"]) == ("torchrun", 2, True)
+    training = next(c for c in data["checks"] if c["name"] == "training")  # a launch of its own, every process
+    modes = "ddp and fsdp" if torch_release() >= NEWER_TORCH else "ddp"
+    assert training["detail"].startswith(f"a small MLP trains the same under {modes} at 2 rank(s) in the launch")
+    assert all(r["training"]["exit"] == 0 for r in data["ranks"]) and "runs" in data["ranks"][0]["training"]
+
+
+@pytest.mark.breadth  # (a failing gate under torchrun, every rank exiting with it: the training drill's test too)
+def test_a_wrong_collective_under_torchrun_fails_every_rank():
     bad = run_health(torchrun=True, fault="wrong_allreduce@1")
     assert bad.returncode != 0 and "UNHEALTHY: collectives failed" in bad.stdout
-    assert "exitcode  : 1" in bad.stderr  # every rank exits with the verdict
+    assert bad.stderr.count("exitcode  : 1") == 2  # every rank exits with the verdict
 
 
 def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):

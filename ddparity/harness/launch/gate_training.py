@@ -1,0 +1,85 @@
+"""The health gate's training step inside a launch (``torchrun ... -m ddparity health``).
+
+After its measurements, every launched process starts one child, ``python -m ddparity
+check ddparity.verbs.health:gate_case``, with the launch's own rank, world size and local
+rank: the children are a launch of their own across the same machines and devices, the
+launched check as a user would run it (:mod:`ddparity.verbs.launched`), on a fresh port of
+rank 0's host (``MASTER_ADDR``) and in a store namespace of their own. Rank 0's child
+writes the check's JSON, which rank 0 reads back for the gate's ``training`` row. Each
+child dies with its process (``PR_SET_PDEATHSIG``) and is killed past its limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from ddparity.harness.protocol import RankContext
+from ddparity.harness.ranks.health_probe import HealthOptions, health_task
+from ddparity.measurements import RankHealth
+
+TARGET = "ddparity.verbs.health:gate_case"
+START_MARGIN_S = 60.0
+"""A child's limit beyond its check's own timeout: starting Python and torch, forming the world."""
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    modes: tuple[str, ...]
+    timeout: float
+
+
+def health_then_training(ctx: RankContext, options: HealthOptions, training: Training) -> RankHealth:
+    """``health_task``, then this process's part of the gate's training launch."""
+    out = health_task(ctx, options)
+    out.training = run_training(ctx, training)
+    return out
+
+
+def run_training(ctx: RankContext, training: Training) -> dict[str, Any]:
+    """Start this rank's child and wait for it; rank 0 returns the check's runs (its JSON),
+    every rank its child's exit code (None past the limit) and the tail of its output."""
+    import torch.distributed as dist
+
+    chosen: list[Any] = [_free_port() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    folder = tempfile.mkdtemp(prefix="ddparity-gate-") if ctx.rank == 0 else ""
+    path = os.path.join(folder, "training.json")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "launch")
+    env = {**os.environ, "MASTER_PORT": str(chosen[0]), "TORCHELASTIC_RUN_ID": f"{run_id}-gate-training"}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # the children's store is rank 0's child's, not the agent's
+    command = [sys.executable, "-m", "ddparity", "check", TARGET, "--modes", ",".join(training.modes),
+               "--backend", ctx.backend, "--timeout", f"{training.timeout:g}", "-q"]
+    if ctx.rank == 0:
+        command += ["--json", path]
+    from ddparity.harness.ranks.rank import die_with_parent
+
+    limit = training.timeout + START_MARGIN_S
+    result: dict[str, Any] = {"command": " ".join(command[1:])}
+    try:
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=limit,
+                               preexec_fn=die_with_parent)
+        result.update(exit=child.returncode, output=(child.stdout + child.stderr)[-2000:])
+        if ctx.rank == 0 and os.path.exists(path):
+            with open(path) as f:
+                result["runs"] = json.load(f).get("runs", [])
+    except subprocess.TimeoutExpired as exc:  # subprocess.run killed it
+        result.update(exit=None, output=f"did not finish within {limit:g} s", partial=str(exc.output or "")[-2000:])
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
