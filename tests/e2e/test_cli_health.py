@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,21 @@ def test_long_holds_ranks_under_load_and_names_one_whose_bits_change_on_a_repeat
     assert all(s["seconds"] >= 2 and s["allreduce_errors"] == 0 for s in stress.values())
     assert f"rank {rank} cpu" in result.stdout and "unstable under load" in result.stdout
     assert "--long 2" in result.stdout.split("reproduce:")[1]
+
+
+def test_on_a_terminal_the_live_line_follows_the_gates_phases():
+    """The line is polled (every quarter second): a phase shorter than that may not show;
+    the stress pass's two seconds always do, each second."""
+    from tests.e2e.test_cli import _through_a_terminal
+
+    code, text = _through_a_terminal(["health", "--world-size", "3", "--sizes", "1,2", "--pairwise", "--long", "2"])
+    assert code == 0, text
+    shown = [part.strip("\x1b[K") for part in text.split("\r")]
+    phases = [line[len("ddparity: health: "):] for line in shown if line.startswith("ddparity: health: ")]
+    assert "stress, 1 of 2 s" in phases, phases
+    known = re.compile(r"(starting|hardware|collectives|compute|transfers|bandwidth, [12] MiB|stress, [0-2] of 2 s|"
+                       r"pairwise, pair [1-3] of 3)( · no progress for .*)?")
+    assert all(known.fullmatch(p) for p in phases), phases
 
 
 def test_a_drill_naming_a_rank_the_world_lacks_exits_2_before_starting():

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ddparity.harness.protocol import RankContext
+from ddparity.harness.recording.recorder import active
 from ddparity.measurements import PairTiming
 
 NETWORK_ONLY = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
@@ -76,7 +77,8 @@ def measure_pairs(ctx: RankContext, nbytes: int, warmup: int, iters: int,
     groups = [dist.new_group(list(pair)) for pair in pairs]  # every rank creates every group, in order
     alone = network_only(ctx.backend)
     mine = []
-    for pair, group in zip(pairs, groups):
+    for i, (pair, group) in enumerate(zip(pairs, groups)):
+        active().set_phase(-1, f"pairwise, pair {i + 1} of {len(pairs)}")
         dist.barrier()  # one pair at a time
         if ctx.rank not in pair:
             continue

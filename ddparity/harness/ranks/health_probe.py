@@ -31,6 +31,7 @@ from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.allreduce_timing import measure_pairs, sync, time_allreduce
 from ddparity.harness.ranks.stress_probe import digest, stress
 from ddparity.harness.ranks.transfer_probe import measure_transfers
+from ddparity.harness.recording.recorder import active
 from ddparity.measurements import PairTiming, RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
 
@@ -89,6 +90,8 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
         python_version=platform.python_version(),
     )
+    phase = active().set_phase  # the live line: "ddparity: health: bandwidth"
+    phase(-1, "hardware")
     readings, xids = _hardware(device)
     started = time.perf_counter()
     dist.barrier()
@@ -97,6 +100,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
         time.sleep(24 * 3600)  # the others wait in the next collective
 
     # Collectives compute what they must: integers are exact in float32.
+    phase(-1, "collectives")
     for numel in CORRECTNESS_NUMELS:
         pattern = torch.arange(numel, dtype=torch.float32, device=device) % 7 + 1
         t = pattern * (ctx.rank + 1)
@@ -113,6 +117,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
             torch.tensor([[float(r), 1.0] for r in range(ctx.world_size)], device=device))
 
     # The device computes right (against float64 on the CPU) and how fast.
+    phase(-1, "compute")
     generator = torch.Generator().manual_seed(1234)
     a = torch.randn(MATMUL_N, MATMUL_N, generator=generator)
     b64 = torch.randn(MATMUL_N, MATMUL_N, generator=generator)
@@ -144,12 +149,15 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
         times.append(elapsed)
     out.gflops = 2 * MATMUL_N**3 * reps / min(times) / 1e9
 
+    phase(-1, "transfers")
     out.transfers = measure_transfers(ctx)
 
     # Latency (one element) and bandwidth (all-reduce at each size), slowest rank decides.
+    phase(-1, "bandwidth")
     one = torch.ones(1, device=device)
     out.latency_s = time_allreduce(one, options.warmup, options.iters, device)
     for nbytes in options.sizes_bytes:
+        phase(-1, f"bandwidth, {nbytes / 2**20:g} MiB")
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         out.allreduce.append((t.numel() * 4, time_allreduce(t, options.warmup, options.iters, device)))
     if options.long_s:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ddparity.harness.protocol import RankContext
+from ddparity.harness.recording.recorder import active
 
 MATRIX = {"cuda": 4096, "cpu": 384}
 REDUCE_BYTES = {"cuda": 64 << 20, "cpu": 4 << 20}
@@ -52,7 +53,9 @@ def stress(ctx: RankContext, seconds: float, flaky: bool = False) -> dict[str, A
     wrong_reduces: list[int] = []
     repeats = 0
     started = time.perf_counter()
+    phase = active().set_phase
     while True:
+        phase(-1, f"stress, {time.perf_counter() - started:.0f} of {seconds:g} s")
         repeats += 1
         product = (a @ b).view(torch.int32)
         if flaky and repeats == 3:
