@@ -8,15 +8,9 @@
 # NVML comes from nvidia-ml-py: carry its wheel (the device machine reaches no index):
 #   pip download nvidia-ml-py --no-deps -d build/gpu-wheels   # here, then run with carry=["build/gpu-wheels"]
 # Every result it records is asserted (exit 1 on the first that fails). Logs under $OUT.
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-rm -f "$OUT/failed"
-step() { echo "== $*"; }
-failed() { echo "$1" >> "$OUT/failed"; }
+source "$(dirname "$0")/gpu_lib.sh"
 {
-  nvidia-smi -L
-  python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count())"
+  machine
   python3 -c "import pynvml" 2>/dev/null || \
     python3 -m pip install -q --no-index --find-links build/gpu-wheels nvidia-ml-py || failed nvml-install
   python3 -c "import pynvml; pynvml.nvmlInit(); print('NVML driver', pynvml.nvmlSystemGetDriverVersion())" \
@@ -94,5 +88,4 @@ assert hw["status"] in ("warn", "fail") and 0 in hw["ranks"] and "temperature" i
 print("thresholds on CUDA: OK", hw["detail"][:160])
 PY
 } 2>&1 | tee "$OUT/gpu_health.log"
-if [ -s "$OUT/failed" ]; then echo "gpu_health: FAILED: $(tr '\n' ' ' < "$OUT/failed")"; exit 1; fi
-echo "gpu_health: ALL ASSERTED OK"
+verdict gpu_health

@@ -6,15 +6,9 @@
 #  - localisation on CUDA tensors: DataParallel's replicas (emulated on the one GPU) and the
 #    summed-loss probe, each asserted; the non-finite count of CUDA fingerprints.
 # Every result it records is asserted (exit 1 on the first that fails). Logs under $OUT.
-set -u
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-rm -f "$OUT/failed"
-step() { echo "== $*"; }
-failed() { echo "$1" >> "$OUT/failed"; }
+source "$(dirname "$0")/gpu_lib.sh"
 {
-  nvidia-smi -L
-  python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count())"
+  machine
 
   step "profile --demo on nccl, world size 1 (and dp at 2: its reason)"
   timeout 240 python3 -m ddparity profile --demo --modes dp,ddp --backend nccl --world-sizes 1,2 --steps 5 \
@@ -93,5 +87,4 @@ assert [int(nonfinite_count(t, part=p)) for p in (2, 3)] == [1, 2]
 print("CUDA non-finite count: OK")
 PY
 } 2>&1 | tee "$OUT/gpu_localise_profile.log"
-if [ -s "$OUT/failed" ]; then echo "gpu_localise_profile: FAILED: $(tr '\n' ' ' < "$OUT/failed")"; exit 1; fi
-echo "gpu_localise_profile: ALL ASSERTED OK"
+verdict gpu_localise_profile
