@@ -240,12 +240,12 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
             report.checks.append(Check("pairwise (network only)", "skip", "NCCL reads its transports once per "
                                        "process: launch again with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 set on "
                                        "every node for the network alone"))
-    report.checks.append(_launched_training(report.ranks))
+    report.checks.append(launched_training(report.ranks))
     emit(report)
     me.watch.finish(report.exit_code)
 
 
-def _launched_training(ranks: list[RankHealth]) -> Check:
+def launched_training(ranks: list[RankHealth]) -> Check:
     """The ``training`` row of a launch: the check its children ran as a launch of their own
     (:mod:`ddparity.harness.launch.gate_training`), judged as locally; a child that did not
     finish or a check that gave no report fails, naming those ranks, with the command."""

@@ -212,3 +212,20 @@ def test_stress_passes_with_its_figures_and_fails_naming_each_unstable_rank():
     assert "rank 0 cuda:0 (H200): 2 of 900 repeats" in stress.detail and "first at repeat 411" in stress.detail
     assert "rank 3: 1 of 900 all-reduces under load were not exact (first at repeat 12)" in stress.detail
     assert "stress" not in by_name(judge([rank(0), rank(1)])[0])  # no --long: no row
+
+
+def test_the_launched_trainings_row_names_a_child_that_never_finished_or_says_why_there_was_no_report():
+    from ddparity.verbs.health import launched_training
+
+    command = "ddparity check ddparity.verbs.health:gate_case --modes single,ddp --backend nccl --timeout 60 -q"
+    done = {"exit": 0, "command": command, "output": "",
+            "runs": [{"mode": "single", "status": "pass"}, {"mode": "ddp", "status": "pass"}]}
+    assert launched_training([rank(0, training=done), rank(1, training={"exit": 0})]).detail.startswith(
+        "a small MLP trains the same under ddp at 2 rank(s) in the launch as on one device")
+    late = {"exit": None, "output": "did not finish within 120 s", "command": command}
+    check = launched_training([rank(0, training=done), rank(1, training=late), rank(2, training={"exit": 0})])
+    assert (check.status, check.ranks) == ("fail", [1])
+    assert "did not finish on rank(s) [1] (did not finish within 120 s): python -m ddparity check" in check.detail
+    broken = {"exit": 2, "output": "ddparity: error: --backend nccl: no CUDA device\n", "command": command}
+    check = launched_training([rank(0, training=broken), rank(1, training={"exit": 2})])
+    assert check.status == "fail" and "gave no report (exit 2): ddparity: error: --backend nccl: no CUDA" in check.detail

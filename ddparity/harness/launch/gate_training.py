@@ -18,11 +18,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ddparity.harness.protocol import RankContext
 from ddparity.harness.ranks.health_probe import HealthOptions, health_task
+from ddparity.harness.ranks.rank import die_with_parent
+from ddparity.harness.recording.recorder import active
 from ddparity.measurements import RankHealth
 
 TARGET = "ddparity.verbs.health:gate_case"
@@ -59,24 +62,41 @@ def run_training(ctx: RankContext, training: Training) -> dict[str, Any]:
                "--backend", ctx.backend, "--timeout", f"{training.timeout:g}", "-q"]
     if ctx.rank == 0:
         command += ["--json", path]
-    from ddparity.harness.ranks.rank import die_with_parent
-
     limit = training.timeout + START_MARGIN_S
     result: dict[str, Any] = {"command": " ".join(command[1:])}
     try:
-        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=limit,
-                               preexec_fn=die_with_parent)
-        result.update(exit=child.returncode, output=(child.stdout + child.stderr)[-2000:])
-        if ctx.rank == 0 and os.path.exists(path):
+        code, output = _child(command, env, limit)
+        result.update(exit=code, output=output)
+        if ctx.rank == 0 and code is not None and os.path.exists(path):
             with open(path) as f:
                 result["runs"] = json.load(f).get("runs", [])
-    except subprocess.TimeoutExpired as exc:  # subprocess.run killed it
-        result.update(exit=None, output=f"did not finish within {limit:g} s", partial=str(exc.output or "")[-2000:])
     finally:
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
     dist.barrier()
     return result
+
+
+def _child(command: list[str], env: dict[str, str], limit: float) -> tuple[int | None, str]:
+    """Run ``command`` to its end or for ``limit`` seconds (then killed: exit None); its
+    output's tail. While it runs, this rank's phase moves, so the launch's watch sees a rank
+    that waits on its child, not one that hangs."""
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as output:
+        child = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                 preexec_fn=die_with_parent)
+        try:
+            while child.poll() is None and time.monotonic() - started < limit:
+                active().set_phase(-1, f"training (a launch of its own), {time.monotonic() - started:.0f} s")
+                time.sleep(0.5)
+        finally:
+            killed = child.poll() is None
+            if killed:
+                child.kill()
+            child.wait()
+        output.seek(0)
+        tail = output.read()[-2000:]
+    return (None, f"did not finish within {limit:g} s") if killed else (child.returncode, tail)
 
 
 def _free_port() -> int:
