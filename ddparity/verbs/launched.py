@@ -250,7 +250,7 @@ class _LaunchedCheck:
         """Every rank but 0, after its last run: the re-runs rank 0 asks for, until it says none."""
         from ddparity.harness.launch.localise import answer_asks
 
-        answer_asks(self.launch, self.case, self.spool_path, self.localise_stage)
+        answer_asks(self.launch, self.case, self.spool_path, self.localise_stage, self.served)
 
     def _judge_each(self, report: Report, ran: list[str], served: list[int]) -> None:
         from ddparity.harness.sidechannel import TaskChannel

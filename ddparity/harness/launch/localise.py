@@ -10,8 +10,10 @@ a note of the report, never a finding:
    group is formed by then, and a collective the user's step issues must be one rank's, as
    in the reference's own run) into its spool;
 2. it asks (:func:`~ddparity.harness.store_keys.localise`) and every rank re-runs the step
-   in the launch's process group, comparing its record with the reference's in place (on
-   rank 0's node: a rank elsewhere cannot read the spool, and no re-run is made);
+   in the launch's process group, comparing its record with the reference's: in place on
+   rank 0's node; a rank on another node first fetches the initial state and that record
+   from rank 0 (:mod:`~ddparity.harness.launch.refserve`, a server per ask) into a spool of
+   its own, removed after the re-run;
 3. rank 0 takes every rank's answer from the store; the others wait for the next ask, or
    for ``null`` (then for the verdict).
 """
@@ -42,10 +44,11 @@ def _rerun(ctx: RankContext, case: Case, spool: str, ask: store_keys.LocaliseAsk
         return FAILED, f"rank {ctx.rank}: {type(exc).__name__}{': ' + first if first else ''}"
 
 
-def answer_asks(launch: Launch, case: Case, spool: str, first_stage: int) -> None:
+def answer_asks(launch: Launch, case: Case, spool: str, first_stage: int, served: bool = False) -> None:
     """Every rank but 0, once it published its last run: each ask rank 0 makes, re-run and
     answered, until it says there are no more (rank 0's death meanwhile is the watch's to
-    report)."""
+    report); ``served``: this rank cannot read ``spool`` (another node), it fetches what the
+    re-run reads."""
     import cloudpickle
 
     store, index = launch.store, 0
@@ -55,15 +58,36 @@ def answer_asks(launch: Launch, case: Case, spool: str, first_stage: int) -> Non
         ask = store_keys.LocaliseAsk.decode(store.get(store_keys.localise(index)))
         if ask is None:
             return
-        store.set(store_keys.result(first_stage + index, launch.ctx.rank),
-                  cloudpickle.dumps(_rerun(launch.ctx, case, spool, ask)))
+        answer = _served_rerun(launch, case, ask) if served else _rerun(launch.ctx, case, spool, ask)
+        store.set(store_keys.result(first_stage + index, launch.ctx.rank), cloudpickle.dumps(answer))
         index += 1
+
+
+def _served_rerun(launch: Launch, case: Case, ask: store_keys.LocaliseAsk) -> tuple[str, Any]:
+    """:func:`_rerun` on a rank of another node: the initial state and the reference's record
+    of the step fetched from rank 0 into a spool of this rank's own (removed after)."""
+    from ddparity.harness.launch.refserve import RemoteReference
+    from ddparity.harness.ranks.probes import trace_name
+    from ddparity.harness.ranks.spool import Spool
+
+    call = (ask.inside[0], ask.inside[1]) if ask.inside is not None else None
+    with Spool(janitor=True) as own:  # removed should this rank die in the re-run
+        remote = RemoteReference(launch.serve)
+        try:
+            remote.fetch_state(own.path)
+            remote.fetch_file(own.path, trace_name(ask.step, call))
+        except Exception as exc:
+            return FAILED, f"rank {launch.ctx.rank}: could not fetch the reference's record: {type(exc).__name__}"
+        finally:
+            remote.close()
+        return _rerun(launch.ctx, case, own.path, ask)
 
 
 class LaunchLocator:
     """Rank 0's locator for :class:`~ddparity.verbs.checking.Checking` in a launch (see the
-    module docstring); ``served``: the ranks that read the reference over the network (with
-    any, nothing is re-run); ``first_stage``: where the asks' results go in the store."""
+    module docstring); ``served``: the ranks that read the reference over the network (each
+    ask serves them what their re-run reads); ``first_stage``: where the asks' results go in
+    the store."""
 
     def __init__(self, launch: Launch, case: Case, spool: str, timeout: float, served: list[int],
                  first_stage: int) -> None:
@@ -78,9 +102,6 @@ class LaunchLocator:
                  inside: tuple[str, int, float] | None = None) -> list[Any] | str:
         """Every rank's answer for ``mode``'s step ``step`` (``inside``: that module call's aten
         ops), or why there is none."""
-        if self.served:
-            return (f"not re-run in this launch: rank(s) {self.served} run on other nodes than rank 0, whose spool "
-                    f"holds the reference's records")
         why = self._reference(step, size, (inside[0], inside[1]) if inside is not None else None)
         if why:
             return why
@@ -114,6 +135,11 @@ class LaunchLocator:
         if self.broken:
             return self.broken
         store, n, stage = self.launch.store, self.launch.ctx.world_size, self.first_stage + self.asked
+        if self.served:  # a thread a served rank, until it has what its re-run reads
+            from ddparity.harness.launch.refserve import ReferenceServer
+            from ddparity.harness.ranks.tasks import WAIT_LIMIT_S
+
+            ReferenceServer(self.launch.serve, self.spool, self.served, WAIT_LIMIT_S)
         store.set(store_keys.localise(self.asked), ask.encode())
         self.asked += 1
         answers: dict[int, tuple[str, Any]] = {}

@@ -6,8 +6,10 @@ on another node (no shared ``/tmp``) asks rank 0 instead, over a gloo group of i
 (never the group the model trains on, so the collective ledger and the user's collectives
 are untouched). Rank 0 runs one :class:`ReferenceServer` thread per rank; each answers
 its rank's requests in order: the initial state (streamed into the rank's own spool, in
-chunks) or one step (its manifest, then each tensor's bytes as the rank compares it: one
-tensor in memory at a time, as with the spool).
+chunks), one step (its manifest, then each tensor's bytes as the rank compares it: one
+tensor in memory at a time, as with the spool), or a file of the spool by name (the
+reference's record of a step, module by module, for a re-run that localises:
+:mod:`ddparity.harness.launch.localise`).
 
 Point-to-point calls go to the group's backend object directly, past the recorder's
 patched ``torch.distributed`` functions: serving the reference is not a collective of
@@ -25,7 +27,7 @@ from typing import Any
 from ddparity.harness.ranks.comparer import wait_for
 from ddparity.harness.ranks.spool import STATE, Stored, mapped_bytes, typed
 
-STATE_REQUEST, GRADS_REQUEST, AFTER_REQUEST, BYE = 0, 1, 2, -1
+STATE_REQUEST, GRADS_REQUEST, AFTER_REQUEST, FILE_REQUEST, BYE = 0, 1, 2, 3, -1
 CHUNK_BYTES = 64 << 20
 """The initial state travels in pieces of this size (bounded memory on both ends)."""
 
@@ -79,16 +81,20 @@ class ReferenceServer:
                 if kind == BYE:
                     return
                 if kind == STATE_REQUEST:
-                    self._send_state(peer)
+                    self._send_file(peer, STATE)
+                elif kind == FILE_REQUEST:  # the name follows, ``step`` its length
+                    name = torch.empty(step, dtype=torch.uint8)
+                    _recv(self._pg, name, peer)
+                    self._send_file(peer, bytes(name.numpy().data).decode())
                 else:
                     self._send_step(peer, _stem(kind, step))
         except Exception:  # the peer is gone (or the launch is ending)
             return
 
-    def _send_state(self, peer: int) -> None:
+    def _send_file(self, peer: int, name: str) -> None:
         import torch
 
-        path = os.path.join(self._spool, STATE)
+        path = os.path.join(self._spool, os.path.basename(name))  # never a path out of the spool
         size = os.path.getsize(path)
         _send_int(self._pg, size, peer)
         with open(path, "rb") as f:
@@ -123,18 +129,30 @@ class RemoteReference:
         _send(self._pg, torch.tensor([kind, step], dtype=torch.int64), self._server)
 
     def fetch_state(self, spool: str) -> None:
+        self._ask(STATE_REQUEST)
+        self._receive_file(spool, STATE)
+
+    def fetch_file(self, spool: str, name: str) -> None:
+        """The file ``name`` of rank 0's spool, into ``spool`` under the same name."""
         import torch
 
-        self._ask(STATE_REQUEST)
+        raw = name.encode()
+        self._ask(FILE_REQUEST, len(raw))
+        _send(self._pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8), self._server)
+        self._receive_file(spool, name)
+
+    def _receive_file(self, spool: str, name: str) -> None:
+        import torch
+
         left = _recv_int(self._pg, self._server)
-        tmp = os.path.join(spool, STATE + ".tmp")
+        tmp = os.path.join(spool, name + ".tmp")
         with open(tmp, "wb") as f:
             while left > 0:
                 chunk = torch.empty(min(left, CHUNK_BYTES), dtype=torch.uint8)
                 _recv(self._pg, chunk, self._server)
                 f.write(chunk.numpy().data)
                 left -= chunk.numel()
-        os.replace(tmp, os.path.join(spool, STATE))
+        os.replace(tmp, os.path.join(spool, name))
 
     def open_step(self, stem: str) -> _RemoteStep:
         kind = GRADS_REQUEST if stem[0] == "g" else AFTER_REQUEST

@@ -82,8 +82,13 @@ def loss_scaling_task(ctx: RankContext, case: Case, spool: str) -> float | None:
     return twice.loss / once.loss
 
 
+def trace_name(step: int, inside: tuple[str, int] | None = None) -> str:
+    """The spool's file of the reference's record of step ``step`` (of module call ``inside``)."""
+    return f"trace-{step}.pt" if inside is None else f"trace-{step}-{inside[1]}-{inside[0]}.pt"
+
+
 def _trace_path(spool: str, step: int, inside: tuple[str, int] | None = None) -> str:
-    return os.path.join(spool, f"trace-{step}.pt" if inside is None else f"trace-{step}-{inside[1]}-{inside[0]}.pt")
+    return os.path.join(spool, trace_name(step, inside))
 
 
 def _traced(case: Case, spool: str, device: str, mode: Any, step: int,
