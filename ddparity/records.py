@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("", "drawing the global batch", "build", "ddp", "fsdp", "forward", "backward", "optimizer", "compare",
-          "fingerprint", "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done")
-"""Phases of a training step in the order a rank passes them (for who is behind): every
-phase a rank sets is here (tests/test_layout.py reads the code's ``set_phase`` calls)."""
+          "fingerprint", "profile no_sync", "profile forward", "profile backward", "profile optimizer", "done",
+          "hardware", "collectives", "compute", "transfers", "bandwidth", "stress", "pairwise", "training launch")
+"""Phases of a training step in the order a rank passes them (for who is behind), then
+``health``'s in the order of its gate: every phase a rank sets is here (tests/test_layout.py
+reads the code's ``set_phase`` calls)."""
 
 
 BUCKET_VIA = "DDP gradient bucket"

@@ -31,7 +31,7 @@ def test_cli_flags_are_pinned():
                             "--verbose"])
     health = parser._subparsers._group_actions[0].choices["health"]
     flags = sorted(opt for action in health._actions for opt in action.option_strings)
-    assert flags == sorted(["--backend", "--json", "--min-busbw", "--pairwise", "--sizes", "--thresholds", "--timeout", "--world-size", "-h", "--help",
+    assert flags == sorted(["--backend", "--json", "--long", "--min-busbw", "--pairwise", "--sizes", "--thresholds", "--timeout", "--world-size", "-h", "--help",
                             "-q", "--quiet", "-v", "--verbose"])
 
 

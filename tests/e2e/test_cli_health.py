@@ -142,16 +142,16 @@ def test_long_holds_ranks_under_load_and_names_one_whose_bits_change_on_a_repeat
 
 def test_on_a_terminal_the_live_line_follows_the_gates_phases():
     """The line is polled (every quarter second): a phase shorter than that may not show;
-    the stress pass's two seconds always do, each second."""
+    the stress pass's two seconds always do."""
     from tests.e2e.test_cli import _through_a_terminal
 
     code, text = _through_a_terminal(["health", "--world-size", "3", "--sizes", "1,2", "--pairwise", "--long", "2"])
     assert code == 0, text
     shown = [part.strip("\x1b[K") for part in text.split("\r")]
     phases = [line[len("ddparity: health: "):] for line in shown if line.startswith("ddparity: health: ")]
-    assert "stress, 1 of 2 s" in phases, phases
-    known = re.compile(r"(starting|hardware|collectives|compute|transfers|bandwidth, [12] MiB|stress, [0-2] of 2 s|"
-                       r"pairwise, pair [1-3] of 3)( · no progress for .*)?")
+    assert "stress" in phases, phases
+    known = re.compile(r"(starting|hardware|collectives|compute|transfers|bandwidth|stress|pairwise)"
+                       r"( · no progress for .*)?")
     assert all(known.fullmatch(p) for p in phases), phases
 
 

@@ -36,6 +36,9 @@ def test_a_rank_spec_holds_what_its_fields_say():
         value = getattr(spec, field.name)
         expected = hints[field.name]
         allowed = typing.get_args(expected) or (expected,)
+        if typing.get_origin(expected) is tuple:  # tuple[tuple[str, str], ...]: a tuple of pairs
+            assert isinstance(value, tuple), (field.name, value)
+            continue
         assert isinstance(value, tuple(t for t in allowed if isinstance(t, type))), (field.name, value)
 
 
@@ -117,7 +120,8 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
     found = {name: run_name(fn) for module in (tasks, threaded, health_probe) for name, fn in vars(module).items()
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}
     assert set(found) == {"prepare_task", "reference_task", "dp_task", "replica_task", "profile_task",
-                          "threaded_task", "health_task", "compiled_single_task", "float64_single_task"}
+                          "threaded_task", "health_task", "pairwise_task", "compiled_single_task",
+                          "float64_single_task"}
     assert all(n.label != name for name, n in found.items()), found
     # one task trains every replicated mode: each run is shown as its mode
     assert tasks.replica_run_name("hsdp", simulated=True) == RunName("hsdp (simulated)", sized=True, simulated=True)

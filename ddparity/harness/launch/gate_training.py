@@ -87,7 +87,7 @@ def _child(command: list[str], env: dict[str, str], limit: float) -> tuple[int |
                                  preexec_fn=die_with_parent)
         try:
             while child.poll() is None and time.monotonic() - started < limit:
-                active().set_phase(-1, f"training (a launch of its own), {time.monotonic() - started:.0f} s")
+                active().set_phase(-1, "training launch")  # each poll: the record moves
                 time.sleep(0.5)
         finally:
             killed = child.poll() is None

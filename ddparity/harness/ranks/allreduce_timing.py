@@ -77,8 +77,8 @@ def measure_pairs(ctx: RankContext, nbytes: int, warmup: int, iters: int,
     groups = [dist.new_group(list(pair)) for pair in pairs]  # every rank creates every group, in order
     alone = network_only(ctx.backend)
     mine = []
-    for i, (pair, group) in enumerate(zip(pairs, groups)):
-        active().set_phase(-1, f"pairwise, pair {i + 1} of {len(pairs)}")
+    for pair, group in zip(pairs, groups):
+        active().set_phase(-1, "pairwise")
         dist.barrier()  # one pair at a time
         if ctx.rank not in pair:
             continue

@@ -157,7 +157,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
     one = torch.ones(1, device=device)
     out.latency_s = time_allreduce(one, options.warmup, options.iters, device)
     for nbytes in options.sizes_bytes:
-        phase(-1, f"bandwidth, {nbytes / 2**20:g} MiB")
+        phase(-1, "bandwidth")  # each size: the record moves
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         out.allreduce.append((t.numel() * 4, time_allreduce(t, options.warmup, options.iters, device)))
     if options.long_s:

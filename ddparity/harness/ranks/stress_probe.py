@@ -3,7 +3,7 @@ while, every result checked.
 
 For ``seconds``, each rank repeats one seeded float32 matmul (4096 square on a GPU, 384 on
 a CPU) and an all-reduce of exactly representable values, in lockstep (each round ends with
-a one-element all-reduce that says whether time is up, so every rank runs the same rounds).
+a one-element all-reduce that says whether time is up on every rank, so all run the same rounds).
 Every repeat's product must equal the first bit for bit, on the device (a device that
 computes right when cool and flips bits when hot or throttled is what DCGM's r3 and
 NVIDIA's stress tests look for); every all-reduce must be exact. Judged by
@@ -55,7 +55,7 @@ def stress(ctx: RankContext, seconds: float, flaky: bool = False) -> dict[str, A
     started = time.perf_counter()
     phase = active().set_phase
     while True:
-        phase(-1, f"stress, {time.perf_counter() - started:.0f} of {seconds:g} s")
+        phase(-1, "stress")  # each round: the record moves
         repeats += 1
         product = (a @ b).view(torch.int32)
         if flaky and repeats == 3:
@@ -67,7 +67,7 @@ def stress(ctx: RankContext, seconds: float, flaky: bool = False) -> dict[str, A
         if not torch.equal(reduced, want):
             wrong_reduces.append(repeats)
         stop.fill_(1.0 if time.perf_counter() - started >= seconds else 0.0)
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        dist.all_reduce(stop, op=dist.ReduceOp.MIN)  # ends once every rank ran its seconds
         if stop.item():
             break
     return {"seconds": time.perf_counter() - started, "matrix": n, "repeats": repeats,
