@@ -53,8 +53,12 @@ def options(sizes_mib: tuple[float, ...] | None = None, pairwise: bool = False, 
     return HealthOptions(sizes_bytes=tuple(int(s * 2**20) for s in sizes_mib), pairwise=pairwise, long_s=long or 0.0)
 
 
-def _flags(pairwise: bool, long: float | None) -> str:
-    return (" --pairwise" if pairwise else "") + (f" --long {long:g}" if long else "")
+def _flags(pairwise: bool, long: float | None, thresholds: str | None) -> str:
+    """The reproduce line's flags for what was asked beyond the defaults."""
+    import shlex
+
+    return ((" --pairwise" if pairwise else "") + (f" --long {long:g}" if long else "")
+            + (f" --thresholds {shlex.quote(thresholds)}" if thresholds else ""))
 
 
 def health(world_size: int | None = None, backend: str = "auto", timeout: float = TIMEOUT_S,
@@ -78,7 +82,7 @@ def health(world_size: int | None = None, backend: str = "auto", timeout: float 
         raise UsageError(f"${FAULT_ENV}={os.environ[FAULT_ENV]!r} drills a rank the world of {world_size} does not "
                          f"have: name ranks 0 to {world_size - 1}")
     chosen = rendezvous.resolve_backend(backend, world_size)
-    flags = f"--world-size {world_size} --backend {chosen}" + _flags(pairwise, long)
+    flags = f"--world-size {world_size} --backend {chosen}" + _flags(pairwise, long, thresholds)
     report = HealthReport("local", chosen, world_size, repro=health_repro("ddparity", flags, timeout, min_busbw,
                                                                       opts.sizes_bytes, FAULT_ENV))
     try:
@@ -220,7 +224,7 @@ def health_under_torchrun(emit: Callable[[HealthReport], None], backend: str = "
     def report_for(backend: str, world_size: int) -> HealthReport:
         return HealthReport("torchrun", backend, world_size,
                             repro=health_repro("torchrun <the same launch options> -m ddparity",
-                                               f"--backend {backend}" + _flags(pairwise, long),
+                                               f"--backend {backend}" + _flags(pairwise, long, thresholds),
                                                timeout, min_busbw, opts.sizes_bytes, FAULT_ENV))
 
     def failed(exc: WorldFailure, stage: int) -> int:

@@ -140,6 +140,14 @@ def test_long_holds_ranks_under_load_and_names_one_whose_bits_change_on_a_repeat
     assert "--long 2" in result.stdout.split("reproduce:")[1]
 
 
+def test_the_reproduce_line_keeps_a_sites_thresholds(tmp_path):
+    limits = tmp_path / "site limits.json"
+    limits.write_text('{"temperature_c": 80}')
+    result = run_health("--thresholds", str(limits), fault="wrong_allreduce@1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"--thresholds '{limits}'" in result.stdout.split("reproduce:")[1]
+
+
 def test_on_a_terminal_the_live_line_follows_the_gates_phases():
     """The line is polled (every quarter second): a phase shorter than that may not show;
     the stress pass's two seconds always do."""
