@@ -153,7 +153,7 @@ def test_on_a_terminal_the_live_line_follows_the_gates_phases():
     the stress pass's two seconds always do."""
     from tests.e2e.test_cli import _through_a_terminal
 
-    code, text = _through_a_terminal(["health", "--world-size", "3", "--sizes", "1,2", "--pairwise", "--long", "2"])
+    code, text = _through_a_terminal(["health", "--world-size", "3", "--sizes", "1,8", "--pairwise", "--long", "2"])
     assert code == 0, text
     shown = [part.strip("\x1b[K") for part in text.split("\r")]
     phases = [line[len("ddparity: health: "):] for line in shown if line.startswith("ddparity: health: ")]
