@@ -59,6 +59,15 @@ def time_allreduce(t: Any, warmup: int, iters: int, device: str, group: Any = No
     return min(times) if best else statistics.median(times)
 
 
+def every_host(ctx: RankContext) -> list[str]:
+    """Each rank's host name, by rank (every rank of the world calls it: a collective)."""
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
 def pairs_of(hosts: list[str]) -> tuple[list[tuple[int, int]], str]:
     """The pairs to time and what a rank stands for: nodes (each by its lowest rank) when
     ``hosts`` (each rank's) name more than one, else ranks."""
@@ -77,9 +86,7 @@ def measure_pairs(ctx: RankContext, nbytes: int, warmup: int, iters: int,
     import torch
     import torch.distributed as dist
 
-    hosts: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    pairs, unit = pairs_of(hosts)
+    pairs, unit = pairs_of(every_host(ctx))
     groups = [dist.new_group(list(pair)) for pair in pairs]  # every rank creates every group, in order
     alone = network_only(ctx.backend)
     best: dict[tuple[int, int], float] = {}

@@ -69,7 +69,8 @@ def parse_fault(text: str | None) -> Fault | None:
     link = kind == "slow_link"
     if kind not in FAULTS or len(ends) != (2 if link else 1) or not all(e.isdigit() for e in ends) or \
             (link and ends[0] == ends[1]):
-        raise UsageError(f"${FAULT_ENV}={text!r}: use KIND@RANK with KIND one of {', '.join(FAULTS[:-1])}, "
+        raise UsageError(f"${FAULT_ENV}={text!r}: use KIND@RANK with KIND one of "
+                         f"{', '.join(k for k in FAULTS if k != 'slow_link')}, "
                          f"e.g. wrong_allreduce@1, or slow_link@A-B (two ranks), e.g. slow_link@0-3")
     return Fault(kind, int(ends[0]), int(ends[1]) if link else None)
 

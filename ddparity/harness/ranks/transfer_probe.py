@@ -8,12 +8,12 @@ pairs while the others wait. Judged by :mod:`ddparity.checks.transfers`.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import Counter
 from typing import Any
 
 from ddparity.harness.protocol import RankContext
+from ddparity.harness.ranks.allreduce_timing import every_host
 
 COPY_BYTES = 256 << 20
 COPIES = 5
@@ -28,8 +28,7 @@ def measure_transfers(ctx: RankContext) -> dict[str, Any] | str:
     import torch
     import torch.distributed as dist
 
-    hosts: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = every_host(ctx)
     mine = [r for r, h in enumerate(hosts) if h == hosts[ctx.rank]]
     slot = mine.index(ctx.rank)
     device = torch.device(ctx.device)
