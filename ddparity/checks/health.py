@@ -100,7 +100,8 @@ def judge_pairs(timings: list[PairTiming], name: str = "pairwise") -> tuple[Chec
     slow_ends = [u for u in ends if len(ends) > 2 and statistics.median(r.busbw_gbps for r in rows if u in (r.a, r.b))
                  < SLOW_FRACTION * statistics.median(r.busbw_gbps for r in rows if u not in (r.a, r.b))]
     left = [r for r in rows if r.a not in slow_ends and r.b not in slow_ends]
-    slow = [r for r in left if len(left) > 1 and r.busbw_gbps < SLOW_FRACTION * statistics.median(o.busbw_gbps for o in left)]
+    floor = SLOW_FRACTION * statistics.median(o.busbw_gbps for o in left) if len(left) > 1 else 0.0
+    slow = [r for r in left if r.busbw_gbps < floor]
     if not slow_ends and not slow:
         return Check(name, "pass", f"all-reduce bus bandwidth {spread}"), rows
     said = []
