@@ -63,7 +63,7 @@ def run_training(ctx: RankContext, training: Training) -> dict[str, Any]:
     if ctx.rank == 0:
         command += ["--json", path]
     limit = training.timeout + START_MARGIN_S
-    result: dict[str, Any] = {"command": " ".join(command[1:])}
+    result: dict[str, Any] = {"command": " ".join(command[2:])}  # "ddparity check ...", run as python -m
     try:
         code, output = _child(command, env, limit)
         result.update(exit=code, output=output)
