@@ -160,8 +160,8 @@ def module_line(f: ModuleFinding) -> str:
                 f"and parameter gradient agrees with the reference on every rank; the difference comes after "
                 f"them (in the optimizer step or an update of the parameters or buffers)")
     if f.phase == "compiled":
-        return (f"first block that differs compiled: {_label(f)}: its compiled output differs from its eager output "
-                f"on the same input (rel {f.error:.2g}, tolerance {f.tolerance:.2g}){'; ' + f.note if f.note else ''}")
+        return (f"first block that differs compiled: {_label(f)}, step {f.step}, rank {f.rank}: its compiled output "
+                f"differs from its eager output on the same input (rel {f.error:.2g}, tolerance {f.tolerance:.2g}){'; ' + f.note if f.note else ''}")
     if f.phase == "reduction":
         by = (f"up to {f.scale} {f.error:.2g}, tolerance {f.tolerance:.2g}" if math.isfinite(f.error)
               else "some present on one side only")

@@ -65,11 +65,13 @@ def test_data_parallel_bugs_are_caught_at_step_0_in_the_compiled_rows(factory, p
     assert run.first_divergence.step == 0, run.first_divergence
     assert run.first_divergence.max_abs > 100 * run.first_divergence.tolerance  # far beyond compile's noise
     assert any(cause in n for n in run.notes if n.startswith("likely cause")), run.notes
-    # where: not searched compiled (hooks change what is compiled); its eager twin's place, said as such
+    # where: every block compiled alone agrees with eager on each rank's input; the eager twin's place, said as such
     eager = by["ddp"].first_divergence.module
+    assert run.first_divergence.module == eager and eager.found, run.first_divergence.module
     [where] = [n for n in run.notes if n.startswith("first differing module: ")]
-    assert where.startswith("first differing module: not searched in a compiled run; the eager ddp run at world "
-                            "size 2 differs too, first at ") and eager.phase in where, where
+    assert where == ("first differing module: as in the eager ddp run at world size 2, which differs too (every "
+                     "block, compiled alone, agrees with eager on each rank's input of step 0): a data-parallel "
+                     "difference, not compile's"), where
 
 
 def test_the_clean_twin_compiling_the_ddp_module_in_its_step_passes():
@@ -85,10 +87,13 @@ def test_a_model_that_computes_differently_when_compiled_fails_on_one_device_fir
     assert single.status == "diverged" and single.first_divergence.step == 0, report.render()
     assert any("compiling changes the training on one device" in n for n in single.notes)
     # its distance is no noise floor: the compiled DDP run is judged against eager's noise, and fails
-    assert by["ddp (compiled aot_eager, ddp_optimizer)"].status == "diverged"
-    assert any(n.startswith("first differing module: not searched in a compiled run; the eager ddp run at world "
-                            "size 2 passes and the compiled single-device run diverges too")
-               for n in by["ddp (compiled aot_eager, ddp_optimizer)"].notes), report.render()
+    compiled_ddp = by["ddp (compiled aot_eager, ddp_optimizer)"]
+    assert compiled_ddp.status == "diverged"
+    # its ranks' own block search: the model's forward, compiled, differs from eager on rank 0's shard
+    block = compiled_ddp.first_divergence.module
+    assert (block.phase, block.module, block.type, block.rank) == ("compiled", "", "TracedDifferently", 0), block
+    assert block.error > block.tolerance
+    assert not any(n.startswith("first differing module") for n in compiled_ddp.notes), compiled_ddp.notes
 
 
 def test_what_cannot_be_compared_compiled_is_never_a_pass():

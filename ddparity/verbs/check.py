@@ -13,8 +13,10 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
+from ddparity.compile_spec import COMPILE_DDP, CompileSpec
 from ddparity.distances import Distances
 from ddparity.errors import Interrupted, UsageError, WorldFailure, WorldStartError
+from ddparity.harness.ranks.compiled_blocks import compiled_replica_blocks_task
 from ddparity.harness.ranks.probes import dp_trace_task, loss_scaling_task, reference_trace_task, replica_trace_task
 from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
@@ -38,7 +40,7 @@ from ddparity.verbs.compiled import (
     compile_figures,
     compiled_single,
     dropout_drawn,
-    eager_twins,
+    locate_compiled,
     refused_run,
     summary_notes,
 )
@@ -169,7 +171,7 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
                                               reason=DP_NOT_COMPILED), opts.compile) for ws in dp_sizes)
     report.runs.extend(ddp_runs)
     if opts.compile is not None:
-        eager_twins(report.runs)
+        locate_compiled(report.runs, lambda run: _search_compiled(pool, checking, spool, run))
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
                                        f"sample ({reference.dropout_calls} dropout call(s) a step)")
@@ -223,6 +225,20 @@ def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, r
                                               inside, timeout=timeout, shown_as=replica_run_name(mode)))
     except (WorldFailure, WorldStartError) as exc:
         return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+def _search_compiled(pool: WorldPool, checking: Checking, spool: Spool, run: RunResult) -> list[Any] | str:
+    """A compiled replica run's blocks compiled against eager on each of its ranks' inputs of
+    its first differing step, in a world like the run's; every rank's answer, or why none."""
+    assert run.first_divergence is not None and run.compile is not None
+    spec = CompileSpec(run.compile["backend"], run.compile.get("ddp") or COMPILE_DDP[0])
+    try:
+        return list(pool.get(run.world_size, run.backend).run(
+            compiled_replica_blocks_task, checking.case, spool.path, run.mode, 0, spec, run.first_divergence.step,
+            timeout=checking.opts.timeout, shown_as=replica_run_name(run.mode)))
+    except (WorldFailure, WorldStartError) as exc:
+        return f"the re-run of step {run.first_divergence.step} failed: " \
+               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
 
 def _finish_dp(checking: Checking, mode: str, backend: str, sizes: tuple[int, ...], pending: PendingTask | None,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ddparity.checks.causes import scale_placed
 from ddparity.checks.equivalence import divergences, worst
 from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
@@ -22,7 +24,7 @@ from ddparity.harness.ranks.tasks import compiled_single_task, float64_single_ta
 from ddparity.run_kinds import MODES, REFERENCE_MODE, kind
 from ddparity.settings import CheckOptions
 from ddparity.verbs.checking import Checking, mark
-from ddparity.verdicts import RunResult
+from ddparity.verdicts import ModuleFinding, RunResult
 
 if TYPE_CHECKING:
     from ddparity.case import Case
@@ -89,34 +91,54 @@ def _first_block(run: RunResult, checking: Checking, spec: CompileSpec, world: A
     run.first_divergence = dataclasses.replace(run.first_divergence, module=block)
 
 
-def eager_twins(runs: list[RunResult]) -> None:
-    """A compiled data-parallel run that diverged is not re-run module by module (hooks on
-    every module change what is compiled): its notes say what its eager twin (the same mode
-    and world size) found, which tells a data-parallel bug (the eager run differs too) from
-    compile's own (it passes)."""
+def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[Any] | str]) -> None:
+    """Where each compiled data-parallel run that diverged first differs. It is not re-run with
+    hooks on every module (they change what Dynamo compiles): ``search(run)`` (DDP's ranks:
+    :func:`~ddparity.harness.ranks.compiled_blocks.compiled_replica_blocks_task`) compiles its
+    blocks against eager on each rank's own input of the first differing step; where one
+    differs, that block is the run's place. Where none does, the place is its eager twin's
+    (the same mode and world size, re-run module by module), said as such; or a note of what
+    the twin and the compiled single-device run tell."""
     eager = {(r.mode, r.world_size): r for r in runs if r.compile is None}
     single_differs = any(r.compile is not None and kind(r.mode).reference and r.status == "diverged" for r in runs)
     for run in runs:
-        twin = eager.get((run.mode, run.world_size))
-        if (run.compile is None or run.status not in ("diverged", "desync") or kind(run.mode).reference
-                or twin is None):
+        d, twin = run.first_divergence, eager.get((run.mode, run.world_size))
+        if run.compile is None or run.status not in ("diverged", "desync") or kind(run.mode).reference or d is None:
+            continue
+        searched = _rank_blocks(run, search) if kind(run.mode).buckets else None
+        if isinstance(searched, ModuleFinding):
+            run.first_divergence = dataclasses.replace(d, module=searched)
             continue
         where = f"the eager {run.mode} run at world size {run.world_size}"
-        d = twin.first_divergence
-        if twin.status in ("diverged", "desync") and d is not None and d.module is not None and d.module.found:
-            m = d.module
-            said = f"{m.module} ({m.phase}, step {m.step})" if m.phase in ("forward", "backward") else \
-                f"the {m.phase} (step {m.step})"
-            run.notes.append(f"first differing module: not searched in a compiled run; {where} differs too, first "
-                             f"at {said}: a data-parallel difference, not compile's")
-        elif twin.status == "pass" and single_differs:
-            run.notes.append(f"first differing module: not searched in a compiled run; {where} passes and the "
-                             f"compiled single-device run diverges too: compiling alone changes the numbers (that "
-                             f"run's block search says where)")
-        elif twin.status == "pass":
-            run.notes.append(f"first differing module: not searched in a compiled run; {where} passes and the "
-                             f"compiled single-device run does not diverge: the difference comes with compiling the "
-                             f"data-parallel run")
+        blocks = searched or f"its blocks not searched compiled ({run.mode}'s ranks hold shards)"
+        m = twin.first_divergence.module if twin is not None and twin.first_divergence is not None else None
+        if twin is not None and twin.status in ("diverged", "desync") and m is not None and m.found:
+            run.first_divergence = dataclasses.replace(d, module=m)
+            run.notes = [scale_placed(n, m.phase, m.factor, run.world_size, run.mode) or n for n in run.notes]
+            run.notes.append(f"first differing module: as in {where}, which differs too ({blocks}): a "
+                             f"data-parallel difference, not compile's")
+        elif twin is not None and twin.status == "pass" and single_differs:
+            run.notes.append(f"first differing module: not found ({blocks}); {where} passes and the compiled "
+                             f"single-device run diverges too: compiling alone changes the numbers (that run's "
+                             f"block search says where)")
+        elif twin is not None and twin.status == "pass":
+            run.notes.append(f"first differing module: not found ({blocks}); {where} passes and the compiled "
+                             f"single-device run does not diverge: the difference comes with compiling the "
+                             f"data-parallel run, in its backward or its reduction")
+
+
+def _rank_blocks(run: RunResult, search: Callable[[RunResult], list[Any] | str]) -> ModuleFinding | str:
+    """The first block that differs compiled on the lowest rank where one does, or in words
+    why none is named."""
+    assert run.first_divergence is not None
+    step = run.first_divergence.step
+    answers = search(run)
+    if isinstance(answers, str):
+        return f"the block search failed: {answers}"
+    found = [a for a in answers if a is not None]
+    if found:
+        return found[0]
+    return f"every block, compiled alone, agrees with eager on each rank's input of step {step}"
 
 
 def _float64_error(case: Case, opts: CheckOptions, world: Any, spool: Any) -> list[dict[tuple[str, str], float]] | None:

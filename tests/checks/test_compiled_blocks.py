@@ -59,3 +59,34 @@ def test_a_search_that_fails_is_a_note(monkeypatch):
     assert run.status == "diverged" and run.first_divergence.module is None
     [note] = [n for n in run.notes if n.startswith("first block that differs compiled: not found")]
     assert "the search failed" in note, note
+
+
+def test_a_compiled_ddp_run_searches_its_own_ranks_blocks():
+    # the block differs compiled on one device and on every rank's shard: the DDP row names it from its own ranks
+    report = check(compiled.block_differs_when_compiled(), modes=("single", "ddp"), world_sizes=(2,),
+                   compile="aot_eager")
+    [run] = [r for r in report.runs if r.mode == "ddp" and r.compile]
+    assert run.status == "diverged", report.render()
+    block = run.first_divergence.module
+    assert (block.phase, block.module, block.type, block.step, block.rank) == ("compiled", "blocks.1", "_Block", 0, 0)
+    assert block.note.startswith("1 graph break(s) in it: Unsupported Tensor.item() call"), block.note
+    assert "first block that differs compiled: blocks.1 (_Block), step 0, rank 0" in report.render()
+    [row] = [r for r in report.to_json()["runs"] if r["mode"] == "ddp" and r["compile"]]
+    assert row["first_divergence"]["module"]["module"] == "blocks.1"
+
+
+def _failing_rank_search(ctx, case, spool, mode, shard_size, spec, step):
+    raise RuntimeError("the rank search broke")
+
+
+def test_a_rank_search_that_fails_is_said_and_the_eager_twin_decides(monkeypatch):
+    from ddparity.fixtures import bugs
+    from ddparity.verbs import check as check_module
+
+    monkeypatch.setattr(check_module, "compiled_replica_blocks_task", _failing_rank_search)
+    report = check(bugs.summed_loss(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager")
+    [eager] = [r for r in report.runs if r.mode == "ddp" and not r.compile]
+    [run] = [r for r in report.runs if r.mode == "ddp" and r.compile]
+    assert run.first_divergence.module == eager.first_divergence.module
+    [note] = [n for n in run.notes if n.startswith("first differing module: ")]
+    assert "the block search failed: the re-run of step 0 failed" in note, note

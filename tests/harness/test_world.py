@@ -395,3 +395,26 @@ def _late_to_the_all_reduce_on(ctx, culprit: int):
     if ctx.rank == culprit:
         time.sleep(60)
     dist.all_reduce(torch.ones(1))
+
+
+def test_a_controller_whose_autograd_threads_started_starts_ranks_from_the_forkserver(tmp_path):
+    """AOT autograd (a torch.compile in the user's process) starts autograd's device threads;
+    a rank forked after that died at its first backward ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"), a crash read as the user's."""
+    script = tmp_path / "compiled_first.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from ddparity import check
+        from ddparity.fixtures import bugs
+        from ddparity.harness.world import spawn
+
+        assert not spawn.autograd_threads_started()
+        torch.compile(torch.nn.Linear(4, 4), backend="aot_eager")(torch.randn(2, 4)).sum()
+        assert spawn.autograd_threads_started()
+        assert spawn.start_method("gloo", 1) == "forkserver"
+        report = check(bugs.summed_loss(), modes=("single", "ddp"), world_sizes=(2,))
+        print([(r.mode, r.status) for r in report.runs])
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[('single', 'pass'), ('ddp', 'diverged')]" in done.stdout, done.stdout + done.stderr

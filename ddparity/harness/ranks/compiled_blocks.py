@@ -11,6 +11,11 @@ is in its own forward) or a leaf. A block differs where its compiled output is f
 the same block in float64 than :data:`NOISE_FACTOR` x eager's own distance to it (torch's
 accuracy minifier's rule), and beyond :data:`FLOOR_EPS` machine epsilons; the block is
 named with its graph breaks (``torch._dynamo.explain``).
+
+:func:`compiled_replica_blocks_task` searches the same way on every rank of a compiled
+data-parallel run that diverged: each rank trains eagerly in the run's mode up to the first
+differing step and takes the model's first call of that step (its own shard, the model's
+state then), and its blocks are compiled against eager on that input.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from ddparity.harness.ranks.batches import map_tensors
 from ddparity.harness.ranks.differing import FLOOR_EPS, NOISE_FACTOR, rel
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
+from ddparity.harness.ranks.tasks import replica_mode
 from ddparity.harness.ranks.tracing import floats, type_name
 from ddparity.harness.ranks.training import prepared, train
 from ddparity.verdicts import ModuleFinding
@@ -50,6 +56,37 @@ class _FirstCall:
     def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.call is None:
             self.call = _copied((args, kwargs))
+        return None
+
+
+class _CallAt:
+    """A mode (``inner``) that keeps the model's first call of step ``target``: its inputs and
+    the model's state then (the user's module, under any wrapper the mode puts on it)."""
+
+    def __init__(self, inner: Any, target: int) -> None:
+        self.inner, self.target = inner, target
+        self.call: tuple[Any, Any] | None = None
+        self.state: dict[str, Any] | None = None
+        self._armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def wrap(self, model: Any) -> Any:
+        model.register_forward_pre_hook(self._keep, with_kwargs=True)
+        return self.inner.wrap(model)
+
+    def step(self, step: int, replica: Any, batch: Any) -> None:
+        self._armed = step == self.target
+        try:
+            self.inner.step(step, replica, batch)
+        finally:
+            self._armed = False
+
+    def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self._armed and self.call is None:
+            self.call = _copied((args, kwargs))
+            self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         return None
 
 
@@ -160,4 +197,23 @@ def compiled_blocks_task(ctx: RankContext, case: Case, spool: str, spec: Compile
     return first_differing_block(model, "", mode.call, spec.backend)
 
 
-__all__ = ["compiled_blocks_task", "first_differing_block"]
+@names_run("compiled block by block against eager (each rank)", sized=True)
+def compiled_replica_blocks_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size: int,
+                                 spec: CompileSpec, step: int) -> ModuleFinding | None:
+    """This rank's first block whose compiled output (``spec``'s backend) differs from eager's
+    on the inputs this rank's first model call of step ``step`` got in ``mode`` (eager, from
+    the initial state), with the model's state then (None: the whole forward agrees)."""
+    import dataclasses
+
+    keeps = _CallAt(replica_mode(ctx, case, mode, shard_size, step + 1), step)
+    train(case, spool, ctx.device, keeps)
+    released()
+    if keeps.call is None or keeps.state is None:
+        return None
+    model = prepared(case, spool, ctx.device)
+    model.load_state_dict(keeps.state)
+    found = first_differing_block(model, "", keeps.call, spec.backend)
+    return dataclasses.replace(found, step=step, rank=ctx.rank) if found is not None else None
+
+
+__all__ = ["compiled_blocks_task", "compiled_replica_blocks_task", "first_differing_block"]

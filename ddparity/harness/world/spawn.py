@@ -58,7 +58,8 @@ the forkserver (see ``World._launch``)."""
 def start_method(backend: str, threads_per_rank: int, clean_start: bool = False) -> str:
     """Fork from here when it is safe, else from a forkserver that preloaded torch.
 
-    Unsafe: a CUDA world, a process whose CUDA driver is initialised, ranks with more
+    Unsafe: a CUDA world, a process whose CUDA driver is initialised or whose autograd
+    engine started its threads (:func:`autograd_threads_started`), ranks with more
     than one intra-op thread (libgomp hangs in a child forked after the parent ran a
     parallel region; with one thread it never enters one), and a world asked to start
     clean (``clean_start``: the host of simulated ranks, many threads running torch at
@@ -66,9 +67,34 @@ def start_method(backend: str, threads_per_rank: int, clean_start: bool = False)
     died with SIGSEGV in four fresh-CI runs, each time in plain forward or DDP work that
     40 runs from a fresh controller never broke: what the fork inherits is suspect).
     """
-    if backend == "gloo" and threads_per_rank == 1 and not clean_start and not rendezvous.cuda_driver_initialized():
+    if (backend == "gloo" and threads_per_rank == 1 and not clean_start and not rendezvous.cuda_driver_initialized()
+            and not autograd_threads_started()):
         return "fork"
     return "forkserver"
+
+
+AUTOGRAD_THREAD = "pt_autograd_"
+"""How torch names its autograd engine's device threads (``pt_autograd_0``, ...)."""
+
+
+def autograd_threads_started() -> bool:
+    """Whether torch's autograd engine started its device threads in this process (AOT
+    autograd tracing a compiled model, a CUDA backward): every child forked after that fails
+    at its first backward ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"), a crash that would read as the user's. Read from the
+    threads' names (Linux's /proc); False where they cannot be read."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().startswith(AUTOGRAD_THREAD):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
 
 
 _WARMING: threading.Thread | None = None
