@@ -205,26 +205,37 @@ def _probe(world: Any, checking: Checking, spool: Spool) -> float | None:
 def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, run: tuple[str, int, str],
             step: int, size: int, inside: tuple[str, int, float] | None = None) -> list[Any] | str:
     """A failing run's step ``step`` re-run module by module (``inside``: that module call's
-    aten ops): the reference's in its world (or one beside it), then the run's ranks in a
-    world like the run's; every rank's answer, or why there is none."""
+    aten ops): the reference's in its world (or one beside it) and, at the same time, the
+    run's ranks in a world like the run's; every rank's answer, or why there is none."""
     mode, ws, backend = run
     case, timeout = checking.case, checking.opts.timeout
     call = inside[:2] if inside is not None else None
     try:
-        ref_world.run(reference_trace_task, case, spool.path, step, size, call, timeout=timeout)
-        if kind(mode).one_process:  # DataParallel: its replicas in one process, beside the reference
+        if kind(mode).one_process:  # DataParallel: its replicas in one process, after the reference
+            ref_world.run(reference_trace_task, case, spool.path, step, size, call, timeout=timeout)
             return list(ref_world.run(dp_trace_task, case, spool.path, ws, step, size, timeout=timeout))
-        shard_size = kind(mode).shard_size(ws, checking.opts.shard)
-        if backend == "threaded":
-            host = pool.get(1, "gloo", role=THREADS)
-            [(answers, _)] = host.run(threaded_task, replica_trace_task, case, spool.path, ws, mode, shard_size,
-                                      step, size, inside, timeout=timeout,
-                                      shown_as=replica_run_name(mode, simulated=True))
-            return list(answers)
-        return list(pool.get(ws, backend).run(replica_trace_task, case, spool.path, mode, shard_size, step, size,
-                                              inside, timeout=timeout, shown_as=replica_run_name(mode)))
+        # the reference re-runs beside the ranks, which wait for its record once they have their own
+        reference = ref_world.submit(reference_trace_task, case, spool.path, step, size, call, timeout=timeout)
+        try:
+            return _ranks_trace(pool, checking, spool.path, run, step, size, inside)
+        finally:
+            reference.result()
     except (WorldFailure, WorldStartError) as exc:
         return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+def _ranks_trace(pool: WorldPool, checking: Checking, spool: str, run: tuple[str, int, str], step: int,
+                 size: int, inside: tuple[str, int, float] | None) -> list[Any]:
+    """Every rank's answer of a run's re-run of step ``step`` (``inside``: that module call's ops)."""
+    (mode, ws, backend), case, timeout = run, checking.case, checking.opts.timeout
+    shard_size = kind(mode).shard_size(ws, checking.opts.shard)
+    if backend == "threaded":
+        host = pool.get(1, "gloo", role=THREADS)
+        [(answers, _)] = host.run(threaded_task, replica_trace_task, case, spool, ws, mode, shard_size, step,
+                                  size, inside, timeout=timeout, shown_as=replica_run_name(mode, simulated=True))
+        return list(answers)
+    return list(pool.get(ws, backend).run(replica_trace_task, case, spool, mode, shard_size, step, size,
+                                          inside, timeout=timeout, shown_as=replica_run_name(mode)))
 
 
 def _search_compiled(pool: WorldPool, checking: Checking, spool: Spool, run: RunResult) -> list[Any] | str:

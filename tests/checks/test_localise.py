@@ -317,3 +317,27 @@ def test_sharded_modes_at_2_4_and_simulated_8(fixture, phase, module, cause, mod
     assert (m.phase, m.module) == (phase, module), module_line(m)
     causes = [n for n in notes if n.startswith("likely cause: ")]
     assert len(causes) == 1 and cause in causes[0], notes
+
+
+def test_ranks_waiting_beside_a_reference_whose_re_run_failed_stop_at_once(tmp_path):
+    """The reference re-runs the step beside the ranks: its failure is left beside the record's
+    path, so ranks waiting for the record raise instead of waiting out their limit, and a
+    later ask of that step fails alike instead of trying again."""
+    import time
+
+    from ddparity.fixtures import bugs
+    from ddparity.harness.protocol import RankContext
+    from ddparity.harness.ranks import probes
+    from ddparity.harness.ranks.spool import ReferenceFailed
+
+    ctx = RankContext(rank=0, world_size=1, backend="gloo", device="cpu")
+    with pytest.raises(FileNotFoundError):  # an empty spool: no initial state to train from
+        probes.reference_trace_task(ctx, bugs.summed_loss(), str(tmp_path), 0, 8)
+    started = time.monotonic()
+    with pytest.raises(ReferenceFailed, match="the reference's re-run of step 0 failed"):
+        probes._reference_record(str(tmp_path), 0, None, limit_s=600)
+    assert time.monotonic() - started < 60  # not the limit
+    with pytest.raises(ReferenceFailed, match="failed in an earlier ask"):
+        probes.reference_trace_task(ctx, bugs.summed_loss(), str(tmp_path), 0, 8)
+    with pytest.raises(ReferenceFailed, match="wrote no record of step 1 in 0.05 s"):
+        probes._reference_record(str(tmp_path), 1, None, limit_s=0.05)

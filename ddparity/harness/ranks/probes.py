@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ddparity.case import Case
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors, reverse_samples
+from ddparity.harness.ranks.comparer import POLL_MAX_S, POLL_MIN_S
 from ddparity.harness.ranks.differing import (
     backward_order,
     first_difference,
@@ -29,8 +31,8 @@ from ddparity.harness.ranks.differing import (
 from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import NoSink
-from ddparity.harness.ranks.tasks import replica_mode
+from ddparity.harness.ranks.spool import NoSink, ReferenceFailed
+from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, replica_mode
 from ddparity.harness.ranks.tracing import ModuleTrace, Traced
 from ddparity.harness.ranks.training import train
 from ddparity.verdicts import ModuleFinding
@@ -91,6 +93,28 @@ def _trace_path(spool: str, step: int, inside: tuple[str, int] | None = None) ->
     return os.path.join(spool, trace_name(step, inside))
 
 
+FAILED = ".failed"
+"""Beside a trace's path: the reference's re-run of that step failed (the ranks stop waiting)."""
+
+
+def _reference_record(spool: str, step: int, inside: tuple[str, int] | None, limit_s: float) -> Any:
+    """The reference's record of step ``step`` (of call ``inside``), once it is written: the
+    reference re-runs beside the ranks (raises :class:`ReferenceFailed` when its re-run failed
+    or wrote nothing in ``limit_s``)."""
+    import torch
+
+    path = _trace_path(spool, step, inside)
+    started = time.monotonic()
+    while not os.path.exists(path):
+        if os.path.exists(path + FAILED):
+            raise ReferenceFailed(f"the reference's re-run of step {step} failed")
+        waited = time.monotonic() - started
+        if waited > limit_s:
+            raise ReferenceFailed(f"the reference wrote no record of step {step} in {limit_s:g} s")
+        time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
+    return torch.load(path, weights_only=False)
+
+
 def _traced(case: Case, spool: str, device: str, mode: Any, step: int,
             inside: tuple[str, int] | None = None) -> dict[str, Any]:
     """Train ``mode`` (``step + 1`` steps) with step ``step`` recorded module by module (and
@@ -108,12 +132,25 @@ def reference_trace_task(ctx: RankContext, case: Case, spool: str, step: int, si
                          inside: tuple[str, int] | None = None) -> None:
     """The reference's record of step ``step`` (``size``: its global batch size) and its
     rounding noise, into the spool (once per step); ``inside``: (module, call), that call's
-    aten ops instead (no noise: the module's tolerance is theirs)."""
-    import torch
-
+    aten ops instead (no noise: the module's tolerance is theirs). Its failure is kept beside
+    the record's path (the ranks re-running beside it stop waiting; a later ask fails alike)."""
     path = _trace_path(spool, step, inside)
     if os.path.exists(path):
         return
+    if os.path.exists(path + FAILED):
+        raise ReferenceFailed(f"the reference's re-run of step {step} failed in an earlier ask")
+    try:
+        _record_reference(ctx, case, spool, step, size, inside, path)
+    except BaseException:
+        with open(path + FAILED, "w"):
+            pass
+        raise
+
+
+def _record_reference(ctx: RankContext, case: Case, spool: str, step: int, size: int,
+                      inside: tuple[str, int] | None, path: str) -> None:
+    import torch
+
     ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step, inside)
     released()
     if inside is not None:
@@ -143,7 +180,7 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
     call = (inside[0], inside[1]) if inside is not None else None
     mine = _traced(case, spool, ctx.device, trains, step, call)
     rows = trains.share(torch.arange(size), size) if size > 0 else None
-    ref = torch.load(_trace_path(spool, step, call), weights_only=False)
+    ref = _reference_record(spool, step, call, WAIT_LIMIT_S)
     released()
     if inside is not None:
         return first_op(ref["record"]["ops"], mine["ops"], rows, size, inside[2])
@@ -163,7 +200,7 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
 
     trains = DataParallelMode(step + 1, world_size, ctx.device)
     mine = _traced(case, spool, ctx.device, trains, step)
-    ref = torch.load(_trace_path(spool, step), weights_only=False)
+    ref = _reference_record(spool, step, None, WAIT_LIMIT_S)
     released()
     chunks = list(torch.arange(size).chunk(world_size)) if size > 0 else []
     found = first_difference(ref["record"], ref["noise"], mine, replica_rows(ref["record"], chunks), size, 1.0, 0,
