@@ -108,7 +108,7 @@ def judge_pairs(timings: list[PairTiming], name: str = "pairwise") -> tuple[Chec
     for u in slow_ends:
         theirs = [r for r in rows if u in (r.a, r.b)]
         said.append(f"{unit} {u}'s link" + (" (its NIC, cable or switch port)" if unit == "node" else "")
-                    + " is slow: every pair with it below half the others' median ("
+                    + " is slow: its pairs' median below half that of the pairs without it ("
                     + ", ".join(f"{r.a}-{r.b} {r.busbw_gbps:.3g} GB/s" for r in theirs) + ")")
     if slow:
         said.append("slow link(s) between " + unit + "s " + ", ".join(f"{r.a}-{r.b} ({r.busbw_gbps:.3g} GB/s)"

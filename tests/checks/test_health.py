@@ -163,7 +163,7 @@ def test_a_node_slow_with_every_peer_is_named_as_the_node_not_its_pairs(nodes, n
     slow = {(a, b): 3.0 for a in range(nodes) for b in range(a + 1, nodes) if node in (a, b)}
     check, _ = judge_pairs(pairs(nodes, slow, unit="node"))
     assert (check.status, check.ranks) == ("fail", [node])
-    assert check.detail.startswith(f"node {node}'s link (its NIC, cable or switch port) is slow: every pair with it")
+    assert check.detail.startswith(f"node {node}'s link (its NIC, cable or switch port) is slow: its pairs' median below half")
     assert "slow link(s)" not in check.detail and "pairs of nodes" in check.detail
 
 
