@@ -6,7 +6,7 @@ by construction: tests/checks/test_localise.py proves the locator is never calle
 
 The localisation re-runs the first differing step (step 0 here) three times: the reference
 on one device, the same batch reversed (its rounding noise), and the failing run's ranks,
-each from the initial state with a hook on every module; where a module differs in forward
+each from the initial state with a hook on every module (the ranks beside the reference); where a module differs in forward
 (BatchNorm on shards), twice more (the reference and the ranks, that call's aten ops
 recorded). Its baseline is the same three trainings without hooks: "plain re-run" (one
 device twice, then the world of the run).
