@@ -245,7 +245,8 @@ def _search_compiled(pool: WorldPool, checking: Checking, spool: Spool, run: Run
     spec = CompileSpec(run.compile["backend"], run.compile.get("ddp") or COMPILE_DDP[0])
     try:
         return list(pool.get(run.world_size, run.backend).run(
-            compiled_replica_blocks_task, checking.case, spool.path, run.mode, 0, spec, run.first_divergence.step,
+            compiled_replica_blocks_task, checking.case, spool.path, run.mode,
+            kind(run.mode).shard_size(run.world_size, checking.opts.shard), spec, run.first_divergence.step,
             timeout=checking.opts.timeout, shown_as=replica_run_name(run.mode)))
     except (WorldFailure, WorldStartError) as exc:
         return f"the re-run of step {run.first_divergence.step} failed: " \

@@ -105,12 +105,12 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
         d, twin = run.first_divergence, eager.get((run.mode, run.world_size))
         if run.compile is None or run.status not in ("diverged", "desync") or kind(run.mode).reference or d is None:
             continue
-        searched = _rank_blocks(run, search) if kind(run.mode).buckets else None
+        searched = _rank_blocks(run, search)
         if isinstance(searched, ModuleFinding):
             run.first_divergence = dataclasses.replace(d, module=searched)
             continue
         where = f"the eager {run.mode} run at world size {run.world_size}"
-        blocks = searched or f"its blocks not searched compiled ({run.mode}'s ranks hold shards)"
+        blocks = searched
         m = twin.first_divergence.module if twin is not None and twin.first_divergence is not None else None
         if twin is not None and twin.status in ("diverged", "desync") and m is not None and m.found:
             run.first_divergence = dataclasses.replace(d, module=m)

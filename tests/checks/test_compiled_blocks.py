@@ -61,17 +61,19 @@ def test_a_search_that_fails_is_a_note(monkeypatch):
     assert "the search failed" in note, note
 
 
-def test_a_compiled_ddp_run_searches_its_own_ranks_blocks():
-    # the block differs compiled on one device and on every rank's shard: the DDP row names it from its own ranks
-    report = check(compiled.block_differs_when_compiled(), modes=("single", "ddp"), world_sizes=(2,),
+@pytest.mark.parametrize(("mode", "ws"), [("ddp", 2), ("fsdp", 2), pytest.param("hsdp", 4, marks=pytest.mark.breadth)])
+def test_a_compiled_data_parallel_run_searches_its_own_ranks_blocks(mode, ws):
+    # the block differs compiled on one device and on every rank's shard: the row names it from its own ranks
+    # (FSDP2's sharded parameters gathered whole for the search)
+    report = check(compiled.block_differs_when_compiled(), modes=("single", mode), world_sizes=(ws,),
                    compile="aot_eager")
-    [run] = [r for r in report.runs if r.mode == "ddp" and r.compile]
+    [run] = [r for r in report.runs if r.mode == mode and r.compile]
     assert run.status == "diverged", report.render()
     block = run.first_divergence.module
     assert (block.phase, block.module, block.type, block.step, block.rank) == ("compiled", "blocks.1", "_Block", 0, 0)
     assert block.note.startswith("1 graph break(s) in it: Unsupported Tensor.item() call"), block.note
     assert "first block that differs compiled: blocks.1 (_Block), step 0, rank 0" in report.render()
-    [row] = [r for r in report.to_json()["runs"] if r["mode"] == "ddp" and r["compile"]]
+    [row] = [r for r in report.to_json()["runs"] if r["mode"] == mode and r["compile"]]
     assert row["first_divergence"]["module"]["module"] == "blocks.1"
 
 

@@ -15,7 +15,8 @@ named with its graph breaks (``torch._dynamo.explain``).
 :func:`compiled_replica_blocks_task` searches the same way on every rank of a compiled
 data-parallel run that diverged: each rank trains eagerly in the run's mode up to the first
 differing step and takes the model's first call of that step (its own shard, the model's
-state then), and its blocks are compiled against eager on that input.
+state then, FSDP2's parameters gathered whole), and its blocks, on a plain copy of the
+model, are compiled against eager on that input.
 """
 
 from __future__ import annotations
@@ -86,8 +87,15 @@ class _CallAt:
     def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._armed and self.call is None:
             self.call = _copied((args, kwargs))
-            self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            # FSDP2's parameters are sharded: every rank gathers each whole, in the same order
+            self.state = {k: _whole(v).detach().clone() for k, v in module.state_dict().items()}
         return None
+
+
+def _whole(t: Any) -> Any:
+    """A tensor of the state, whole (a DTensor gathered from every rank: a collective)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 def _copied(obj: Any) -> Any:
