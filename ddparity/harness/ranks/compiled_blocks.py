@@ -40,26 +40,6 @@ DEPTH = 8
 """How deep the search goes into nested blocks."""
 
 
-class _FirstCall:
-    """Mode ``single`` (one step) that keeps the model's first call's inputs."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.call: tuple[Any, Any] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def wrap(self, model: Any) -> Any:
-        model.register_forward_pre_hook(self._keep, with_kwargs=True)
-        return self.inner.wrap(model)
-
-    def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.call is None:
-            self.call = _copied((args, kwargs))
-        return None
-
-
 class _CallAt:
     """A mode (``inner``) that keeps the model's first call of step ``target``: its inputs and
     the model's state then (the user's module, under any wrapper the mode puts on it)."""
@@ -196,13 +176,7 @@ def first_differing_block(module: Any, name: str, call: tuple[Any, Any], backend
 def compiled_blocks_task(ctx: RankContext, case: Case, spool: str, spec: CompileSpec) -> ModuleFinding | None:
     """The first block whose compiled output (``spec``'s backend) differs from eager's on the
     inputs the model's first call of step 0 got (None: the whole model's forward agrees)."""
-    mode = _FirstCall(SingleMode(1, watch_draws=False))
-    train(case, spool, ctx.device, mode)  # type: ignore[arg-type]
-    released()
-    if mode.call is None:
-        return None
-    model = prepared(case, spool, ctx.device)
-    return first_differing_block(model, "", mode.call, spec.backend)
+    return _searched(ctx, case, spool, _CallAt(SingleMode(1, watch_draws=False), 0), spec)
 
 
 @names_run("compiled block by block against eager (each rank)", sized=True)
@@ -211,17 +185,22 @@ def compiled_replica_blocks_task(ctx: RankContext, case: Case, spool: str, mode:
     """This rank's first block whose compiled output (``spec``'s backend) differs from eager's
     on the inputs this rank's first model call of step ``step`` got in ``mode`` (eager, from
     the initial state), with the model's state then (None: the whole forward agrees)."""
+    return _searched(ctx, case, spool, _CallAt(replica_mode(ctx, case, mode, shard_size, step + 1), step), spec)
+
+
+def _searched(ctx: RankContext, case: Case, spool: str, keeps: _CallAt, spec: CompileSpec) -> ModuleFinding | None:
+    """Train as ``keeps`` says, then search a plain copy of the model, in the state it kept,
+    on the call it kept."""
     import dataclasses
 
-    keeps = _CallAt(replica_mode(ctx, case, mode, shard_size, step + 1), step)
-    train(case, spool, ctx.device, keeps)
+    train(case, spool, ctx.device, keeps)  # type: ignore[arg-type]
     released()
     if keeps.call is None or keeps.state is None:
         return None
     model = prepared(case, spool, ctx.device)
     model.load_state_dict(keeps.state)
     found = first_differing_block(model, "", keeps.call, spec.backend)
-    return dataclasses.replace(found, step=step, rank=ctx.rank) if found is not None else None
+    return dataclasses.replace(found, step=keeps.target, rank=ctx.rank) if found is not None else None
 
 
 __all__ = ["compiled_blocks_task", "compiled_replica_blocks_task", "first_differing_block"]
