@@ -221,7 +221,7 @@ def _locate(ref_world: Any, pool: WorldPool, checking: Checking, spool: Spool, r
         finally:
             reference.result()
     except (WorldFailure, WorldStartError) as exc:
-        return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return _rerun_failed(step, exc)
 
 
 def _ranks_trace(pool: WorldPool, checking: Checking, spool: str, run: tuple[str, int, str], step: int,
@@ -249,8 +249,11 @@ def _search_compiled(pool: WorldPool, checking: Checking, spool: Spool, run: Run
             kind(run.mode).shard_size(run.world_size, checking.opts.shard), spec, run.first_divergence.step,
             timeout=checking.opts.timeout, shown_as=replica_run_name(run.mode)))
     except (WorldFailure, WorldStartError) as exc:
-        return f"the re-run of step {run.first_divergence.step} failed: " \
-               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return _rerun_failed(run.first_divergence.step, exc)
+
+
+def _rerun_failed(step: int, exc: BaseException) -> str:
+    return f"the re-run of step {step} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
 
 def _finish_dp(checking: Checking, mode: str, backend: str, sizes: tuple[int, ...], pending: PendingTask | None,

@@ -93,7 +93,7 @@ def _first_block(run: RunResult, checking: Checking, spec: CompileSpec, world: A
 
 def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[Any] | str]) -> None:
     """Where each compiled data-parallel run that diverged first differs. It is not re-run with
-    hooks on every module (they change what Dynamo compiles): ``search(run)`` (DDP's ranks:
+    hooks on every module (they change what Dynamo compiles): ``search(run)`` (the run's ranks,
     :func:`~ddparity.harness.ranks.compiled_blocks.compiled_replica_blocks_task`) compiles its
     blocks against eager on each rank's own input of the first differing step; where one
     differs, that block is the run's place. Where none does, the place is its eager twin's
@@ -110,21 +110,23 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
             run.first_divergence = dataclasses.replace(d, module=searched)
             continue
         where = f"the eager {run.mode} run at world size {run.world_size}"
-        blocks = searched
         m = twin.first_divergence.module if twin is not None and twin.first_divergence is not None else None
         if twin is not None and twin.status in ("diverged", "desync") and m is not None and m.found:
             run.first_divergence = dataclasses.replace(d, module=m)
             run.notes = [scale_placed(n, m.phase, m.factor, run.world_size, run.mode) or n for n in run.notes]
-            run.notes.append(f"first differing module: as in {where}, which differs too ({blocks}): a "
+            run.notes.append(f"first differing module: as in {where}, which differs too ({searched}): a "
                              f"data-parallel difference, not compile's")
         elif twin is not None and twin.status == "pass" and single_differs:
-            run.notes.append(f"first differing module: not found ({blocks}); {where} passes and the compiled "
+            run.notes.append(f"first differing module: not found ({searched}); {where} passes and the compiled "
                              f"single-device run diverges too: compiling alone changes the numbers (that run's "
                              f"block search says where)")
         elif twin is not None and twin.status == "pass":
-            run.notes.append(f"first differing module: not found ({blocks}); {where} passes and the compiled "
+            run.notes.append(f"first differing module: not found ({searched}); {where} passes and the compiled "
                              f"single-device run does not diverge: the difference comes with compiling the "
                              f"data-parallel run, in its backward or its reduction")
+        else:
+            ended = "did not run" if twin is None else f"ended {twin.status} without a place named"
+            run.notes.append(f"first differing module: not found ({searched}); {where} {ended}")
 
 
 def _rank_blocks(run: RunResult, search: Callable[[RunResult], list[Any] | str]) -> ModuleFinding | str:
