@@ -35,6 +35,7 @@ NOTHING_COMPILED = ("not compared compiled: torch.compile captured nothing of th
                     "this run compared no compiled code and says nothing about compiled training (Dynamo does not "
                     "trace a forward that is torch's own code, e.g. a bare nn.Sequential as the module DDP or FSDP "
                     "wraps; wrap it in a module of your own with a forward)")
+LIKELY = "likely cause: "
 SPLIT_SHOWN = 8
 """Bucket sizes listed in a note before ``...``."""
 
@@ -105,11 +106,13 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
         d, twin = run.first_divergence, eager.get((run.mode, run.world_size))
         if run.compile is None or run.status not in ("diverged", "desync") or kind(run.mode).reference or d is None:
             continue
+        where = f"the eager {run.mode} run at world size {run.world_size}"
+        if twin is not None and twin.status == "pass":  # no data-parallel cause, whatever the numbers fit
+            run.notes = [_ruled_out(n, where) for n in run.notes]
         searched = _rank_blocks(run, search)
         if isinstance(searched, ModuleFinding):
             run.first_divergence = dataclasses.replace(d, module=searched)
             continue
-        where = f"the eager {run.mode} run at world size {run.world_size}"
         m = twin.first_divergence.module if twin is not None and twin.first_divergence is not None else None
         if twin is not None and twin.status in ("diverged", "desync") and m is not None and m.found:
             run.first_divergence = dataclasses.replace(d, module=m)
@@ -127,6 +130,16 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
         else:
             ended = "did not run" if twin is None else f"ended {twin.status} without a place named"
             run.notes.append(f"first differing module: not found ({searched}); {where} {ended}")
+
+
+def _ruled_out(note: str, where: str) -> str:
+    """A data-parallel cause line of a compiled run whose eager twin (``where``) passes, said
+    to be ruled out (the numbers fit it; the twin's do not)."""
+    if not note.startswith(LIKELY):
+        return note
+    cause = note[len(LIKELY):].split(":")[0]
+    return (f"cause ruled out: the numbers fit {cause}, but {where} passes: the difference comes with compiling, "
+            f"not with data parallelism")
 
 
 def _rank_blocks(run: RunResult, search: Callable[[RunResult], list[Any] | str]) -> ModuleFinding | str:

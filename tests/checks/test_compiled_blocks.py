@@ -92,3 +92,28 @@ def test_a_rank_search_that_fails_is_said_and_the_eager_twin_decides(monkeypatch
     assert run.first_divergence.module == eager.first_divergence.module
     [note] = [n for n in run.notes if n.startswith("first differing module: ")]
     assert "the block search failed: the re-run of step 0 failed" in note, note
+
+
+class _Cache:  # as a transformers DynamicCache: a call appends to what it holds
+    def __init__(self):
+        self.keys = []
+
+
+class _AppendsToItsCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        cache.keys.append(self.fc(x))
+        return torch.cat(cache.keys)  # its output grows with every call given the same cache
+
+
+def test_every_call_of_the_search_gets_a_fresh_copy_of_what_the_call_held():
+    torch.manual_seed(0)
+    cache = _Cache()
+    cache.keys.append(torch.randn(2, 4))
+    # given the same cache each time, eager, float64 and compiled outputs would differ in shape: a false "differs"
+    assert first_differing_block(_AppendsToItsCache(), "", ((torch.randn(2, 4),), {"cache": cache}),
+                                 "aot_eager") is None
+    assert len(cache.keys) == 1  # the call's own cache untouched

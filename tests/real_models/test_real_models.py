@@ -123,3 +123,29 @@ def test_gpt2_with_its_tied_head_under_the_default_fsdp_wrapping():
     summed = check(real_models.gpt2_summed(), modes=("fsdp", "hsdp"), world_sizes=(2,))
     assert [r.status for r in summed.runs] == ["diverged"] * 2, summed.render()
     assert all(r.first_divergence.step == 0 for r in summed.runs)
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_gpt2_block_that_differs_compiled_is_named_on_the_ranks_and_no_data_parallel_cause_stands(mode):
+    """GPT-2's attention blocks append to a transformers DynamicCache passed in their call: the
+    block search gives every call a fresh copy of it (it failed on a tensor-size mismatch), and
+    FSDP2's state is gathered outside forward (inside, its state_dict put the sharded
+    parameters back mid-forward). The valid-token counts fit a per-rank-mean cause that the
+    eager twin's pass rules out."""
+    from ddparity.fixtures import compiled
+
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs transformers (pip install transformers; .ci/run installs it)")
+    report = check(compiled.gpt2_mlp_differs_when_compiled(), modes=("single", mode), world_sizes=(2,),
+                   compile="aot_eager")
+    by = {r.name: r for r in report.runs}
+    assert by["single"].status == by[mode].status == "pass", report.render()
+    for run in report.runs:
+        if run.compile is None:
+            continue
+        assert run.status == "diverged", report.render()
+        block = run.first_divergence.module
+        assert (block.phase, block.module, block.type) == ("compiled", "transformer.h.1.mlp", "GPT2MLP"), block
+        assert block.error >= 100 * block.tolerance, block
+        assert not any(n.startswith("likely cause") for n in run.notes), run.notes

@@ -27,7 +27,6 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
 from ddparity.harness.protocol import RankContext, names_run
-from ddparity.harness.ranks.batches import map_tensors
 from ddparity.harness.ranks.differing import FLOOR_EPS, NOISE_FACTOR, rel
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
@@ -38,11 +37,13 @@ from ddparity.verdicts import ModuleFinding
 
 DEPTH = 8
 """How deep the search goes into nested blocks."""
+COPY_DEPTH = 6
+"""How deep a call's inputs are copied into the objects they hold."""
 
 
 class _CallAt:
-    """A mode (``inner``) that keeps the model's first call of step ``target``: its inputs and
-    the model's state then (the user's module, under any wrapper the mode puts on it)."""
+    """A mode (``inner``) that keeps the model's state as step ``target`` starts and the inputs
+    of the model's first call in it (the user's module, under any wrapper the mode puts on it)."""
 
     def __init__(self, inner: Any, target: int) -> None:
         self.inner, self.target = inner, target
@@ -59,6 +60,9 @@ class _CallAt:
 
     def step(self, step: int, replica: Any, batch: Any) -> None:
         self._armed = step == self.target
+        if self._armed:  # (not inside forward: FSDP2's state_dict there puts its sharded parameters back)
+            # FSDP2's parameters are sharded: every rank gathers each whole, in the same order
+            self.state = {k: _whole(v).detach().clone() for k, v in replica.model.state_dict().items()}
         try:
             self.inner.step(step, replica, batch)
         finally:
@@ -67,8 +71,6 @@ class _CallAt:
     def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._armed and self.call is None:
             self.call = _copied((args, kwargs))
-            # FSDP2's parameters are sharded: every rank gathers each whole, in the same order
-            self.state = {k: _whole(v).detach().clone() for k, v in module.state_dict().items()}
         return None
 
 
@@ -78,16 +80,35 @@ def _whole(t: Any) -> Any:
     return full() if callable(full) else t
 
 
-def _copied(obj: Any) -> Any:
-    return map_tensors(obj, lambda t: t.detach().clone())
+def _copied(obj: Any, fn: Any = None, depth: int = 0) -> Any:
+    """``obj`` made afresh, every tensor in it detached and cloned (or ``fn`` of it): in its
+    containers and in the attributes of the objects it holds, such as a transformers
+    ``DynamicCache`` that each call of an attention block appends to. A call's inputs are kept
+    so, and given so at every call of the search: no call sees what an earlier one appended."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if fn is not None else obj.detach().clone()
+    if depth > COPY_DEPTH:
+        return obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _copied(v, fn, depth + 1)) for k, v in obj.items())
+    if isinstance(obj, (tuple, list)):
+        items = [_copied(v, fn, depth + 1) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, (type, torch.nn.Module)):
+        fresh = copy.copy(obj)
+        fresh.__dict__.update({k: _copied(v, fn, depth + 1) for k, v in vars(obj).items()})
+        return fresh
+    return obj
 
 
 def _float64(obj: Any) -> Any:
-    return map_tensors(obj, lambda t: t.double() if t.is_floating_point() else t)
+    return _copied(obj, lambda t: t.detach().double() if t.is_floating_point() else t.detach().clone())
 
 
 def _out(module: Any, call: tuple[Any, Any]) -> list[Any]:
-    args, kwargs = call
+    args, kwargs = _copied(call)
     return [t.detach() for t in floats(module(*args, **kwargs))]
 
 
