@@ -22,16 +22,20 @@ POLL_MAX_S = 0.05
 """How often a run looks for the reference's next step: often at first, then every POLL_MAX_S."""
 
 
-def wait_for(spool: str, path: str, limit_s: float) -> None:
-    """Until the reference wrote ``path`` (raises :class:`ReferenceFailed` when the spool is
-    aborted or after ``limit_s``)."""
+def wait_for(spool: str, path: str, limit_s: float, failed: tuple[str, str] | None = None,
+             what: str | None = None) -> None:
+    """Until the reference wrote ``path`` (``what``: how the wait names it; raises
+    :class:`ReferenceFailed` when the spool is aborted, when ``failed``'s file appears (with
+    its message), or after ``limit_s``)."""
     started = time.monotonic()
     while not os.path.exists(path):
         if os.path.exists(os.path.join(spool, ABORT)):
             raise ReferenceFailed("the reference run stopped before this step")
+        if failed is not None and os.path.exists(failed[0]):
+            raise ReferenceFailed(failed[1])
         waited = time.monotonic() - started
         if waited > limit_s:
-            raise ReferenceFailed(f"the reference wrote no {os.path.basename(path)} in {limit_s:g} s")
+            raise ReferenceFailed(f"the reference wrote no {what or os.path.basename(path)} in {limit_s:g} s")
         # a small model's step is milliseconds: look often at first, then every POLL_MAX_S
         time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
 

@@ -60,8 +60,8 @@ class _CallAt:
 
     def step(self, step: int, replica: Any, batch: Any) -> None:
         self._armed = step == self.target
-        if self._armed:  # (not inside forward: FSDP2's state_dict there puts its sharded parameters back)
-            # FSDP2's parameters are sharded: every rank gathers each whole, in the same order
+        if self._armed:  # FSDP2's sharded parameters gathered whole, every rank in the same order; not in
+            # forward (FSDP2's state_dict there puts its sharded parameters back mid-forward)
             self.state = {k: _whole(v).detach().clone() for k, v in replica.model.state_dict().items()}
         try:
             self.inner.step(step, replica, batch)

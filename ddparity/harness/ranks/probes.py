@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from ddparity.case import Case
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors, reverse_samples
-from ddparity.harness.ranks.comparer import POLL_MAX_S, POLL_MIN_S
+from ddparity.harness.ranks.comparer import wait_for
 from ddparity.harness.ranks.differing import (
     backward_order,
     first_difference,
@@ -104,14 +103,8 @@ def _reference_record(spool: str, step: int, inside: tuple[str, int] | None, lim
     import torch
 
     path = _trace_path(spool, step, inside)
-    started = time.monotonic()
-    while not os.path.exists(path):
-        if os.path.exists(path + FAILED):
-            raise ReferenceFailed(f"the reference's re-run of step {step} failed")
-        waited = time.monotonic() - started
-        if waited > limit_s:
-            raise ReferenceFailed(f"the reference wrote no record of step {step} in {limit_s:g} s")
-        time.sleep(POLL_MIN_S if waited < 1.0 else POLL_MAX_S)
+    wait_for(spool, path, limit_s, failed=(path + FAILED, f"the reference's re-run of step {step} failed"),
+             what=f"record of step {step}")
     return torch.load(path, weights_only=False)
 
 
