@@ -87,8 +87,14 @@ def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[in
                flight: dict[int, dict[str, Any]] | None = None) -> Hang:
     """The suspect ranks and every rank's position and stack (and the Flight Recorders'
     finding, where the ranks read theirs)."""
-    return Hang(suspect_ranks(positions(records), pending, stacks), rank_places(records, stacks, pending),
-                flight_finding(flight) if flight else None)
+    finding = flight_finding(flight) if flight else None
+    suspects = suspect_ranks(positions(records), pending, stacks)
+    if (finding is not None and finding.kind == "host" and suspects == sorted(pending)
+            and finding.not_issued_by and set(finding.not_issued_by) < set(suspects)):
+        # positions and stacks left every waiting rank suspect (a ledger not yet written, a
+        # stack not read): the recorders tell the ranks that never issued the collective
+        suspects = sorted(finding.not_issued_by)
+    return Hang(suspects, rank_places(records, stacks, pending), finding)
 
 
 def flight_finding(states: dict[int, dict[str, Any]]) -> FlightFinding | None:

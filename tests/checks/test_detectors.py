@@ -10,10 +10,10 @@ import torch
 
 from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
-from ddparity.checks.hang import flight_finding, stragglers, suspect_ranks
+from ddparity.checks.hang import flight_finding, judge_hang, stragglers, suspect_ranks
 from ddparity.frames import tidy_stack
 from ddparity.harness.recording.fingerprint import fingerprint
-from ddparity.records import Entry, Position, RankRecords, parse_fingerprints
+from ddparity.records import Entry, Position, RankRecords, encode_progress, parse_fingerprints
 
 
 def entry(seq: int, key: str = "all_reduce|SUM|None|tensor=float32[4]", t: float = 0.0, step: int = 0,
@@ -211,6 +211,22 @@ def test_flight_recorder_judges_each_group_and_names_the_host_side_first():
     found = flight_finding(states)
     assert (found.kind, found.group, found.not_issued_by, found.unread) == ("host", "7", [3], [4])
     assert "group '7' (ranks [1, 3])" in found.explanation
+
+
+@pytest.mark.parametrize("stalled", [0, 2])
+def test_the_recorders_decide_a_hang_that_positions_and_stacks_leave_open(stalled):
+    # no rank's ledger written yet, no stack read (a loaded machine): positions suspect every waiting rank
+    records, pending = {r: RankRecords() for r in range(3)}, [0, 1, 2]
+    assert judge_hang(records, {}, pending).suspect_ranks == pending
+    host = {r: {"groups": {"0": _fr(6, 5) if r != stalled else _fr(5, 5)}} for r in range(3)}
+    hang = judge_hang(records, {}, pending, host)
+    assert hang.suspect_ranks == [stalled] and hang.flight.not_issued_by == [stalled]
+    inside = {r: {"groups": {"0": _fr(6, 5)}} for r in range(3)}  # every rank in it: the transport, all suspect
+    assert judge_hang(records, {}, pending, inside).suspect_ranks == pending
+    # what positions decide stands: rank 1 behind in its ledger is the suspect whatever a recorder read
+    behind = {r: RankRecords(progress=encode_progress(9, 1, "forward" if r == 1 else "backward", None, ()))
+              for r in range(3)}
+    assert judge_hang(behind, {}, pending, host).suspect_ranks == [1]
 
 
 def test_flight_recorder_with_nothing_unfinished_or_nothing_read():
