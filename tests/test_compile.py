@@ -7,12 +7,16 @@ compiled (dropout masks, simulated ranks) says so instead of passing. aot_eager 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from ddparity import check
 from ddparity.compile_spec import CompileSpec, CompileSummary, validate_compile
 from ddparity.errors import UsageError
 from ddparity.fixtures import bugs, compiled, dropout
+from ddparity.fixtures.layouts import ListNet, layout_case
+from ddparity.harness.ranks.compiling import graph_break
 from ddparity.verbs.compiled import summary_notes
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -156,6 +160,50 @@ def test_the_notes_say_what_compiling_did():
     assert "1 graph break(s) in your code: m.py:3: Unsupported Tensor.item() call" in notes
     assert any("split 2 graph(s)" in n and "into 2, 1 piece(s)" in n and "1.00 MB, 3.00 MB" in n for n in notes)
     assert CompileSpec("inductor", "python_reducer").flags() == " --compile inductor --compile-ddp python_reducer"
+
+
+TORCH = "/venv/site-packages/torch"
+OWN = "/src/ddparity/harness"
+IN_A_LOOP = (  # Dynamo's graph-break log (torch 2.13) for FSDP-sharded blocks called in a for loop
+    f"Graph break in user code at {TORCH}/distributed/fsdp/_fully_shard/_fsdp_common.py:30\nGraph Break Reason: "
+    "Failed to handle graph break gracefully. Skipping the function and falling back to eager. Graph break "
+    "encountered:\n\nAttempted to call function marked as skipped\n  Explanation: Dynamo developers have "
+    "intentionally marked that the function `disable` ... should not be traced.\n\n*** While handling this graph "
+    "break, another graph break occurred: ***\n\ngraph break in loop\n  Explanation: torch.compile detected a "
+    "graph break in a for/while loop. Skipping the frame and falling back to eager, as graph breaks in loops are "
+    "not supported.\n\n  Developer debug context: frame skipped: {frame} (/home/me/model.py line 87)\n")
+
+
+def test_a_graph_break_is_placed_in_the_users_code_torchs_or_ddparitys():
+    """A break inside a loop runs the loop's frame eagerly: the user's frame is named (FSDP's
+    hooks called in a ``for`` loop over blocks used to be counted as torch's alone, and the
+    run said "no graph break in your code" while the model's forward ran uncompiled)."""
+    where, text = graph_break(IN_A_LOOP.format(frame="forward"), TORCH, OWN)
+    assert where == "user" and text.startswith("/home/me/model.py:87: forward ran eagerly: a graph break inside "
+                                               "its loop (FSDP's hooks, which Dynamo does not trace, at "), text
+    _, resumed = graph_break(IN_A_LOOP.format(frame="torch_dynamo_resume_in_forward_at_80"), TORCH, OWN)
+    assert resumed.startswith("/home/me/model.py:87: forward from line 80 on ran eagerly"), resumed
+    item = "Graph break in user code at /home/me/model.py:12\nGraph Break Reason: Unsupported Tensor.item() call\n"
+    assert graph_break(item, TORCH, OWN) == ("user", "/home/me/model.py:12: Unsupported Tensor.item() call")
+    assert graph_break(f"Graph break in user code at {TORCH}/nn/parallel/distributed.py:9\nGraph Break Reason: "
+                       f"x\n", TORCH, OWN)[0] == "torch"
+    assert graph_break(f"Graph break in user code at {OWN}/ranks/stepping.py:9\nGraph Break Reason: x\n", TORCH,
+                       OWN)[0] == "ddparity"
+    assert graph_break("torchdynamo start compiling forward", TORCH, OWN) == ("", "")
+
+
+def test_blocks_called_in_a_loop_under_compiled_fsdp_say_the_forward_ran_eagerly_and_how_much_compiled():
+    report = check(layout_case("module_list"), modes=("single", "fsdp"), world_sizes=(2,), compile="aot_eager")
+    by = rows(report)
+    assert {n: r.status for n, r in by.items()} == {"single": "pass", "single (compiled aot_eager)": "pass",
+                                                   "fsdp": "pass", "fsdp (compiled aot_eager)": "pass"}, report.render()
+    notes, whole = by["fsdp (compiled aot_eager)"].notes, by["single (compiled aot_eager)"].compile["ops"]
+    _, first = inspect.getsourcelines(ListNet.forward)
+    at = first + 1  # x = self.inp(x): the break at its FSDP-sharded call, then the loop
+    assert any(f"fixtures/layouts.py:{at}: forward from line {at} on ran eagerly" in n for n in notes), (at, notes)
+    ops = by["fsdp (compiled aot_eager)"].compile["ops"]
+    assert 0 < ops < whole and f"{ops} op(s) captured, of the {whole} the single-device compile" in "".join(notes)
+    assert not any("no graph break in your code" in n for n in notes), notes
 
 
 @pytest.mark.parametrize(("ws", "culprit"), [(2, 0), pytest.param(4, 3, marks=pytest.mark.breadth)])

@@ -40,6 +40,7 @@ from ddparity.verbs.compiled import (
     compile_figures,
     compiled_single,
     dropout_drawn,
+    fewer_ops,
     locate_compiled,
     refused_run,
     summary_notes,
@@ -171,6 +172,7 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
                                               reason=DP_NOT_COMPILED), opts.compile) for ws in dp_sizes)
     report.runs.extend(ddp_runs)
     if opts.compile is not None:
+        fewer_ops(ddp_runs, single)
         locate_compiled(report.runs, lambda run: _search_compiled(pool, checking, spool, run))
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "

@@ -180,6 +180,21 @@ def compared_nothing(run: RunResult) -> RunResult:
     return run
 
 
+def fewer_ops(runs: list[RunResult], single: RunResult) -> None:
+    """A note on each compiled data-parallel run that captured fewer ops than the compiled
+    single-device run of the same model: the rest of its model ran eagerly, so its verdict
+    speaks for compiled code that much less (FSDP's hooks break the graph at every sharded
+    module's call; a break inside a loop runs the loop's whole frame eagerly)."""
+    whole = single.compile.get("ops") if single.compile is not None else None
+    for run in runs:
+        ops = run.compile.get("ops") if run.compile is not None else None
+        if not whole or not ops or ops >= whole or kind(run.mode).reference:
+            continue  # no op captured: compared_nothing says so
+        why = " at FSDP's hooks, which break the graph at every sharded module's call" if kind(run.mode).sharded else ""
+        run.notes.append(f"{ops} op(s) captured, of the {whole} the single-device compile of this model captures: "
+                         f"the rest ran eagerly{why} (the graph breaks above say where)")
+
+
 def dropout_drawn(reference: Reference) -> str | None:
     """Why the compiled runs of this case cannot be compared: its model draws dropout masks,
     which ddparity aligns across modes by replacing torch's dropouts in eager runs only

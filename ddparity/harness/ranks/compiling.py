@@ -29,6 +29,8 @@ COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")
 """Dynamo's own timers of a frame's compile and of the lazily compiled backward."""
 COMPILE_TICK_S = 1.0
 _WHERE = re.compile(r"in user code at (?P<file>[^\n]+?):(?P<line>\d+)\nGraph Break Reason: (?P<why>.*)", re.S)
+_RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+)_at_(\d+)")
+_SKIPPED = re.compile(r"frame skipped: (?P<frame>\S+) \((?P<file>[^\n]+?) line (?P<line>\d+)\)")
 
 
 class Eager:
@@ -102,6 +104,33 @@ def _stats() -> dict[str, int]:
     return {k: int(counters["stats"][k]) for k in ("unique_graphs", "calls_captured")}
 
 
+def graph_break(message: str, torch_dir: str, own_dir: str) -> tuple[str, str]:
+    """Where one of Dynamo's graph-break messages lies (``user``, ``torch``, ``ddparity``, or
+    ``""``: not a break), and for the user's code ``file:line: reason``. A break inside a
+    loop makes Dynamo run the whole frame eagerly ("frame skipped"): where that frame is the
+    user's, the break is the user's whatever file it arose in (a call of an FSDP-sharded block
+    in a ``for`` loop breaks at FSDP's hooks, and the model's forward then runs uncompiled)."""
+    found = _WHERE.search(message)
+    if found is None:
+        return "", ""
+    where, why = f"{found['file']}:{found['line']}", found["why"]
+    reason = next((line.strip() for line in why.splitlines()[1:] if line.strip()), "")
+    if not reason or reason.startswith("Explanation"):
+        reason = why.splitlines()[0].strip()
+    skipped = _SKIPPED.search(why)
+    if skipped is not None and not skipped["file"].startswith((torch_dir, own_dir + os.sep)):
+        at = "FSDP's hooks, which Dynamo does not trace" if f"{os.sep}fsdp{os.sep}" in where else reason
+        resumed = _RESUMED.fullmatch(skipped["frame"])  # the part of a frame after an earlier break
+        frame = f"{resumed[1]} from line {resumed[2]} on" if resumed else skipped["frame"]
+        return "user", (f"{skipped['file']}:{skipped['line']}: {frame} ran eagerly: a graph break inside its loop "
+                        f"({at}, at {where}) makes Dynamo skip the frame: its ops ran uncompiled")
+    if found["file"].startswith(torch_dir) or "DistributedDataParallel." in why:
+        return "torch", ""
+    if found["file"].startswith(own_dir + os.sep):
+        return "ddparity", ""
+    return "user", f"{where}: {reason}"
+
+
 @contextlib.contextmanager
 def _graph_breaks(summary: CompileSummary) -> Iterator[None]:
     """Dynamo's graph-break log, caught (not printed) while the run compiles."""
@@ -112,21 +141,12 @@ def _graph_breaks(summary: CompileSummary) -> Iterator[None]:
 
     class Breaks(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            found = _WHERE.search(record.getMessage())
-            if found is None:
-                return
-            where = f"{found['file']}:{found['line']}"
-            if found["file"].startswith(torch_dir) or "DistributedDataParallel." in found["why"]:
+            where, text = graph_break(record.getMessage(), torch_dir, own_dir)
+            if where == "torch":
                 summary.torch_breaks += 1
-                return
-            if found["file"].startswith(own_dir + os.sep):
+            elif where == "ddparity":
                 summary.own_breaks += 1
-                return
-            reason = next((line.strip() for line in found["why"].splitlines()[1:] if line.strip()), "")
-            if not reason or reason.startswith("Explanation"):
-                reason = found["why"].splitlines()[0].strip()
-            text = f"{where}: {reason}"
-            if text not in summary.graph_breaks:
+            elif where == "user" and text not in summary.graph_breaks:
                 summary.graph_breaks.append(text)
 
     handler = Breaks(logging.DEBUG)
