@@ -35,6 +35,13 @@ NOTHING_COMPILED = ("not compared compiled: torch.compile captured nothing of th
                     "this run compared no compiled code and says nothing about compiled training (Dynamo does not "
                     "trace a forward that is torch's own code, e.g. a bare nn.Sequential as the module DDP or FSDP "
                     "wraps; wrap it in a module of your own with a forward)")
+NOTHING_COMPILED_SHARDED = (
+    "not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so this run compared "
+    "no compiled code and says nothing about compiled training (under FSDP2 every sharded module's call breaks the "
+    "graph at FSDP's hooks, which Dynamo does not trace; what lay between the breaks was torch's own code, a layer's "
+    "or a bare nn.Sequential's forward, which Dynamo does not trace on its own, or a frame it ran eagerly after a "
+    "break inside a loop (the graph breaks noted say where); shard blocks of your own with a forward (Case.fsdp), "
+    "or check compiled under ddp)")
 LIKELY = "likely cause: "
 SPLIT_SHOWN = 8
 """Bucket sizes listed in a note before ``...``."""
@@ -173,10 +180,11 @@ def compared_nothing(run: RunResult) -> RunResult:
     real, though not the compiler's), said in a note."""
     if run.compile is None or run.compile.get("ops") != 0:
         return run
+    why = NOTHING_COMPILED_SHARDED if kind(run.mode).sharded else NOTHING_COMPILED
     if run.status == "pass":
-        run.status, run.reason = "skipped", NOTHING_COMPILED
+        run.status, run.reason = "skipped", why
     else:
-        run.notes.append(NOTHING_COMPILED.replace("not compared compiled: ", "", 1))
+        run.notes.append(why.replace("not compared compiled: ", "", 1))
     return run
 
 
