@@ -164,6 +164,17 @@ def test_the_notes_say_what_compiling_did():
     assert CompileSpec("inductor", "python_reducer").flags() == " --compile inductor --compile-ddp python_reducer"
 
 
+def test_a_model_torch_compile_captures_nothing_of_is_skipped_in_every_compiled_row():
+    """A stacked LSTM: nothing of it is compiled. Its compiled DDP row was ``pass``: the one
+    op captured was ddparity's own (the ledger's counter, traced through ddparity's hook on
+    the DDP module); FSDP's compiled Linear layers came of ddparity's hooks on them."""
+    report = check(compiled.stacked_lstm(), modes=("single", "ddp", "fsdp"), world_sizes=(2,), compile="aot_eager")
+    compiled_rows = [r for r in report.runs if r.compile is not None]
+    assert len(compiled_rows) == 3 and all(r.status == "skipped" and r.compile["ops"] == 0 for r in compiled_rows), \
+        report.render()
+    assert all(r.status == "pass" for r in report.runs if r.compile is None), report.render()
+
+
 TORCH = "/venv/site-packages/torch"
 OWN = "/src/ddparity/harness"
 IN_A_LOOP = (  # Dynamo's graph-break log (torch 2.13) for FSDP-sharded blocks called in a for loop
@@ -195,10 +206,12 @@ def test_a_graph_break_is_placed_in_the_users_code_torchs_or_ddparitys():
 
 
 def test_blocks_called_in_a_loop_under_compiled_fsdp_say_the_forward_ran_eagerly_and_how_much_compiled():
-    report = check(layout_case("module_list"), modes=("single", "fsdp"), world_sizes=(2,), compile="aot_eager")
+    report = check(layout_case("module_list"), modes=("single", "ddp", "fsdp"), world_sizes=(2,), compile="aot_eager")
     by = rows(report)
-    assert {n: r.status for n, r in by.items()} == {"single": "pass", "single (compiled aot_eager)": "pass",
-                                                   "fsdp": "pass", "fsdp (compiled aot_eager)": "pass"}, report.render()
+    assert {r.status for r in report.runs} == {"pass"}, report.render()
+    # ddparity's hooks stay out of the graphs: compiled DDP captures what one device does, no more
+    assert by["ddp (compiled aot_eager, ddp_optimizer)"].compile["ops"] == by["single (compiled aot_eager)"].compile[
+        "ops"], report.render()
     notes, whole = by["fsdp (compiled aot_eager)"].notes, by["single (compiled aot_eager)"].compile["ops"]
     _, first = inspect.getsourcelines(ListNet.forward)
     at = first + 1  # x = self.inp(x): the break at its FSDP-sharded call, then the loop

@@ -160,6 +160,8 @@ class Checking:
         assert self.reference is not None
         ws, reference = run.world_size, self.reference
         low = next((r.computed_dtype for r in runs if r.computed_dtype), None)
+        if run.compile is not None and kind(run.mode).sharded and self.policy is not None:
+            low = low or self.policy.computed_dtype  # no hook measured it: Dynamo would trace hooks on the layers
         policy = self.policy if kind(run.mode).sharded and low else None
         floors = [d.steps for d in (policy, compile_noise) if d is not None]
         tol = self.tolerance(ws, low, _larger(floors) if floors else None)

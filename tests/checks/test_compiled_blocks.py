@@ -77,6 +77,17 @@ def test_a_compiled_data_parallel_run_searches_its_own_ranks_blocks(mode, ws):
     assert row["first_divergence"]["module"]["module"] == "blocks.1"
 
 
+def test_the_rank_search_computes_in_a_mixed_precision_policys_dtype():
+    """Under FSDP2 with bf16 parameters the kept call's inputs are bf16: the plain copy searched
+    computes in bf16 too (it failed on "mat1 and mat2 must have the same dtype")."""
+    from ddparity.fixtures import sharded
+
+    report = check(sharded.summed_bf16(), modes=("single", "fsdp"), world_sizes=(2,), compile="aot_eager")
+    [run] = [r for r in report.runs if r.mode == "fsdp" and r.compile]
+    [note] = [n for n in run.notes if n.startswith("first differing module: ")]
+    assert "every block, compiled alone, agrees with eager on each rank's input of step 0" in note, note
+
+
 def _failing_rank_search(ctx, case, spool, mode, shard_size, spec, step):
     raise RuntimeError("the rank search broke")
 

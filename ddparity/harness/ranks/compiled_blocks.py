@@ -214,12 +214,17 @@ def _searched(ctx: RankContext, case: Case, spool: str, keeps: _CallAt, spec: Co
     on the call it kept."""
     import dataclasses
 
+    import torch
+
     train(case, spool, ctx.device, keeps)  # type: ignore[arg-type]
     released()
     if keeps.call is None or keeps.state is None:
         return None
     model = prepared(case, spool, ctx.device)
     model.load_state_dict(keeps.state)
+    computed = getattr(keeps.inner, "computed_dtype", None)  # FSDP2 under a MixedPrecisionPolicy: its param_dtype
+    if computed is not None:
+        model.to(getattr(torch, computed))  # as the run computed (the kept inputs are cast to it too)
     found = first_differing_block(model, "", keeps.call, spec.backend)
     return dataclasses.replace(found, step=keeps.target, rank=ctx.rank) if found is not None else None
 

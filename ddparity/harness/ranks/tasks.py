@@ -155,7 +155,7 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
     (:mod:`ddparity.harness.launch.refserve`); ``compiled``: the step calls
     ``torch.compile`` of what the mode wrapped."""
     row = kind(mode)
-    trains = replica_mode(ctx, case, mode, shard_size, case.steps, settle)
+    trains = replica_mode(ctx, case, mode, shard_size, case.steps, settle, traced=compiled is not None)
     sink = Comparer(spool, mode, ctx.rank, ctx.world_size, WAIT_LIMIT_S, open_step=open_step)
     distances = _compiled_distances(sink, lambda s, c: train(case, spool if state is None else state, ctx.device,
                                                               trains, s, c), compiled, mode)
@@ -167,13 +167,16 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
     return distances
 
 
-def replica_mode(ctx: RankContext, case: Case, mode: str, shard_size: int, steps: int, settle: Any = None) -> Any:
-    """This rank's mode of a replicated row (``steps`` steps): DDP, or FSDP2 on the row's mesh."""
+def replica_mode(ctx: RankContext, case: Case, mode: str, shard_size: int, steps: int, settle: Any = None,
+                 traced: bool = False) -> Any:
+    """This rank's mode of a replicated row (``steps`` steps): DDP, or FSDP2 on the row's mesh
+    (``traced``: a compiled run's)."""
     row = kind(mode)
     if not row.replicated:
         raise UsageError(f"mode {mode!r} does not run a replica on every rank; use one of {', '.join(REPLICA_MODES)}")
     if row.sharded:
-        return FSDPMode(steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=mode, settle=settle)
+        return FSDPMode(steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=mode, settle=settle,
+                        traced=traced)
     return DDPMode(steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
                    case.ddp_options, settle=settle)
 

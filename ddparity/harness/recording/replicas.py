@@ -125,7 +125,7 @@ class Replicas:
             if layout is not None and module.require_backward_grad_sync:
                 recorder.ddp_buckets(layout.current())
 
-        ddp.register_forward_hook(after_forward)
+        ddp.register_forward_hook(torch.compiler.disable(after_forward))  # never traced into a compiled model's graphs
 
     # -- after each optimizer step ----------------------------------------------------
 

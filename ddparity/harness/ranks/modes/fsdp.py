@@ -20,7 +20,7 @@ from typing import Any
 
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.stepping import record_step
-from ddparity.harness.ranks.training import Replica, finish_shared_step
+from ddparity.harness.ranks.training import Replica, finish_shared_step, untraced
 from ddparity.harness.recording import recorder
 from ddparity.harness.recording.fingerprint import shard_fingerprint
 from ddparity.harness.shards import is_sharded
@@ -44,6 +44,9 @@ class FSDPMode:
     name: str = "fsdp"
     settle: Any = None
     """Called once the model is sharded (simulated ranks: no thread trains while another shards)."""
+    traced: bool = False
+    """A compiled run: no hook of ddparity's on the model's layers (Dynamo would trace them
+    into the user's graphs and compile differently); the precision is then the policy run's."""
     align_dropout: bool = True
     watch_draws: bool = False
     name_draws: bool = False
@@ -63,12 +66,12 @@ class FSDPMode:
         self.recorder.set_phase(-1, "fsdp")
         model, mesh = sharded(model, self.device, self.world_size, self.shard_size if kind(self.name).mesh else None,
                               self.apply)
-        model.register_forward_hook(self._after_forward)
+        model.register_forward_hook(untraced(self._after_forward))
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
         self.shard_index = mesh.get_local_rank("shard") if kind(self.name).mesh and mesh.size(0) > 1 else None
         stored = {p.dtype for p in model.parameters()}
-        for module in model.modules():  # after FSDP's own pre-forward hooks: the all-gathered parameters
-            if any(True for _ in module.parameters(recurse=False)):
+        for module in model.modules() if not self.traced else ():  # after FSDP's own pre-forward hooks:
+            if any(True for _ in module.parameters(recurse=False)):  # the all-gathered parameters
                 module.register_forward_pre_hook(lambda m, args: self._note_precision(m, stored))
         if self.settle is not None:
             self.settle()
