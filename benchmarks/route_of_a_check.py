@@ -8,7 +8,9 @@ ddparity's own files:
   (the world's ``submit``, a rank's task, the numbers sent back in ``distances.py``, a
   judge in ``checks/``, the text in ``render.py``): the chain of calls from ``cli.main``
   to each verdict, in the controller and in the ranks;
-- **ran**: every file with a function that ran (code run at import time not counted).
+- **ran**: every file with a function that ran (code run at import time not counted);
+- **longest chain**: the most files on one call stack at a hand-off (one process's chain of
+  calls, where the route is the union of all of them).
 
 Issue 39 asks for the route (goal <= 15 files). To measure another tree (an older commit):
 ``git worktree add /tmp/old REV`` and ``--tree /tmp/old``. Exits 1 unless the check exits 0
@@ -46,12 +48,15 @@ def _profile(frame, event, arg):
         return  # only functions (CO_OPTIMIZED): not a module's or a class's body
     _note("ran", code.co_filename[len(_root):])
     if code.co_filename.startswith(_HAND_OFFS):
-        caller = frame
+        caller, chain = frame, []
         while caller is not None:
             name = caller.f_code.co_filename
             if name.startswith(_root) and caller.f_code.co_flags & 1:
                 _note("route", name[len(_root):])
+                if name[len(_root):] not in chain:
+                    chain.append(name[len(_root):])
             caller = caller.f_back
+        _note("chain", "<".join(chain))
 
 sys.setprofile(_profile)
 threading.setprofile(_profile)
@@ -67,7 +72,7 @@ def measure(tree: Path) -> dict[str, set[str]]:
                              env=env, cwd=tree, capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             sys.exit(f"the check exited {run.returncode}:\n{run.stdout}\n{run.stderr}")
-        found: dict[str, set[str]] = {"route": set(), "ran": set()}
+        found: dict[str, set[str]] = {"route": set(), "ran": set(), "chain": set()}
         records = list(Path(out).glob("*.txt"))
         for record in records:
             for line in record.read_text().splitlines():
@@ -89,6 +94,9 @@ def main() -> None:
         print(f"{kind}: {len(files)} files in {len(folders)} folders ({', '.join(folders)})")
         for f in files:
             print(f"  {f}")
+    longest = max(found["chain"], key=lambda c: len(c.split("<")))
+    print(f"longest chain: {len(longest.split('<'))} files on one call stack at a hand-off, innermost first")
+    print("  " + " < ".join(longest.split("<")))
 
 
 if __name__ == "__main__":
