@@ -143,3 +143,23 @@ def test_the_rank_that_stalls_is_the_one_blamed_wherever_it_stalls(where, on, ws
     report = check(faults.stalled_at(where, on), modes=("ddp",), world_sizes=(ws,), timeout=3)
     [run] = report.runs
     assert run.status == "hang" and run.hang.suspect_ranks == [on % ws], report.render()
+
+
+SHARDED_STALLS = [(mode, where, on) for mode in ("hsdp", "fsdp") for where in ("forward", "backward", "inoptim")
+                  for on in (0, -1)]
+DEFAULT_SHARDED_STALLS = {("hsdp", "forward", 0), ("hsdp", "forward", -1)}
+
+
+@pytest.mark.parametrize("mode, where, on", [
+    pytest.param(*s, marks=() if s in DEFAULT_SHARDED_STALLS else pytest.mark.breadth, id=f"{s[0]}-{s[1]}-rank{s[2]}")
+    for s in SHARDED_STALLS])
+def test_the_rank_that_stalls_under_fsdp2_is_the_one_blamed_not_its_shard_groups_peer(mode, where, on):
+    """HSDP at 4 ranks (2 replicas of 2 shards): rank 0 stalled before its forward left rank 1
+    waiting in their shard group's all-gather, in forward too, while ranks 2 and 3 went on to
+    backward: suspects [0, 1], the waiting peer blamed with the culprit. The ledgers say whom
+    rank 1 waits for (a subgroup's collective rank 0 never issued)."""
+    from ddparity.fixtures import faults
+
+    report = check(faults.stalled_at(where, on), modes=(mode,), world_sizes=(4,), timeout=3)
+    [run] = report.runs
+    assert run.status == "hang" and run.hang.suspect_ranks == [on % 4], report.render()

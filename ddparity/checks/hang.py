@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.checks.collectives import slots
-from ddparity.records import Position, parse_ledger, parse_progress
+from ddparity.records import Entry, Position, parse_ledger, parse_progress
 from ddparity.verdicts import FlightFinding, Hang, RankPlace, Straggler
 
 
@@ -28,11 +28,41 @@ def waits_in_a_collective(stack: str) -> bool:
     return any(marker in stack for marker in WAITING_IN_C10D)
 
 
+def waiting_for(records: dict[int, Any], where: dict[int, Position | None], stacks: dict[int, str],
+                pending: list[int]) -> dict[int, set[int]]:
+    """Per pending rank that waits inside a collective (its stack in c10d's frames), the ranks
+    of the last collective's group that never issued it, by their ledgers: whom it waits for.
+    A subgroup's collective (FSDP2's all-gather in an HSDP shard group) is not in the world
+    group's sequence that positions order the ranks by."""
+    issued: dict[str, dict[int, int]] = {}
+    last: dict[int, Entry] = {}
+    for rank, record in records.items():
+        pos = where.get(rank)
+        for e in [*parse_ledger(record.ledger), *(pos.recent if pos is not None else ())]:
+            if e.group != "p2p":
+                group = issued.setdefault(e.group, {})
+                group[rank] = max(group.get(rank, -1), e.seq)
+                if e.t >= (last[rank].t if rank in last else float("-inf")):
+                    last[rank] = e
+    for rank in records:  # every rank is in the world group, whether it issued there or not
+        issued.setdefault("world", {}).setdefault(rank, -1)
+    waits: dict[int, set[int]] = {}
+    for rank in pending:
+        latest = last.get(rank)
+        if latest is None or not waits_in_a_collective(stacks.get(rank, "")):
+            continue
+        behind = {r for r, seq in issued.get(latest.group, {}).items() if seq < latest.seq}
+        if behind:
+            waits[rank] = behind
+    return waits
+
+
 def suspect_ranks(where: dict[int, Position | None], pending: list[int],
-                  stacks: dict[int, str] | None = None) -> list[int]:
+                  stacks: dict[int, str] | None = None, waits: dict[int, set[int]] | None = None) -> list[int]:
     """The ranks most likely to cause a hang, in this order of evidence:
 
-    1. pending ranks behind the others (earlier step, phase or collective);
+    1. pending ranks behind the others (earlier step, phase or collective), less those
+       waiting inside a collective for another of them (``waits``: :func:`waiting_for`);
     2. ranks that finished the task while others still wait in a collective;
     3. pending ranks not inside a blocking collective (by their ledger, or by their stack:
        torch's own collectives, which the ledger does not see, wait in c10d's frames);
@@ -45,7 +75,9 @@ def suspect_ranks(where: dict[int, Position | None], pending: list[int],
     ahead = max(order.values())
     behind = sorted(r for r in pending if order[r] < ahead)
     if behind:
-        return behind
+        waits = waits or {}
+        waited_for = [r for r in behind if not (waits.get(r) and waits[r] <= set(behind) - {r})]
+        return waited_for or behind
     finished = sorted(r for r in where if r not in pending)
     if finished:
         return finished
@@ -88,7 +120,8 @@ def judge_hang(records: dict[int, Any], stacks: dict[int, str], pending: list[in
     """The suspect ranks and every rank's position and stack (and the Flight Recorders'
     finding, where the ranks read theirs)."""
     finding = flight_finding(flight) if flight else None
-    suspects = suspect_ranks(positions(records), pending, stacks)
+    where = positions(records)
+    suspects = suspect_ranks(where, pending, stacks, waiting_for(records, where, stacks, pending))
     if (finding is not None and finding.kind == "host" and suspects == sorted(pending)
             and finding.not_issued_by and set(finding.not_issued_by) < set(suspects)):
         # positions and stacks left every waiting rank suspect (a ledger not yet written, a

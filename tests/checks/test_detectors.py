@@ -10,7 +10,7 @@ import torch
 
 from ddparity.checks.collectives import LiveWatch, collective_mismatch, minority
 from ddparity.checks.desync import first_desync
-from ddparity.checks.hang import flight_finding, judge_hang, stragglers, suspect_ranks
+from ddparity.checks.hang import flight_finding, judge_hang, stragglers, suspect_ranks, waiting_for
 from ddparity.frames import tidy_stack
 from ddparity.harness.recording.fingerprint import fingerprint
 from ddparity.records import Entry, Position, RankRecords, encode_progress, parse_fingerprints
@@ -178,6 +178,37 @@ def test_hang_suspects():
     assert suspect_ranks(stuck, [0, 1]) == [0, 1]
     # a rank that never started the task is the furthest behind
     assert suspect_ranks({0: pos(0, "forward", 0), 1: None}, [0, 1]) == [1]
+
+
+def test_a_rank_waiting_in_a_subgroups_collective_for_a_rank_behind_is_not_a_suspect():
+    """HSDP, 2 x 2: rank 0 stalls before forward; rank 1 waits in their shard group's
+    all-gather #3 (rank 0 issued up to #2); ranks 2 and 3 are in backward."""
+    gather = "all_gather_into_tensor|None|None|output_tensor=float32[8]"
+
+    def record(*entries):
+        return RankRecords(ledger="\n".join(json.dumps(_as_json(e)) for e in entries))
+
+    world = entry(0, t=1.0)
+    records = {0: record(world, entry(2, gather, t=2.0, group="s01")),
+               1: record(world, entry(2, gather, t=2.0, group="s01"), entry(3, gather, t=3.0, group="s01")),
+               2: record(world, entry(3, gather, t=3.0, group="s23")),
+               3: record(world, entry(3, gather, t=3.0, group="s23"))}
+    where = {0: Position(1, "forward", None, (world,)), 1: Position(1, "forward", None, (world,)),
+             2: Position(1, "backward", None, (world,)), 3: Position(1, "backward", None, (world,))}
+    waiting = "c10d::Work::wait\nall_gather_single (torch/distributed/distributed_c10d.py:4394)"
+    stacks = {0: "time.sleep\n_stall (faults.py:250)", 1: waiting, 2: waiting, 3: waiting}
+    waits = waiting_for(records, where, stacks, [0, 1, 2, 3])
+    assert waits == {1: {0}}
+    assert suspect_ranks(where, [0, 1, 2, 3], stacks) == [0, 1]  # positions alone: the peer blamed too
+    assert suspect_ranks(where, [0, 1, 2, 3], stacks, waits) == [0]
+    # a rank waiting for a peer that is not behind stays a suspect: nothing else explains it
+    assert suspect_ranks(where, [0, 1, 2, 3], stacks, {0: {2}, 1: {0}}) == [0]
+    assert suspect_ranks(where, [0, 1, 2, 3], stacks, {0: {1}, 1: {0}}) == [0, 1]  # each waits for the other
+
+
+def _as_json(e: Entry) -> dict:
+    return {"g": e.group, "s": e.seq, "op": e.op, "k": e.key, "d": e.desc, "site": e.site, "via": e.via,
+            "step": e.step, "phase": e.phase, "t": e.t, "async": e.is_async}
 
 
 def _fr(issued: int, completed: int, started: int = -1, ranks: list[int] | None = None) -> dict:
