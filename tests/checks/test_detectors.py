@@ -225,6 +225,18 @@ def test_flight_recorder_a_rank_that_never_issued_the_collective_is_a_host_side_
     assert "nccl:all_reduce(float[4])" in found.explanation
 
 
+def test_flight_recorder_names_the_end_of_the_chain_of_waits_across_groups():
+    """HSDP 2 x 2, rank 3 stalled: rank 2 waits in the shard group {2, 3}'s all-gather #4, so
+    never issued the replicate group {0, 2}'s all-reduce #3 that rank 0 waits in. Group '1'
+    sorts first: its finding (rank 2 behind) was the one shown."""
+    states = {0: {"groups": {"1": _fr(3, 2, ranks=[0, 2]), "3": _fr(4, 4, ranks=[0, 1])}},
+              1: {"groups": {"4": _fr(3, 2, ranks=[1, 3]), "3": _fr(4, 4, ranks=[0, 1])}},
+              2: {"groups": {"1": _fr(2, 2, ranks=[0, 2]), "5": _fr(4, 3, ranks=[2, 3])}},
+              3: {"groups": {"4": _fr(2, 2, ranks=[1, 3]), "5": _fr(3, 3, ranks=[2, 3])}}}
+    found = flight_finding(states)
+    assert (found.kind, found.group, found.not_issued_by, found.issued_by) == ("host", "4", [3], [1]), found
+
+
 def test_flight_recorder_every_rank_inside_one_collective_is_a_stall_not_a_desync():
     states = {r: {"groups": {"0": _fr(6, 5, started=6 if r else 5)}} for r in range(3)}
     found = flight_finding(states)

@@ -249,8 +249,8 @@ def test_killing_the_launcher_mid_hang_leaves_no_rank_behind(tmp_path):
 STALLED = "ddparity.fixtures.scripts.stalled"
 
 
-def _blamed(tmp_path, nproc: int, where: str, on: int) -> None:
-    result, data = watch(tmp_path, nproc, STALLED, "--where", where, "--on", str(on), timeout=4)
+def _blamed(tmp_path, nproc: int, where: str, on: int, *more: str) -> None:
+    result, data = watch(tmp_path, nproc, STALLED, "--where", where, "--on", str(on), *more, timeout=4)
     run = only_run(data)
     assert result.returncode == 3 and run["status"] == "hang", result.stderr
     culprit = on % nproc
@@ -274,3 +274,14 @@ def test_the_hang_blame_matrix(tmp_path, nproc, on, where):
     """Every place of a step, on rank 0 and on the last rank, at 2 and 3 ranks: the stalled
     rank is named, as its Flight Recorder says."""
     _blamed(tmp_path, nproc, where, on)
+
+
+@pytest.mark.breadth
+@pytest.mark.parametrize("on", [0, -1])
+@pytest.mark.parametrize("where", ["forward", "backward", "inoptim"])
+def test_the_hang_blame_under_hsdp_names_the_stalled_rank_not_its_shard_groups_peer(tmp_path, on, where):
+    """FSDP2 on a 2 x 2 mesh: the stalled rank's shard-group peer waits in FSDP's all-gather
+    as far behind as the culprit (suspects were [0, 1] for rank 0); the Flight Recorder's
+    finding is the end of the chain of waits (it named rank 2, waiting for rank 3, as the
+    host-side hang of the replicate group)."""
+    _blamed(tmp_path, 4, where, on, "--hsdp")
