@@ -173,9 +173,9 @@ def flight_finding(states: dict[int, dict[str, Any]]) -> FlightFinding | None:
     # the end of the chain of waits: ranks behind in one group that wait in no group's collective
     # (HSDP: rank 3 stalled; rank 2 waits in their shard group's all-gather, so is behind in the
     # replicate group's all-reduce that rank 0 waits in; rank 3 is the host-side hang, not 2)
-    waiting = {r for f in found for r in f.issued_by}
+    waiting_somewhere = {r for f in found for r in f.issued_by}
     hosts = [f for f in found if f.kind == "host"]
-    return next((f for f in hosts if not set(f.not_issued_by) & waiting), hosts[0] if hosts else found[0])
+    return next((f for f in hosts if not set(f.not_issued_by) & waiting_somewhere), hosts[0] if hosts else found[0])
 
 
 def _collective(state: dict[str, Any]) -> str:
