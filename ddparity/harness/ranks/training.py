@@ -222,15 +222,6 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     return Trained(sizes, calls, str(low).removeprefix("torch.") if low is not None else None, stats)
 
 
-def untraced(hook: Callable[..., None]) -> Callable[..., None]:
-    """``hook`` (ddparity's, on the module a run wraps) as Dynamo leaves it: called eagerly,
-    never traced into the user's compiled graphs (compiling DDP's forward traced the DDP
-    hook's ledger code and counted its ops as the model's)."""
-    import torch
-
-    return torch.compiler.disable(hook)
-
-
 def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
     """The step's loss, parameters, optimizer state and buffers to the replica's sink, as
     the step left them."""

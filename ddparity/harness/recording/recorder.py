@@ -370,6 +370,15 @@ def _nbytes(value: Any) -> int:
     return int(numel() * size()) if callable(numel) and callable(size) else 0
 
 
+def untraced(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook`` (ddparity's, recording on the module a run wraps) as Dynamo leaves it: called
+    eagerly, never traced into the user's compiled graphs (compiling DDP's forward traced the
+    DDP hook's ledger code and counted its ops as the model's)."""
+    import torch
+
+    return torch.compiler.disable(hook)
+
+
 def install_recorder(channel: RankEnd, write_behind: bool = False) -> Recorder:
     """Patch ``torch.distributed``'s collectives in this process to record into
     ``channel``. Called once by the rank loop; recording happens only while a task runs.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
-from ddparity.harness.recording.recorder import StepRecorder
+from ddparity.harness.recording.recorder import StepRecorder, untraced
 from ddparity.harness.shards import is_sharded
 from ddparity.records import NONFINITE, SHARD_TAG
 
@@ -125,7 +125,7 @@ class Replicas:
             if layout is not None and module.require_backward_grad_sync:
                 recorder.ddp_buckets(layout.current())
 
-        ddp.register_forward_hook(torch.compiler.disable(after_forward))  # never traced into a compiled model's graphs
+        ddp.register_forward_hook(untraced(after_forward))
 
     # -- after each optimizer step ----------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.stepping import record_step
-from ddparity.harness.ranks.training import Replica, finish_shared_step, untraced
+from ddparity.harness.ranks.training import Replica, finish_shared_step
 from ddparity.harness.recording import ddp_buckets, recorder
 from ddparity.harness.recording.fingerprint import fingerprint
 
@@ -60,7 +60,7 @@ class DDPMode:
             ddp.register_comm_hook(*ddp_buckets.ddp_comm_hook(self.comm_hook, hook_state))
         else:
             self._buckets = ddp_buckets.BucketLayout(ddp)
-        ddp.register_forward_hook(untraced(self._after_forward))
+        ddp.register_forward_hook(recorder.untraced(self._after_forward))
         if self.settle is not None:
             self.settle()
         return ddp

@@ -20,7 +20,7 @@ from typing import Any
 
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.stepping import record_step
-from ddparity.harness.ranks.training import Replica, finish_shared_step, untraced
+from ddparity.harness.ranks.training import Replica, finish_shared_step
 from ddparity.harness.recording import recorder
 from ddparity.harness.recording.fingerprint import shard_fingerprint
 from ddparity.harness.shards import is_sharded
@@ -66,7 +66,7 @@ class FSDPMode:
         self.recorder.set_phase(-1, "fsdp")
         model, mesh = sharded(model, self.device, self.world_size, self.shard_size if kind(self.name).mesh else None,
                               self.apply)
-        model.register_forward_hook(untraced(self._after_forward))
+        model.register_forward_hook(recorder.untraced(self._after_forward))
         self.unsharded = [name for name, p in model.named_parameters() if not is_sharded(p)]
         self.shard_index = mesh.get_local_rank("shard") if kind(self.name).mesh and mesh.size(0) > 1 else None
         stored = {p.dtype for p in model.parameters()}
