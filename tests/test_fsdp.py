@@ -349,3 +349,13 @@ def test_a_drifting_shard_on_rank_0_or_the_last_is_named_under_the_default_wrapp
     for layout in ("module_list", "tied_module_dict"):
         [run] = check(drifting_layout(layout, culprit), modes=("hsdp",), world_sizes=(4,)).runs
         assert run.status == "desync" and run.desync.ranks == [culprit], (layout, run)
+
+
+def test_a_ddp_comm_hook_is_said_to_have_no_part_in_a_sharded_run():
+    """A Case whose comm hook corrupts rank 0's gradient: a desync under DDP; FSDP2 has no
+    comm hook, so its row passes, and says it trained without the hook (it said nothing)."""
+    report = check(bugs.corrupted_grad_on_one_rank(0), modes=("ddp", "fsdp"), world_sizes=(2,))
+    by = {r.mode: r for r in report.runs}
+    assert by["ddp"].status == "desync" and by["fsdp"].status == "pass", report.render()
+    assert "Case.comm_hook is DDP's: this fsdp run trained without it" in " ".join(by["fsdp"].notes)
+    assert not any("DDP's:" in n for n in by["ddp"].notes)

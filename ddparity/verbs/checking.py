@@ -133,6 +133,11 @@ class Checking:
         mesh = kind(mode).mesh_note(ws, self.opts.shard)
         if mesh:
             run.notes.append(mesh)
+        unused = [f"Case.{name}" for name in ("comm_hook", "ddp_options") if getattr(self.case, name)]
+        if unused and not kind(mode).buckets:  # a comm hook's bug is no bug of this run's: say it did not run
+            run.notes.append(f"{' and '.join(unused)} {'are' if len(unused) > 1 else 'is'} DDP's: this {mode} run "
+                             f"trained without {'them' if len(unused) > 1 else 'it'} (FSDP2 reduces gradients "
+                             f"its own way)")
         return run
 
     def failed(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float,
