@@ -50,10 +50,12 @@ def _indent(text: str, pad: str = "    ") -> list[str]:
     return [pad + line for line in (text or "(none)").rstrip().splitlines()]
 
 
-def _position(rank: int, place: RankPlace) -> str:
+def _position(rank: int, place: RankPlace, error: str = "") -> str:
     step = place.step
     where = f"step {step}, {place.phase or 'no phase'}" if step >= 0 else (place.phase or "before the first step")
-    if place.finished:
+    if place.raised:
+        where += f"; raised {'the same error' if place.raised == error else place.raised}"
+    elif place.finished:
         where = "finished the task"
     return f"    rank {rank}: {where}; collective {place.collective}"
 
@@ -102,7 +104,7 @@ def _render_crash(crash: Crash) -> list[str]:
     others = [(r, place) for r, place in sorted(crash.ranks.items()) if r != crash.rank]
     if others:
         lines.append("  the other ranks at that moment:")
-        lines.extend(_position(rank, place) for rank, place in others)
+        lines.extend(_position(rank, place, crash.error) for rank, place in others)
         for rank, place in others:
             if place.stack and not place.finished:
                 lines.append(f"  --- rank {rank} stack ---")

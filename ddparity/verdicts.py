@@ -200,10 +200,13 @@ class RankPlace(_ReadsAsJson):
     phase: str
     finished: bool
     stack: str
+    raised: str = ""
+    """What the rank raised, where it ended the task by raising too ("" if not)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"collective_seq": self.collective_seq, "collective": self.collective, "step": self.step,
-                "phase": self.phase, "finished": self.finished, "stack": self.stack}
+        out = {"collective_seq": self.collective_seq, "collective": self.collective, "step": self.step,
+               "phase": self.phase, "finished": self.finished, "stack": self.stack}
+        return {**out, "raised": self.raised} if self.raised else out
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,10 @@ def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:
     summed = (f"a loss summed over the batch (reduction='sum'): the loss is off by exactly 1 - 1/{world_size} = "
               f"{off_by:g}, because {mode.upper()} averages the ranks' gradients and each rank's sum covers "
               f"1/{world_size} of the batch; use reduction='mean' (or multiply the loss by the world size)")
-    divided = (f"a mean loss divided by the world size on every rank (loss / ctx.world_size): the loss and every "
-               f"gradient are 1/{world_size} of the single-device run's, because {mode.upper()} already averages "
-               f"the ranks' gradients; drop the division")
+    divided = (f"a mean loss divided by the world size on every rank (loss / ctx.world_size, or a rank's sum divided "
+               f"by the whole batch's count, as transformers' num_items_in_batch is): the loss and every gradient are "
+               f"1/{world_size} of the single-device run's, because {mode.upper()} already averages the ranks' "
+               f"gradients; drop the division (or multiply such a loss by the world size)")
     if ratio is not None and abs(ratio - 2) <= PROBE_REL_TOL * 2:
         return (f"likely cause: {summed}; evidence: on one device, the first batch given twice gives {ratio:.3g}x "
                 f"its loss (a sum doubles, a mean stays)")

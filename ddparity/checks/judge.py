@@ -9,6 +9,7 @@ making progress are a hang.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ddparity.checks.collectives import Mismatch, collective_mismatch
@@ -125,10 +126,12 @@ def judge_failure(exc: WorldFailure) -> Failure:
         failing_rank = head.error.rank if isinstance(head.error, SimulatedRankError) else head.rank
         stuck = [o.rank for o in bad if o not in raised]
         shown = hide_own_frames(head.traceback)
+        places = rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck) if records else {}
+        for o in raised[1:]:  # the other ranks that raised too: said, not "finished"
+            if o.rank in places:
+                places[o.rank] = dataclasses.replace(places[o.rank], raised=f"{type(o.error).__name__}: {o.error}")
         crash = Crash(rank=failing_rank, exitcode=None, error=f"{type(head.error).__name__}: {head.error}",
-                      traceback=shown,
-                      ranks=rank_places(records, {o.rank: o.output for o in bad if o.rank in stuck}, stuck)
-                      if records else {})
+                      traceback=shown, ranks=places)
         reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{shown}".rstrip()
         return Failure("crash", reason, crash=crash)
     return Failure("error")

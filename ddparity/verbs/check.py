@@ -8,6 +8,7 @@ stuck or dead controller.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ from ddparity.case import Case
 from ddparity.checks.collectives import LiveWatch
 from ddparity.compile_spec import COMPILE_DDP, CompileSpec
 from ddparity.distances import Distances
-from ddparity.errors import Interrupted, UsageError, WorldFailure, WorldStartError
+from ddparity.errors import Interrupted, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.compiled_blocks import compiled_replica_blocks_task
 from ddparity.harness.ranks.probes import dp_trace_task, loss_scaling_task, reference_trace_task, replica_trace_task
 from ddparity.harness.ranks.spool import Spool
@@ -166,7 +167,8 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
                                 noise if spec is not None else None))
     doing.run = f"dp world sizes {list(dp_sizes)}"
     for mode in dp_modes:
-        report.runs.extend(_finish_dp(checking, mode, chosen, dp_sizes, dp_pending, dp_started))
+        report.runs.extend(_finish_dp(checking, mode, chosen, dp_sizes, dp_pending, dp_started, lambda sizes: (
+            ref_world.submit(dp_task, case, spool.path, sizes, timeout=opts.timeout))))
         if opts.compile is not None:
             report.runs.extend(mark(RunResult(mode=mode, world_size=ws, backend=chosen, status="skipped",
                                               reason=DP_NOT_COMPILED), opts.compile) for ws in dp_sizes)
@@ -259,13 +261,20 @@ def _rerun_failed(step: int, exc: BaseException) -> str:
 
 
 def _finish_dp(checking: Checking, mode: str, backend: str, sizes: tuple[int, ...], pending: PendingTask | None,
-               started: float) -> list[RunResult]:
-    """DataParallel runs (real where enough GPUs exist, else simulated) against the reference."""
+               started: float, resubmit: Callable[[tuple[int, ...]], PendingTask]) -> list[RunResult]:
+    """DataParallel runs (real where enough GPUs exist, else simulated) against the reference.
+    One task runs every world size; should it raise, each world size runs again on its own
+    (``resubmit``), so that one size's failure is not every size's verdict."""
     assert pending is not None
     try:
         [results] = [o.value for o in pending.result()]
+    except TaskFailed as exc:
+        if len(sizes) == 1:
+            return [checking.failed_one_process(mode, sizes[0], backend, exc, time.perf_counter() - started)]
+        return [run for ws in sizes
+                for run in _finish_dp(checking, mode, backend, (ws,), resubmit((ws,)), time.perf_counter(), resubmit)]
     except WorldFailure as exc:
-        return [checking.failed(mode, ws, backend, exc, time.perf_counter() - started) for ws in sizes]
+        return [checking.failed_one_process(mode, ws, backend, exc, time.perf_counter() - started) for ws in sizes]
     runs = []
     for ws in sizes:
         distances, notes, simulated = results[ws]

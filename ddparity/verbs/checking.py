@@ -21,6 +21,7 @@ from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolera
 from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
 from ddparity.errors import RankCrashed, WorldFailure
+from ddparity.harness.ranks.modes.dp import simulated as dp_simulated
 from ddparity.records import BUCKET_VIA, parse_ledger
 from ddparity.report import Report
 from ddparity.run_kinds import REPLICA_MODES, asked, kind
@@ -246,8 +247,7 @@ class Checking:
         tol = self.tolerance(ws)
         stop = self._stop(tol)
         found = divergences(self.reference, [distances], tol, until=_until(stop))
-        device = "cuda" if backend == "nccl" else "cpu"
-        run = RunResult(mode=mode, world_size=ws, backend=device, status="diverged" if found else "pass",
+        run = RunResult(mode=mode, world_size=ws, backend=_device(backend), status="diverged" if found else "pass",
                         simulated=simulated, seconds=seconds, tolerance=tol.description,
                         repro=self.repro(mode, ws, backend))
         if found:
@@ -256,6 +256,13 @@ class Checking:
         if tol.loose:
             run.notes.append(tol.loose)
         return self.localise(_compared_up_to(run, stop), found)
+
+    def failed_one_process(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float) -> RunResult:
+        """A run of DataParallel's replicas that ``exc`` ended, labelled as a finished one is
+        (the device; simulated where it was emulated)."""
+        run = self.failed(mode, ws, backend, exc, seconds)
+        run.backend, run.simulated = _device(backend), dp_simulated(_device(backend), ws)
+        return run
 
     def loss_scaling(self) -> float | None:
         """The probe's ratio (the loss on the first batch given twice, to its loss), run once."""
@@ -371,3 +378,8 @@ def _larger(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple
 
 
 __all__ = ["Checking", "Planned", "mark"]
+
+
+def _device(backend: str) -> str:
+    """The device of a one-process run in a world of ``backend``."""
+    return "cuda" if backend == "nccl" else "cpu"

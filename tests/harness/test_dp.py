@@ -134,3 +134,50 @@ def test_a_hanging_dp_run_is_a_hang_and_the_next_check_passes():
     assert run.status == "hang" and report.exit_code == 3
     assert "HangsOnChunks.forward" in str(run.hang) or "in forward" in str(run.hang)
     assert check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(2,)).ok
+
+
+def test_a_0d_tensor_argument_is_refused_with_its_name_and_the_fix():
+    from ddparity.errors import CaseError
+
+    x = torch.randn(8, 4)
+    with pytest.raises(CaseError, match=r"kwargs\['n'\] is a 0-d tensor.*chunk expects.*t\.expand\(2\)"):
+        dp.forward(nn.Linear(4, 2), 2, (x,), {"n": torch.tensor(3)})
+    out, _ = dp.forward(nn.Linear(4, 2), 1, (x,), {})  # one device: DataParallel calls the module, no scatter
+    assert out.shape == (8, 2)
+
+
+class TakesAMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask
+
+
+def test_an_argument_with_fewer_rows_is_noted_as_cutting_the_batch_short():
+    _, notes = dp.forward(TakesAMask(), 4, (torch.randn(8, 4), torch.ones(1, 2)))
+    text = notes.items["arguments cut short"]
+    assert "inputs[1] has 1 row(s) along dim 0 where inputs[0] has 8" in text
+    assert "makes 1 chunk(s) where inputs[0] makes 4" in text
+    _, clean = dp.forward(TakesAMask(), 4, (torch.randn(8, 4), torch.ones(8, 2)))
+    assert "arguments cut short" not in clean.items
+
+
+@pytest.mark.usefixtures("no_leftover_processes")  # the default pool is closed after
+def test_one_world_sizes_failure_is_not_every_world_sizes_verdict():
+    """BatchNorm on a global batch of 4: at 2 replicas/ranks it normalises shards
+    (diverged); at 4 every shard is one sample, which BatchNorm refuses (crash). The
+    reference's own calibration passes on 4 shards must not fail the reference either."""
+    report = check(bugs.batchnorm_one_sample_per_rank(), modes=("single", "dp", "ddp"), world_sizes=(2, 4))
+    runs = {(r.mode, r.world_size): r for r in report.runs}
+    assert runs[("single", 1)].status == "pass", report.render()
+    assert runs[("dp", 2)].status == "diverged" and runs[("ddp", 2)].status == "diverged"
+    assert runs[("dp", 4)].status == "crash" and runs[("ddp", 4)].status == "crash"
+    assert [runs[("dp", ws)].simulated for ws in (2, 4)] == [True, True]
+    assert {runs[("dp", ws)].backend for ws in (2, 4)} == {"cpu"}
+    assert "Expected more than 1 value per channel" in runs[("dp", 4)].crash.error
+    text = report.render()
+    assert "dp world_size=4 (cpu, simulated): CRASH" in text
+    assert "rank 3: step 0, forward; raised the same error" in text  # not "finished the task"
+    assert report.to_json()["runs"][4]["crash"]["ranks"]["3"]["raised"].startswith("ValueError")

@@ -71,6 +71,22 @@ def test_the_likely_cause_is_named_on_real_models():
         assert len(notes) == 1 and cause in notes[0], (name, notes)
 
 
+@pytest.mark.real_models
+def test_a_trainer_style_loss_left_at_1_over_w_is_named_and_dataparallel_names_its_0d_argument():
+    """The token loss over the global batch's count (transformers' num_items_in_batch) not
+    multiplied by W: the probe says a mean (1x), so the cause is the division, with the
+    count named; DataParallel cannot scatter the 0-d count, and the row says which argument."""
+    report = check(_case(real_models.BUGS, "gpt2_unscaled"), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+    runs = {r.mode: r for r in report.runs}
+    for mode in ("ddp", "fsdp"):
+        [cause] = [n for n in runs[mode].notes if n.startswith("likely cause")]
+        assert "a mean loss divided by the world size" in cause and "num_items_in_batch" in cause, cause
+        assert "gives 1x its loss" in cause, cause
+    dp = runs["dp"]
+    assert dp.status == "error" and dp.simulated, report.render()
+    assert "kwargs['num_items_in_batch'] is a 0-d tensor" in dp.reason and "t.expand(2)" in dp.reason
+
+
 COMPILED_BUGS = {"gpt2_compiled_summed": "a loss summed over the batch", "resnet_bn_on_shards": "BatchNorm on shards"}
 
 

@@ -109,11 +109,12 @@ def forward(module: Any, n: int, inputs: tuple, kwargs: dict | None = None) -> t
     """One DataParallel forward of ``module`` over ``n`` emulated devices."""
     kwargs = kwargs or {}
     notes = DataParallelNotes()
-    notes.inspect_inputs(inputs, kwargs)
+    notes.inspect_inputs(inputs, kwargs, n)
     if not inputs and not kwargs:
         inputs = ((),)  # type: ignore[assignment]
     if n == 1:
         return module(*inputs, **kwargs), notes
+    refuse_unscatterable(inputs, kwargs, n)
     scattered, scattered_kw = scatter_kwargs(inputs, kwargs, n)
     replicas = replicate(module, len(scattered))
     before = [_plain_state(r) for r in replicas]
@@ -155,29 +156,62 @@ def _plain_state(module: Any) -> dict[str, Any]:
     return out
 
 
+def _leaves(inputs: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Every leaf DataParallel's scatter reaches in a forward's arguments, by path
+    (``inputs[0]``, ``kwargs['labels']``): tensors, and the objects it hands on whole."""
+
+    def walk(o: Any, path: str) -> list[tuple[str, Any]]:
+        if isinstance(o, (tuple, list)):
+            return [leaf for i, v in enumerate(o) for leaf in walk(v, f"{path}[{i}]")]
+        if isinstance(o, dict):
+            return [leaf for k, v in o.items() for leaf in walk(v, f"{path}[{k!r}]")]
+        return [(path, o)]
+
+    return walk(tuple(inputs), "inputs") + walk(dict(kwargs), "kwargs")
+
+
+def refuse_unscatterable(inputs: tuple, kwargs: dict, n: int) -> None:
+    """Raise where DataParallel cannot scatter the arguments over ``n`` devices: a 0-d
+    tensor, which its scatter cannot cut along dim 0 (real DataParallel raises
+    "chunk expects at least a 1-dimensional tensor" from ``comm.scatter`` there), said with
+    the argument's name and the fix."""
+    import torch
+
+    from ddparity.errors import CaseError
+
+    scalars = [path for path, o in _leaves(inputs, kwargs) if isinstance(o, torch.Tensor) and o.dim() == 0]
+    if scalars:
+        raise CaseError(
+            f"{', '.join(scalars[:3])} {'is a 0-d tensor' if len(scalars) == 1 else 'are 0-d tensors'}: "
+            f"DataParallel scatters every tensor it is given along dim 0 over its {n} replicas and cannot cut a "
+            "0-d one (real DataParallel raises 'chunk expects at least a 1-dimensional tensor' here); pass a "
+            f"Python number, or one value per replica (t.expand({n}), as transformers' Trainer does under "
+            "DataParallel)")
+
+
 class DataParallelNotes:
     """Pitfalls of a model under DataParallel, each with an explanation."""
 
     def __init__(self) -> None:
         self.items: dict[str, str] = {}
 
-    def inspect_inputs(self, inputs: tuple, kwargs: dict) -> None:
+    def inspect_inputs(self, inputs: tuple, kwargs: dict, n: int) -> None:
         import torch
 
-        def non_tensors(o: Any, path: str) -> list[str]:
-            if isinstance(o, torch.Tensor) or o is None:
-                return []
-            if isinstance(o, (tuple, list)):
-                return [p for i, v in enumerate(o) for p in non_tensors(v, f"{path}[{i}]")]
-            if isinstance(o, dict):
-                return [p for k, v in o.items() for p in non_tensors(v, f"{path}[{k!r}]")]
-            return [f"{path} ({type(o).__name__})"]
-
-        found = non_tensors(tuple(inputs), "inputs") + non_tensors(dict(kwargs), "kwargs")
+        leaves = _leaves(inputs, kwargs)
+        found = [f"{path} ({type(o).__name__})" for path, o in leaves if not isinstance(o, torch.Tensor) and o is not None]
         if found:
             self.items["non-tensor inputs"] = (
                 f"{', '.join(found[:3])} are not scattered: DataParallel hands every replica the same "
                 "object, so a per-sample list or a batch-sized number is not split with the batch")
+        cut = {path: (len(o), len(o.chunk(n, dim=0))) for path, o in leaves if isinstance(o, torch.Tensor) and o.dim()}
+        if n > 1 and len({chunks for _, chunks in cut.values()}) > 1:
+            short, full = min(cut, key=lambda p: cut[p][1]), max(cut, key=lambda p: cut[p][1])
+            self.items["arguments cut short"] = (
+                f"{short} has {cut[short][0]} row(s) along dim 0 where {full} has {cut[full][0]}: DataParallel cuts "
+                f"each tensor into at most {n} chunks and zips them, so {short} makes {cut[short][1]} chunk(s) where "
+                f"{full} makes {cut[full][1]}, and the chunks past the {cut[short][1]}th are dropped or reach a replica "
+                f"without {short}")
 
     def inspect_state(self, before: dict[str, Any], after: dict[str, Any]) -> None:
         changed = sorted(k for k in after if k not in before or after[k] != before[k])

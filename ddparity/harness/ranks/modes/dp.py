@@ -20,6 +20,20 @@ from ddparity.harness.ranks.training import Replica, finish_step
 from ddparity.harness.recording import recorder
 
 
+def runs_real(device: str, world_size: int) -> bool:
+    """Whether mode ``dp`` at ``world_size`` is real DataParallel on a process of
+    ``device`` ("cuda" or "cpu"): that many CUDA devices exist; else it is emulated."""
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.device_count() >= world_size > 1
+
+
+def simulated(device: str, world_size: int) -> bool:
+    """Whether mode ``dp`` at ``world_size`` on a process of ``device`` is emulated
+    DataParallel over several devices (labelled simulated in every report)."""
+    return world_size > 1 and not runs_real(device, world_size)
+
+
 @dataclass
 class DataParallelMode:
     steps: int
@@ -45,14 +59,15 @@ class DataParallelMode:
     def wrap(self, model: Any) -> Any:
         import torch
 
-        self.real = self.device.startswith("cuda") and torch.cuda.device_count() >= self.world_size > 1
+        self.real = runs_real(self.device, self.world_size)
         if not self.real:
             return dp_emulation.emulated(model, self.world_size, self.notes)
         wrapped = torch.nn.DataParallel(model, device_ids=list(range(self.world_size)))
 
         def inspect(module: Any, args: tuple, kwargs: dict) -> None:
+            dp_emulation.refuse_unscatterable(args, kwargs, self.world_size)
             found = dp_emulation.DataParallelNotes()
-            found.inspect_inputs(args, kwargs)
+            found.inspect_inputs(args, kwargs, self.world_size)
             found.inspect_module(model)
             self.notes.update(found.items)
 
@@ -61,7 +76,7 @@ class DataParallelMode:
 
     @property
     def simulated(self) -> bool:
-        return not self.real and self.world_size > 1
+        return simulated(self.device, self.world_size)
 
     def share(self, batch: Any, size: int | None) -> Any:
         if batch_dims(batch) != {0}:

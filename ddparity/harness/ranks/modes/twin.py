@@ -74,7 +74,10 @@ class TwinMode(SingleMode):
             size = batch_size(raw)
             if scales is None and size and size % ws == 0:
                 shards = [cast(shard(raw, rank, ws, size), replica.case, replica.device) for rank in range(ws)]
-                scales = shard_magnitudes(model, replica.loss_fn, shards)
+                try:
+                    scales = shard_magnitudes(model, replica.loss_fn, shards)
+                except Exception:  # ddparity's own measurement: the model's failure on a shard is
+                    scales = None  # the W-rank run's to report, never the reference's
         return scales
 
     def _loss_size(self, replica: Replica) -> Any:
@@ -126,24 +129,26 @@ def shard_magnitudes(model: Any, loss_fn: Any, batches: list[Any]) -> tuple[Any,
     loss_scale = torch.zeros((), dtype=torch.float64)
     grad_scale: dict[str, Any] = {}
     shards = len(batches)
-    for inputs, targets in batches:
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(model, inputs), targets)
-        loss.backward()
-        loss_scale += loss.detach().abs().double().cpu() / shards
+    try:
+        for inputs, targets in batches:
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(forward(model, inputs), targets)
+            loss.backward()
+            loss_scale += loss.detach().abs().double().cpu() / shards
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.detach().to_dense() if p.grad.layout != torch.strided else p.grad.detach()
+                    term = g.abs().to(torch.promote_types(g.dtype, torch.float32)).cpu() / shards
+                    grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
+    finally:  # a shard the model refuses (BatchNorm on one sample) leaves no trace either
         for n, p in model.named_parameters():
-            if p.grad is not None:
-                g = p.grad.detach().to_dense() if p.grad.layout != torch.strided else p.grad.detach()
-                term = g.abs().to(torch.promote_types(g.dtype, torch.float32)).cpu() / shards
-                grad_scale[n] = grad_scale[n] + term if n in grad_scale else term
-    for n, p in model.named_parameters():
-        p.grad = grads[n]
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
+            p.grad = grads[n]
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
     return loss_scale, grad_scale
 
 
