@@ -269,6 +269,8 @@ def _ms(value: float | None) -> str:
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "-"
+    if nbytes < 1e3:
+        return f"{nbytes} B"
     return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
 
 
@@ -301,6 +303,7 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
         if not kind(r.mode).buckets or any(c["op"] != "all_reduce" for c in r.collectives or []):
             for c in r.collectives or []:
                 bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"
+                bw = ", in groups of 1 (nothing crosses a link)" if c["group_size"] == 1 else bw
                 lines.append(f"  {where}: {c['op']} x{c['calls']} a step, {_size(c['bytes'])} in "
                              f"{_ms(c['seconds'])} ms{bw}")
         if r.memory_per_rank:

@@ -114,15 +114,23 @@ def bus_factor(world_size: int, op: str = "all_reduce") -> float:
 
 
 def by_op(profiles: list[RankProfile], steps: int) -> list[dict[str, Any]]:
-    """Each collective op's calls, bytes and busy time a step (medians over the steps; the
-    busiest rank's time in each step), its algorithm and bus bandwidth in its own group."""
+    """Each collective op's calls, bytes and busy time a step in groups of one size (medians
+    over the steps; the busiest rank's time in each step), its algorithm and bus bandwidth
+    in that group size. One op in groups of two sizes is two rows: HSDP all-reduces the
+    gradients in its replica groups and a step's loss or token count across the world, and a
+    1-rank replica group (a mesh of one replica) moves nothing over a link."""
     out = []
+    world = len(profiles)
+
+    def key(b: BucketTiming) -> tuple[str, int]:
+        return b.ops[0], b.group_size or world
+
     last = profiles[0].steps[steps - 1].buckets
-    for op in sorted({b.ops[0] for b in last if b.ops}):
-        mine = [[[b for b in p.steps[k].buckets if b.ops[:1] == (op,)] for p in profiles] for k in range(steps)]
+    for op, group in sorted({key(b) for b in last if b.ops}):
+        mine = [[[b for b in p.steps[k].buckets if b.ops and key(b) == (op, group)] for p in profiles]
+                for k in range(steps)]
         busy = statistics.median(max(busy_seconds(timings) for timings in step) for step in mine)
         nbytes = int(statistics.median(sum(b.nbytes for b in step[0]) for step in mine))
-        group = max((b.group_size for b in mine[-1][0]), default=0) or len(profiles)
         row: dict[str, Any] = {"op": op, "calls": len(mine[-1][0]), "bytes": nbytes, "seconds": busy,
                                "group_size": group, "algbw_gbps": None, "busbw_gbps": None}
         if busy > 0:
@@ -149,7 +157,8 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     no_sync = [max(p.steps[k].no_sync for p in profiles) for k in range(steps)]
     opt = [max(p.steps[k].optimizer for p in profiles) for k in range(steps)]
     busy = [max(busy_seconds(p.steps[k].buckets) for p in profiles) for k in range(steps)]
-    nbytes = [sum(b.nbytes for b in profiles[0].steps[k].buckets) for k in range(steps)]
+    # sent: a 1-rank group's collective (HSDP with one replica) sends nothing
+    nbytes = [sum(b.nbytes for b in profiles[0].steps[k].buckets if b.group_size != 1) for k in range(steps)]
     step_s = statistics.median(s + o for s, o in zip(sync, opt))
     step_p95 = percentile([s + o for s, o in zip(sync, opt)], 0.95)
     compute_s = statistics.median(c + o for c, o in zip(no_sync, opt))

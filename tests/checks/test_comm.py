@@ -122,6 +122,29 @@ def test_each_op_is_summed_in_its_own_group_with_its_own_bus_factor():
     assert "hsdp world size 4: all_gather x2 a step, 8.0 kB" in text and "state a rank holds" in text
 
 
+def test_one_op_in_groups_of_two_sizes_is_two_rows_and_a_1_rank_group_sends_nothing():
+    """HSDP all-reduces its gradients in the replica groups and the user's token count across
+    the world; with one replica (a 1 x 2 mesh) its replica groups hold one rank, as FSDP2 runs
+    them. Measured on Llama tiny: "all_reduce x3 ... in groups of 2" before, three 1-rank
+    gradient all-reduces counted in the bus bandwidth and the bytes sent."""
+    for replicas in (1, 2):
+        grads = [b(0.001 * i, 0.001 * i + 0.0005, 5000) for i in range(2)]
+        for t in grads:
+            t.group_size = replicas
+        count = b(0.004, 0.005, 8)  # the whole world's (group_size 0)
+        steps = [StepTiming(sync=0.010, no_sync=0.004, optimizer=0.001, buckets=[*grads, count]) for _ in range(3)]
+        out = summarize([RankProfile(r, 4, "cpu", 8, steps) for r in range(4)], "gloo", "hsdp")
+        rows = [(c["op"], c["group_size"], c["calls"], c["bytes"]) for c in out.collectives]
+        assert rows == [("all_reduce", replicas, 2, 10000), ("all_reduce", 4, 1, 8)], rows
+        assert out.collectives[1]["busbw_gbps"] == pytest.approx(8 / 0.001 / 1e9 * 1.5)
+        if replicas == 1:
+            assert out.collectives[0]["busbw_gbps"] is None and out.bytes_per_step == 8
+            assert "all_reduce x2 a step, 10.0 kB in 1.00 ms, in groups of 1 (nothing crosses a link)" in render("c", [out])
+        else:
+            assert out.collectives[0]["busbw_gbps"] == pytest.approx(10000 / 0.001 / 1e9) and out.bytes_per_step == 10008
+    assert "all_reduce x1 a step, 8 B in" in render("c", [out])
+
+
 def test_gradients_all_reduced_more_than_once_a_step_are_a_traffic_note():
     from ddparity.checks.comm import extra_traffic
 
