@@ -103,8 +103,11 @@ class RunName:
     """Its ranks are threads of one process: its world size is the simulated ranks' count."""
 
     def shown(self, world_size: int, backend: str) -> str:
-        """``ddp world_size=4 (gloo)``, or the label alone where the run is not sized."""
-        return f"{self.label} world_size={world_size} ({backend})" if self.sized else self.label
+        """``ddp world_size=4 (gloo)`` (a simulated run's ranks are threads, whatever its host
+        world's backend), or the label alone where the run is not sized."""
+        if not self.sized:
+            return self.label
+        return f"{self.label} world_size={world_size} ({'threaded' if self.simulated else backend})"
 
 
 _Task = TypeVar("_Task", bound=Callable[..., Any])

@@ -126,3 +126,5 @@ def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
     # one task trains every replicated mode: each run is shown as its mode
     assert tasks.replica_run_name("hsdp", simulated=True) == RunName("hsdp (simulated)", sized=True, simulated=True)
     assert tasks.replica_run_name("ddp").shown(4, "gloo") == "ddp world_size=4 (gloo)"
+    # a simulated run: threads in a gloo host world, shown as what its ranks are
+    assert tasks.replica_run_name("ddp", simulated=True).shown(1024, "gloo") == "ddp (simulated) world_size=1024 (threaded)"
