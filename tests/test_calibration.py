@@ -121,3 +121,21 @@ def test_a_step_whose_every_tolerance_exceeds_its_value_is_too_imprecise_never_a
     precise = Reference(steps=[{**entries, ("grad", "w"): Entry(0.01, True, noise=1e-8, scale=0.5)}])
     fine = auto_tolerance(precise, 2, torch.float32)  # the same sizes in float32 at 2 ranks: judged
     assert fine.uncalibrated is None and fine(0, "loss", "loss") < 1.0 and fine(0, "grad", "w") < 0.01
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
+def test_a_float64_case_is_judged_in_float64_clean_and_with_a_summed_loss(mode):
+    """The mean of the ranks' losses was all-reduced in float32: every float64 case
+    diverged at its loss (2e-8 relative, 1e6 float64 tolerances) before any bug."""
+    import dataclasses
+
+    import torch
+
+    from ddparity.fixtures import bugs, models
+
+    clean = dataclasses.replace(models.mlp_sgd(), dtype=torch.float64)
+    report = check(clean, modes=("single", mode), world_sizes=(2, 4))
+    assert report.ok, report.render()
+    summed = check(dataclasses.replace(bugs.summed_loss(), dtype=torch.float64), modes=("single", mode), world_sizes=(2,))
+    d = summed.runs[1].first_divergence
+    assert summed.runs[1].status == "diverged" and d.kind == "loss" and d.max_abs > 1e6 * d.tolerance, summed.render()

@@ -231,10 +231,12 @@ def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
 def finish_shared_step(mode: Mode, replica: Replica, step: int, loss: Any, stepped: bool) -> None:
     """:func:`finish_step` for a rank of a data-parallel world (DDP, FSDP2, HSDP): the loss
     recorded is the objective data parallelism optimises, the mean of the ranks' losses
-    (all-reduced in float32, whatever the loss's dtype)."""
+    (all-reduced in float32 or the loss's own wider dtype: a float64 loss summed in float32
+    differed from the reference by float32's rounding, 1e6 float64 tolerances)."""
+    import torch
     import torch.distributed as dist
 
-    global_loss = loss.detach().to(replica.device, copy=True).float()
+    global_loss = loss.detach().to(replica.device, torch.promote_types(loss.dtype, torch.float32), copy=True)
     dist.all_reduce(global_loss)
     mode.recorder.set_phase(step, "compare")
     finish_step(replica, step, (global_loss / mode.world_size).cpu(), stepped)
