@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddparity.case import Case, batched, whole
+    from ddparity.case import Case, batched, samples, whole
     from ddparity.errors import DdparityError, ParityError, UsageError
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.ranks.stepping import StepContext
@@ -27,6 +27,7 @@ _HOMES = {
     "Case": "ddparity.case",
     "whole": "ddparity.case",
     "batched": "ddparity.case",
+    "samples": "ddparity.case",
     "StepContext": "ddparity.harness.ranks.stepping",
     "check": "ddparity.verbs.check",
     "DdparityError": "ddparity.errors",
@@ -62,6 +63,7 @@ __all__ = [
     "check",
     "health",
     "profile",
+    "samples",
     "whole",
 ]
 __version__ = "0.1.0"

@@ -191,6 +191,26 @@ def batched(tensor: Any, dim: int) -> Batched:
     return Batched(tensor.movedim(dim, 0), dim)
 
 
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """A list of the global batch's samples, one item each (an image, a target dict, a
+    sequence of its own length): each replica gets its slice of the list."""
+
+    items: list
+
+
+def samples(items: Any) -> Samples:
+    """Mark a list (in what ``Case.data`` returns) as one item per sample, the layout of
+    detection targets and variable-length sequences: ``(ddparity.samples(images),
+    ddparity.samples(targets))``. Each replica gets its contiguous slice of the list, as a
+    ``DistributedSampler`` would hand it its samples; the model and step receive a plain
+    list. Tensors inside are not cut (their dim 0 is the item's own)."""
+    if not isinstance(items, (list, tuple)) or not items:
+        raise UsageError(f"ddparity.samples() takes a non-empty list of samples, got "
+                         f"{type(items).__name__}{' (empty)' if isinstance(items, (list, tuple)) else ''}")
+    return Samples(list(items))
+
+
 def resolve_loss(loss: str | Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     if callable(loss):
         return loss

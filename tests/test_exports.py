@@ -11,7 +11,7 @@ def test_exported_names_are_pinned():
     assert sorted(ddparity.__all__) == [
         "Case", "DdparityError", "Divergence", "HealthReport", "ParityError", "ProfileReport", "RankContext",
         "RankOutcome", "Report", "RunResult", "StepContext", "UsageError", "World", "batched", "check", "health",
-        "profile", "whole",
+        "profile", "samples", "whole",
     ]
     for name in ddparity.__all__:
         assert getattr(ddparity, name) is not None

@@ -8,6 +8,9 @@ rounding. The reference is therefore run a second time, as a *calibration twin*:
 * on every global batch in reversed sample order — the same mathematics for any model
   that treats the batch as a set (BatchNorm and mean or sum losses included, so their
   misuse is *not* absorbed into the floor), summed in another order;
+* in float32 and float64, on a batch moved by an ulp of each element (the last bits
+  kernels of another batch size change, which a cancelled sum is made of alone:
+  :func:`~ddparity.harness.ranks.modes.twin.jittered`);
 * with every gradient nudged towards zero, before each optimizer step, by the rounding a
   W-rank run may add: W ulps of the size of its summands (per-sample gradients through
   ``torch.func``, or per-shard ones where those are not defined). Rounding a sum scales
@@ -43,9 +46,9 @@ HEADROOM = 32.0
 """The twin samples *one* reordering; DDP is another. Across our sweep
 (``benchmarks/tolerance_sweep.py``: the demo MLP, CNN and transformer block, and MLPs of
 three shapes with SGD/Adam/AdamW in float32 and float64, at world sizes 2, 3, 4 and 8)
-a correct DDP run came at most 4.1x the twin's distance (Adam). 32x leaves an 8x margin
-above that and stays far below the error of real bugs: the bug fixtures land 270
-(BatchNorm on 4 shards, first divergence) to 1.6e6 (summed loss) tolerances away."""
+a correct DDP run came at most 3.8x the twin's distance (Adam). 32x leaves an 8x margin
+above that and stays far below the error of real bugs: the bug fixtures land 271
+(BatchNorm on 4 shards, first divergence) to 6.6e4 (summed loss) tolerances away."""
 
 
 LOW_PRECISION_HEADROOM = 8.0

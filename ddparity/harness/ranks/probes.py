@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ddparity.case import Case
+from ddparity.case import Case, Samples
 from ddparity.harness.protocol import RankContext, names_run
 from ddparity.harness.ranks.batches import map_tensors, reverse_samples
 from ddparity.harness.ranks.comparer import wait_for
@@ -46,7 +46,8 @@ class RepeatedMode(SingleMode):
 
         if not size:
             return batch
-        return map_tensors(batch, lambda t: torch.cat([t, t]) if t.dim() and t.shape[0] == size else t)
+        return map_tensors(batch, lambda t: torch.cat([t, t]) if t.dim() and t.shape[0] == size else t,
+                           samples=lambda s: Samples(s.items + s.items))
 
 
 @dataclass

@@ -188,7 +188,23 @@ def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
     if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(scope.rows)
                                                for d in scope.dims):
         return scope.rows
+    if _holds_sample_list(inputs, len(scope.rows)):  # ddparity.samples(...): one item per row
+        return scope.rows
     return None
+
+
+def _holds_sample_list(obj: Any, size: int) -> bool:
+    """Whether a forward's arguments hold a list of ``size`` items that hold tensors (the
+    share of a ``ddparity.samples`` list, as the model receives it)."""
+    from ddparity.harness.ranks.batches import named_tensors
+
+    if isinstance(obj, list) and len(obj) == size and all(next(named_tensors(o), None) is not None for o in obj):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_sample_list(o, size) for o in obj)
+    if isinstance(obj, dict):
+        return any(_holds_sample_list(o, size) for o in obj.values())
+    return False
 
 
 def _noise(x: Any, p: float, feature: bool, where: str) -> Any:

@@ -84,7 +84,7 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     reference.autocast_dtype, reference.layer_types = trained.autocast_dtype, trained.layer_types
     released()  # one replica at a time: the reference's before the twin's
     twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
-    train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1)), twin)
+    train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1), dtype=case.torch_dtype), twin)
     return calibrated(reference, twin)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ddparity.errors import CaseError
 from ddparity.harness.ranks import dp_emulation
-from ddparity.harness.ranks.batches import batch_dims
+from ddparity.harness.ranks.batches import batch_dims, sample_lists
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_step
 from ddparity.harness.recording import recorder
@@ -84,6 +84,12 @@ class DataParallelMode:
                 "the batch has tensors batched along another dimension than 0 (ddparity.batched(..., dim=...)), "
                 "which DataParallel scatters only with DataParallel(module, dim=...) for every tensor alike: not "
                 "emulated; check this case in modes single, ddp, fsdp and hsdp (--modes single,ddp)")
+        if sample_lists(batch):
+            raise CaseError(
+                "the batch holds lists of samples (ddparity.samples(...)), which DataParallel does not scatter as "
+                "samples: it cuts every tensor of a list along that tensor's own dim 0 (an image's channels), so "
+                "this layout cannot train under DataParallel (torchvision's detection references use DDP); check "
+                "this case in modes single, ddp, fsdp and hsdp (--modes single,ddp)")
         return batch  # DataParallel scatters the whole batch itself
 
     def before_optimizer(self, replica: Replica) -> None:

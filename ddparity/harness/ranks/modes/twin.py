@@ -18,8 +18,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ddparity.case import Samples
 from ddparity.distances import Entry, Reference, summation_ulps
-from ddparity.harness.ranks.batches import batch_dims, batch_size, cast, map_tensors, reverse_samples, shard
+from ddparity.harness.ranks.batches import (
+    batch_dims,
+    batch_size,
+    cast,
+    map_tensors,
+    reverse_samples,
+    sample_lists,
+    shard,
+)
 from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.randomness import suspended
@@ -33,6 +42,8 @@ class TwinMode(SingleMode):
     """The largest world size the reference is compared with (W)."""
 
     watch_draws: bool = False
+    dtype: Any = None
+    """The torch dtype the case computes in: the jitter's ulp (:func:`jittered`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,7 +51,10 @@ class TwinMode(SingleMode):
         self._scales: tuple[Any, dict] | None = None
 
     def share(self, batch: Any, size: int | None) -> Any:
-        return reverse_samples(batch, size) if self.twin_world_size and size else batch
+        if not (self.twin_world_size and size):
+            return batch
+        batch = reverse_samples(batch, size)
+        return jittered(batch, self.dtype) if self.twin_world_size > 1 and self.dtype is not None else batch
 
     def before_optimizer(self, replica: Replica) -> None:
         """Nudge the gradients the optimizer is about to use (and, with ddparity's own
@@ -65,8 +79,8 @@ class TwinMode(SingleMode):
         shows as mean |sample loss| < |batch loss|."""
         model, ws, (inputs, targets) = replica.model, self.twin_world_size, self._batch
         with kept_python_state(model):
-            # per-sample gradients vmap dim 0: not the samples of a ddparity.batched(dim=...) tensor
-            plain = batch_dims(replica.shared_batch) == {0}
+            # per-sample gradients vmap dim 0: not the samples of a ddparity.batched(dim=...) tensor, nor of a list
+            plain = batch_dims(replica.shared_batch) == {0} and not sample_lists(replica.shared_batch)
             scales = sample_magnitudes(model, replica.loss_fn, inputs, targets) if plain else None
             if scales is not None and float(scales[0]) < (1 - 1e-3) * float(self._loss_size(replica)):
                 scales = None
@@ -96,6 +110,41 @@ class TwinMode(SingleMode):
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._batch = batch
         finish_step(replica, step, *record_step(step, replica, batch))
+
+
+JITTER_SEED = 20240607
+"""The twin's own generator for its jitter: the global RNG streams (dropout, the user's
+draws) are the reference's."""
+
+
+def jittered(batch: Any, dtype: Any) -> Any:
+    """The batch's floating tensors in ``dtype`` (the case's, as the step will get them),
+    every element moved by one ulp of itself, up or down at random, where ``dtype`` is
+    float32 or float64 (a lower precision's ulp is a perturbation far above what kernels of
+    another size change: such a batch is left as it is).
+
+    A W-rank run computes each shard with other kernel paths than the whole batch (GEMMs
+    and reductions of another size), so its intermediate values differ from the
+    reference's in their last bits. Where a gradient is a cancelled sum (a bias that a
+    per-sample normalisation follows: analytically zero, numerically ulps of its terms),
+    such last-bit differences are the whole value, and reordering the batch alone does not
+    reproduce them: the twin computed such a bias gradient bit for bit the reference's
+    while a correct 2-rank run differed by 70% of it. An ulp in every input perturbs the
+    intermediate values as such kernel differences do, so the twin's distance holds them."""
+    import torch
+
+    if torch.finfo(dtype).eps > 1e-6:
+        return batch
+    generator = torch.Generator().manual_seed(JITTER_SEED)
+
+    def nudge(t: Any) -> Any:
+        if not t.is_floating_point() or not t.numel():
+            return t
+        t = t.to(dtype)
+        signs = torch.randint(0, 2, t.shape, generator=generator).to(t.device, dtype) * 2 - 1
+        return t + t * torch.finfo(dtype).eps * signs
+
+    return map_tensors(batch, nudge, samples=lambda s: Samples([map_tensors(item, nudge) for item in s.items]))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,116 @@
+"""Lists of samples (``ddparity.samples``): detection-style images of their own sizes and
+per-image target dicts, each rank given its slice of the list as a DistributedSampler
+would, the model given a plain list; clean, with a planted bug, and what DataParallel
+cannot do with them."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ddparity import Case, check, profile, samples
+from ddparity.case import Samples
+from ddparity.errors import UsageError
+from ddparity.fixtures import inputs
+from ddparity.harness.ranks.batches import batch_size, cast, reverse_samples, shard
+from ddparity.harness.ranks.modes.twin import jittered
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def test_a_list_of_samples_is_cut_reversed_and_unwrapped_as_a_list():
+    items = [torch.full((2, 3), float(i)) for i in range(8)]
+    batch = (samples(items), torch.arange(8))
+    assert batch_size(batch) == 8  # the list's length, not its items' dim 0
+    mine = shard(batch, 1, 4, 8)
+    assert [float(t[0, 0]) for t in mine[0].items] == [2.0, 3.0] and mine[1].tolist() == [2, 3]
+    assert [float(t[0, 0]) for t in reverse_samples(batch, 8)[0].items] == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+    plain = cast(mine, Case(model=torch.nn.Identity, data=None, train_step=lambda *a: None), "cpu")
+    assert type(plain[0]) is list and all(t.shape == (2, 3) for t in plain[0])
+    # the built-in step calls model(images): the list is its one argument, not its arguments
+    builtin = cast(mine, Case(model=torch.nn.Identity, data=None), "cpu")
+    assert type(builtin[0]) is tuple and len(builtin[0]) == 1 and type(builtin[0][0]) is list
+
+
+def test_lists_of_samples_must_agree_and_a_tie_names_the_marker():
+    from ddparity.errors import CaseError
+
+    with pytest.raises(CaseError, match=r"batch\[0\] \(8 items\), batch\[1\] \(6 items\)"):
+        batch_size((samples([torch.zeros(1)] * 8), samples([torch.zeros(1)] * 6)))
+    with pytest.raises(CaseError, match=r"ddparity\.samples\(\.\.\.\)"):
+        batch_size(([torch.zeros(3, 4)] * 2, [torch.zeros(1)] * 2))
+    with pytest.raises(UsageError, match="non-empty list of samples"):
+        samples([])
+    with pytest.raises(UsageError, match="got Tensor"):
+        samples(torch.zeros(3))
+    assert isinstance(samples((torch.zeros(1),)), Samples)
+
+
+def test_the_twin_jitters_float32_and_float64_inputs_by_an_ulp_and_leaves_bf16_alone():
+    x = torch.rand(64, 8) + 1.0
+    moved = jittered((x, samples([x[0]]), torch.arange(3)), torch.float32)
+    delta = (moved[0] - x).abs() / x
+    assert delta.max() <= 2 * torch.finfo(torch.float32).eps and (delta > 0).float().mean() > 0.9  # an ulp or two
+    assert torch.equal(moved[2], torch.arange(3))  # integers: as they were
+    assert not torch.equal(moved[1].items[0], x[0])  # items of a list of samples too
+    assert moved[0].dtype == torch.float32
+    assert jittered(x, torch.bfloat16) is x
+    assert jittered(x, torch.float64).dtype == torch.float64  # the case's dtype, its ulp
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
+def test_detection_style_samples_pass_clean_and_catch_a_summed_loss(mode):
+    clean = check(inputs.detection_case(), modes=("single", mode), world_sizes=(2, 4))
+    assert clean.ok, clean.render()
+    summed = check(inputs.detection_case(summed=True), modes=("single", mode), world_sizes=(2, 4))
+    for run in summed.runs[1:]:
+        d = run.first_divergence
+        assert run.status == "diverged" and d.step == 0 and d.max_abs >= 100 * d.tolerance, summed.render()
+        assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
+
+
+def test_a_bias_before_a_per_image_normalisation_is_not_a_false_alarm():
+    """The conv's bias gradient is analytically zero (the normalisation removes it per
+    image): numerically ulps of its terms, changed whole by the last bits a 2-rank run's
+    kernels change. The twin reproduced it bit for bit before it jittered its inputs: a
+    clean model diverged at x2.3e4 on it."""
+
+    class Normalised(inputs.Detector):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1),
+                                                torch.nn.BatchNorm2d(8, track_running_stats=False), torch.nn.ReLU())
+
+    case = Case(model=Normalised, data=inputs.detection_batch, optimizer="sgd", lr=0.05, steps=2,
+                loss=functools.partial(inputs._detection_loss, reduction="mean"))
+    report = check(case, modes=("single", "ddp"), world_sizes=(2, 4))
+    assert report.ok, report.render()
+
+
+def test_dataparallel_refuses_lists_of_samples_and_a_users_step_gets_plain_lists():
+    report = check(inputs.detection_case(), modes=("dp",), world_sizes=(2,))
+    [run] = report.runs
+    assert run.status == "error" and run.simulated and "cuts every tensor of a list" in run.reason, report.render()
+
+    def step(model, batch, optimizer, ctx):
+        images, targets = batch
+        assert type(images) is list and type(targets) is list and len(images) == 16 // ctx.world_size
+        optimizer.zero_grad()
+        loss = functools.partial(inputs._detection_loss, reduction="mean")(model(images), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    own = dataclasses_replace(inputs.detection_case(), train_step=step)
+    assert check(own, modes=("single", "ddp"), world_sizes=(2,)).ok
+    timed = profile(own, modes=("ddp",), world_sizes=(2,), steps=2, warmup=1)
+    [row] = [r for r in timed.runs if r.world_size == 2]
+    assert row.status == "ok" and row.samples_per_step == 16, row
+
+
+def dataclasses_replace(case: Case, **changes) -> Case:
+    import dataclasses
+
+    return dataclasses.replace(case, **changes)
