@@ -156,6 +156,9 @@ class Tolerance:
     loose: str | None = None
     """Why some kind is judged only loosely (every step-0 gradient's tolerance above its size
     while the loss is judged tightly): a note for the run, never a verdict."""
+    eps: float = 0.0
+    """The ulp of the precision the run was judged in (0: not known): how exactly a bug's
+    numeric signature, such as a loss off by ``1 - 1/W``, can hold in it."""
 
     def __call__(self, step: int, kind: str, name: str) -> float:
         return self.table.get((step, kind, name), 0.0)
@@ -235,7 +238,7 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
                  f"larger terms), so a gradient counts as diverged only beyond that; the loss is judged within a "
                  f"tolerance below its own size and the replicas' agreement bit for bit; a float32 check judges "
                  f"gradients more tightly")
-    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose)
+    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose, eps)
 
 
 def _vacuous(reference: Reference, table: dict[tuple[int, str, str], float], world_size: int,
@@ -283,7 +286,7 @@ def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any,
                 if math.isfinite(error):
                     table[(step, kind, name)] = max(bound, (COMPILED_ERROR_RATIO + 1) * error)
         return Tolerance(f"{tol.description}, compiled: at least {COMPILED_ERROR_RATIO + 1:g}x the reference's own "
-                         f"error against float64", table, tol.uncalibrated, tol.loose)
+                         f"error against float64", table, tol.uncalibrated, tol.loose, tol.eps)
     eps = torch.finfo(dtype).eps
     if reference.autocast_dtype:
         eps = max(eps, torch.finfo(getattr(torch, reference.autocast_dtype)).eps)
@@ -294,7 +297,7 @@ def compiled_tolerance(tol: Tolerance, reference: Reference, dtype: Any,
                 if e.floating and (step, kind, name) in table:
                     table[(step, kind, name)] = max(table[(step, kind, name)], share * e.value)
     return Tolerance(f"{tol.description}, compiled: at least {share:.2g} of each tensor (no float64 run)", table,
-                     tol.uncalibrated, tol.loose)
+                     tol.uncalibrated, tol.loose, tol.eps)
 
 
 def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:

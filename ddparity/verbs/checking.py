@@ -181,7 +181,7 @@ class Checking:
         params = reference.params
         unsharded = sorted({n for r in runs for n in r.unsharded})
         cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
-                              mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling)
+                              mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling, eps=tol.eps)
                  if judged.status == "diverged"
                  else likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
                                    hook_collectives=self._hook_collectives(records))
@@ -377,9 +377,9 @@ def _larger(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple
     return out
 
 
-__all__ = ["Checking", "Planned", "mark"]
-
-
 def _device(backend: str) -> str:
     """The device of a one-process run in a world of ``backend``."""
     return "cuda" if backend == "nccl" else "cpu"
+
+
+__all__ = ["Checking", "Planned", "mark"]

@@ -77,3 +77,21 @@ def test_the_probes_ratio_decides_only_near_two_or_one(ratio, start):
     cause = likely_cause(LOSS_OFF, 4, loss_scaling=lambda: ratio)
     assert cause.startswith(start), cause
     assert likely_cause(LOSS_OFF, 4).startswith("candidate causes"), "no probe: candidates, never a guess"
+
+
+def test_in_bf16_the_signature_holds_within_its_ulps_and_the_cause_is_named():
+    """A bf16 loss divided by 2 came 0.498 off, not 0.5 (bf16 rounds the loss by ~0.4%):
+    with the float32 window (1e-3) neither cause was named."""
+    import dataclasses
+
+    import torch
+
+    for factory, start in ((bugs.loss_over_world_size, "likely cause: a mean loss divided by the world size"),
+                           (bugs.summed_loss, "likely cause: a loss summed over the batch")):
+        report = check(dataclasses.replace(factory(), dtype=torch.bfloat16), modes=("single", "ddp"), world_sizes=(2, 4))
+        for ws, found in causes(report).items():
+            assert len(found) == 1 and found[0].startswith(start), (ws, report.render())
+    off = [dataclasses.replace(LOSS_OFF[0], max_rel=0.747)]
+    assert likely_cause(off, 4, loss_scaling=lambda: 2.0) is None  # in float32: too far from 0.75
+    assert likely_cause(off, 4, loss_scaling=lambda: 2.0, eps=torch.finfo(torch.bfloat16).eps).startswith(
+        "likely cause: a loss summed over the batch")
