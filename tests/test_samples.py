@@ -57,6 +57,10 @@ def test_the_twin_jitters_float32_and_float64_inputs_by_an_ulp_and_leaves_bf16_a
     assert not torch.equal(moved[1].items[0], x[0])  # items of a list of samples too
     assert moved[0].dtype == torch.float32
     assert jittered(x, torch.bfloat16) is x
+    coded = torch.tensor([[3.0, 0.25], [1.0, 0.5], [0.0, 1.5]])  # a category column and features
+    moved = jittered(coded, torch.float32)
+    assert torch.equal(moved[:, 0], coded[:, 0]) and moved[:, 0].long().tolist() == [3, 1, 0]
+    assert not torch.equal(moved[:, 1], coded[:, 1])
     assert jittered(x, torch.float64).dtype == torch.float64  # the case's dtype, its ulp
 
 
@@ -86,6 +90,19 @@ def test_a_bias_before_a_per_image_normalisation_is_not_a_false_alarm():
     case = Case(model=Normalised, data=inputs.detection_batch, optimizer="sgd", lr=0.05, steps=2,
                 loss=functools.partial(inputs._detection_loss, reduction="mean"))
     report = check(case, modes=("single", "ddp"), world_sizes=(2, 4))
+    assert report.ok, report.render()
+
+
+def test_labels_kept_as_floats_and_read_with_long_are_not_jittered_into_other_classes():
+    """Jittered whole, 3.0 became 2.9999998 and .long() made it class 2: the twin trained
+    on other labels and the check said the step depends on the order of the samples."""
+
+    def data(step, generator):
+        return torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator).float()
+
+    case = Case(model=lambda: torch.nn.Linear(8, 4), data=data,
+                loss=lambda out, y: torch.nn.functional.cross_entropy(out, y.long()))
+    report = check(case, modes=("single", "ddp"), world_sizes=(2,))
     assert report.ok, report.render()
 
 

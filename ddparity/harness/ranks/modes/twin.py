@@ -119,7 +119,8 @@ draws) are the reference's."""
 
 def jittered(batch: Any, dtype: Any) -> Any:
     """The batch's floating tensors in ``dtype`` (the case's, as the step will get them),
-    every element moved by one ulp of itself, up or down at random, where ``dtype`` is
+    every element that is not a whole number moved by an ulp of itself, up or down at
+    random, where ``dtype`` is
     float32 or float64 (a lower precision's ulp is a perturbation far above what kernels of
     another size change: such a batch is left as it is).
 
@@ -142,7 +143,9 @@ def jittered(batch: Any, dtype: Any) -> Any:
             return t
         t = t.to(dtype)
         signs = torch.randint(0, 2, t.shape, generator=generator).to(t.device, dtype) * 2 - 1
-        return t + t * torch.finfo(dtype).eps * signs
+        # whole numbers stay: labels, masks, one-hots or a category column kept as floats may be
+        # read as integers (2.9999998 .long() is 2)
+        return t + t * torch.finfo(dtype).eps * signs * (t != t.round())
 
     return map_tensors(batch, nudge, samples=lambda s: Samples([map_tensors(item, nudge) for item in s.items]))
 
