@@ -169,7 +169,7 @@ def cast(batch: Any, case: Case, device: str) -> Any:
 
     def unwrapped(obj: Any) -> Any:
         return map_tensors(obj, move, lambda w: move(w.tensor), lambda b: move(b.tensor).movedim(0, b.dim),
-                           lambda s: [unwrapped(item) for item in s.items])
+                           lambda s: unwrapped(s.items))
 
     if case.train_step is None and isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Samples):
         return ((unwrapped(batch[0]),), *(unwrapped(rest) for rest in batch[1:]))

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddparity.harness.ranks.batches import batch_size, shard
+from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.modes.ddp import distributed
 from ddparity.harness.ranks.training import Replica, compute_loss, forward
 from ddparity.harness.recording import recorder
@@ -198,7 +198,6 @@ class TimedMode:
         self.clock = _Clock(self.device)
         self._torch = self.clock._torch
         self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
-        self._share_size = 0
         self._count_activations, self._model = False, None
 
     def wrap(self, model: Any) -> Any:
@@ -237,9 +236,8 @@ class TimedMode:
                 self.profile.memory["peak_allocated"] = int(self._torch.cuda.max_memory_allocated())
 
     def share(self, batch: Any, size: int | None) -> Any:
-        mine = shard(batch, self.rank, self.world_size, size)
-        self._share_size = batch_size(mine) or 0  # before the step's batch is unwrapped (ddparity.samples)
-        return mine
+        self.profile.samples = (size or 0) // self.world_size  # each rank's equal share
+        return shard(batch, self.rank, self.world_size, size)
 
     def before_optimizer(self, replica: Replica) -> None:
         self._optimizer_marks.append(self.clock.mark())
@@ -247,7 +245,6 @@ class TimedMode:
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._count_activations, self._model = False, replica.model
         if step == 0:
-            self.profile.samples = self._share_size
             self._optimizer_marks: list[Any] = []
             replica.optimizer.register_step_post_hook(lambda *_: self._optimizer_marks.append(self.clock.mark()))
         if replica.case.train_step is not None:

@@ -147,7 +147,7 @@ def jittered(batch: Any, dtype: Any) -> Any:
         # read as integers (2.9999998 .long() is 2)
         return t + t * torch.finfo(dtype).eps * signs * (t != t.round())
 
-    return map_tensors(batch, nudge, samples=lambda s: Samples([map_tensors(item, nudge) for item in s.items]))
+    return map_tensors(batch, nudge, samples=lambda s: Samples(map_tensors(s.items, nudge)))
 
 
 @contextlib.contextmanager
