@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 
 SAID_ONCE = 100
+MESSAGE_LINES = 8
+"""An error message longer than this many lines is cut to its first ones in the text report
+(torch's "Could not run ... with arguments from the 'SparseCPU' backend" lists every dispatch
+key, ~50 lines); the JSON report keeps it whole."""
 """A failure's ending (a traceback, a hang's stacks, or a reason longer than this many
 characters) is printed once in a report; later runs that ended the same way point to it."""
 
@@ -44,6 +48,15 @@ def _differs(desync: Desync) -> str:
         return f"ranks {desync.ranks} all differ from one another"
     verb = "differs" if len(desync.ranks) == 1 else "differ"
     return f"{_ranks(desync.ranks)} {verb} from {_ranks(others)}"
+
+
+def _cut_message(lines: list[str], start: int) -> list[str]:
+    """``lines`` with the message that begins at ``start`` cut to :data:`MESSAGE_LINES`."""
+    if len(lines) - start <= MESSAGE_LINES:
+        return lines
+    keep = start + MESSAGE_LINES - 2
+    return [*lines[:keep], f"[... {len(lines) - keep} more lines of this message: the JSON report (--json PATH) "
+                           f"has them all]"]
 
 
 def _indent(text: str, pad: str = "    ") -> list[str]:
@@ -95,9 +108,13 @@ def _render_hang(hang: Hang) -> list[str]:
 
 def _render_crash(crash: Crash) -> list[str]:
     said = crash.exitcode is not None or crash.error.startswith(f"rank {crash.rank} ")  # how it died, said
-    lines = [f"  {crash.error}"] if said else [f"  rank {crash.rank} raised: {crash.error}"]
+    error = "\n    ".join(_cut_message(crash.error.splitlines(), 0))
+    lines = [f"  {error}"] if said else [f"  rank {crash.rank} raised: {error}"]
     if crash.traceback:
-        lines.extend(_indent(crash.traceback))
+        tb = crash.traceback.rstrip().splitlines()
+        first = crash.error.splitlines()[0].strip() if crash.error.strip() else None
+        at = next((i for i in range(len(tb) - 1, -1, -1) if first and tb[i].strip() == first), None)
+        lines.extend(_indent("\n".join(_cut_message(tb, at) if at is not None else tb)))
     if crash.output:
         lines.append(f"  --- rank {crash.rank} output ---")
         lines.extend(_indent(crash.output))
@@ -214,8 +231,8 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
                 )
     ended = tuple(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
     if told is not None and (len(ended) > 1 or sum(map(len, ended)) > SAID_ONCE) and ended in told:
-        first = ended[0].strip() if len(ended) > 1 else "the same error"
-        lines.append(f"  {first} (the same as {told[ended]}: printed above)")
+        lines.append(f"  {ended[0].strip().splitlines()[0]} (the same as {told[ended]}: printed above)" if len(ended) > 1 else
+                     f"  the same error as {told[ended]} (printed above)")
     else:
         lines.extend(ended)
         if told is not None:

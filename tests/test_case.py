@@ -61,6 +61,30 @@ def test_module_and_file_targets_load(tmp_path):
     assert case.target == f"{path}:case" and case.name == f"{path}:case"
 
 
+def test_a_target_file_calling_torch_ops_and_backends_travels_to_the_ranks(tmp_path):
+    """A function pickled by value that used ``torch.ops.aten...`` was refused before any
+    work ("cannot pickle '_Ops' object ... pass plain data"): cloudpickle took torch's
+    module-like namespaces for submodules to pickle."""
+    from ddparity import check
+
+    path = tmp_path / "ops_case.py"
+    path.write_text(textwrap.dedent(
+        """
+        import torch
+        from ddparity import Case
+        from ddparity.fixtures.models import MLP, vectors
+        class OpsMLP(MLP):
+            def forward(self, x):
+                assert not torch.backends.cudnn.is_available() or torch.backends.cudnn.enabled
+                return torch.ops.aten.relu.default(super().forward(x))
+        def case():
+            return Case(model=OpsMLP, data=vectors, steps=2)
+        """
+    ))
+    report = check(load_case(f"{path}:case"), world_sizes=(2,))
+    assert report.ok, report.render()
+
+
 @pytest.mark.parametrize(
     "target, message",
     [

@@ -343,6 +343,28 @@ def test_an_error_every_run_raises_alike_prints_its_traceback_once():
     assert text.count("reproduce: ") == 4
 
 
+class RaisesAtLength(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        raise NotImplementedError("Could not run 'aten::as_strided' with arguments from the 'SparseCPU' backend.\n\n"
+                                  + "\n".join(f"Key{i}: registered at kernel{i}.cpp [backend fallback]" for i in range(50)))
+
+
+def test_a_long_error_message_is_cut_in_the_text_report_and_whole_in_the_json():
+    """torch's "Could not run ..." lists every dispatch key: 50 lines, twice, in every report."""
+    report = check(Case(model=RaisesAtLength, data=models.vectors, steps=1), world_sizes=(2,))
+    text = report.render()
+    assert text.count("Key3: registered") == 2 and "Key4: registered" not in text and "Key49" not in text, text
+    assert text.count("more lines of this message: the JSON report (--json PATH) has them all") == 2, text
+    assert "  rank 0 raised: NotImplementedError: Could not run 'aten::as_strided' with arguments from the 'SparseCPU' " \
+           "backend. (the same as single world_size=1: printed above)" in text, text
+    assert "Key49: registered" in report.runs[0].crash.error  # whole in the report's data (and JSON)
+    assert "    Key0: registered" in text  # the message's later lines indented under the rank's line
+
+
 def test_an_unused_parameter_under_ddp_is_named_with_the_fix():
     """Was a crash quoting DDP's "Parameter indices ... 2 3" and its generic advice."""
     report = check(bugs.unused_parameter(), world_sizes=(2,))
@@ -363,4 +385,4 @@ def test_the_same_long_error_is_printed_once_in_a_report():
     text = report.render()
     assert [r.status for r in report.runs] == ["error"] * 4, text
     assert text.count("runs inside torch's fused RNN kernel on a PackedSequence") == 1, text
-    assert text.count("(the same as single world_size=1: printed above)") == 3, text
+    assert text.count("  the same error as single world_size=1 (printed above)") == 3, text

@@ -131,3 +131,35 @@ def dataclasses_replace(case: Case, **changes) -> Case:
     import dataclasses
 
     return dataclasses.replace(case, **changes)
+
+
+def test_bags_given_flat_with_offsets_are_an_error_naming_the_layout_and_the_fix():
+    """Was an error blamed on the user's model on one device: the reference trained, its
+    calibration twin reversed the offsets (offsets[0] = 53) and EmbeddingBag raised."""
+    report = check(inputs.bags_flat_case(), modes=("single", "ddp"), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["error", "error"], report.render()
+    error = report.runs[0].reason
+    assert "reversed sample order" in error and "offsets[0] has to be 0" in error, error
+    assert "cut along dim 0 = 16: batch[0][1], batch[1]" in error and "given whole: batch[0][0] (dim 0 = " in error
+    assert "ddparity.samples([...])" in error and "ddparity.whole(...)" in error
+    assert report.exit_code == 2
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
+def test_bags_as_samples_pass_clean_and_catch_a_summed_loss(mode):
+    assert check(inputs.bags_case(), modes=("single", mode), world_sizes=(2, 4)).ok
+    summed = check(inputs.bags_case(summed=True), modes=("single", mode), world_sizes=(2, 4))
+    assert [r.status for r in summed.runs] == ["pass", "diverged", "diverged"], summed.render()
+    assert all(any(n.startswith("likely cause: a loss summed") for n in r.notes) for r in summed.runs[1:]), summed.render()
+
+
+def test_sparse_gradients_are_compared_under_ddp_and_refused_by_fsdp_with_the_fix():
+    """FSDP2 raised a NotImplementedError from inside backward, ~50 lines of dispatch keys."""
+    clean = check(inputs.bags_case(sparse=True), modes=("single", "ddp", "fsdp", "hsdp"), world_sizes=(2, 4))
+    assert [r.status for r in clean.runs] == ["pass", "pass", "pass", "error", "error", "error", "error"], clean.render()
+    error = clean.runs[3].reason
+    assert "FSDP2 cannot reduce sparse gradients: embedding" in error and "sparse=False" in error, error
+    assert "ignored_params" in error and "dispatch" not in clean.render()
+    summed = check(inputs.bags_case(summed=True, sparse=True), modes=("single", "ddp"), world_sizes=(2,))
+    assert [r.status for r in summed.runs] == ["pass", "diverged"], summed.render()
+    assert any(w.name == "embedding.weight" for w in summed.runs[1].worst)  # the sparse gradient, compared

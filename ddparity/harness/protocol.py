@@ -126,3 +126,29 @@ def names_run(label: str, sized: bool = False, simulated: bool = False) -> Calla
 def run_name(fn: Any) -> RunName:
     """How ``fn`` is shown while it runs (its function name, if it declared nothing)."""
     return getattr(fn, "run_name", None) or RunName(getattr(fn, "__name__", "task"))
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` cloudpickled, with torch's module-like namespaces (``torch.ops``,
+    ``torch.backends.cudnn``, ``torch._VF``: objects of module subclasses registered in
+    ``sys.modules``) pickled by name. cloudpickle finds them among the submodules that a
+    function pickled by value uses (any function of a target file calling
+    ``torch.ops.aten...``) and cannot pickle them: ``cannot pickle '_Ops' object``."""
+    import copyreg
+    import importlib
+    import sys
+    import types
+
+    import cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        kind = type(module)
+        if kind is types.ModuleType or not isinstance(module, types.ModuleType) or kind in copyreg.dispatch_table:
+            continue
+        try:
+            named = module.__name__ == name
+        except Exception:  # a lazy module's attribute access may do anything
+            continue
+        if named:
+            copyreg.pickle(kind, lambda m: (importlib.import_module, (m.__name__,)))
+    return cloudpickle.dumps(obj)

@@ -149,7 +149,8 @@ class Checking:
     def failed_everywhere(self, report: Report, backend: str, exc: WorldFailure, elapsed: float) -> Report:
         """The case cannot even run on one device: every run asked for shares that fate."""
         for mode, ws, spec in self.planned():
-            run = self.failed(mode, ws, backend, exc, elapsed, spec)
+            run = (self.failed_one_process(mode, ws, backend, exc, elapsed) if kind(mode).one_process and spec is None
+                   else self.failed(mode, ws, backend, exc, elapsed, spec))
             if run.status == "crash" and not isinstance(exc, RankCrashed):
                 run.status = "error"  # raised by the user's code on a single device: bad input
             report.runs.append(run)

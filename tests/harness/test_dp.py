@@ -181,3 +181,15 @@ def test_one_world_sizes_failure_is_not_every_world_sizes_verdict():
     assert "dp world_size=4 (cpu, simulated): CRASH" in text
     assert "rank 3: step 0, forward; raised the same error" in text  # not "finished the task"
     assert report.to_json()["runs"][4]["crash"]["ranks"]["3"]["raised"].startswith("ValueError")
+
+
+def test_a_models_own_loss_gathered_per_replica_is_named_with_the_fix():
+    """Was a crash quoting autograd ("grad can be implicitly created only for scalar outputs")."""
+    report = check(bugs.own_loss_under_dataparallel(), modes=("single", "dp", "ddp"), world_sizes=(1, 2, 4))
+    rows = {(r.mode, r.world_size): r for r in report.runs}
+    assert [r.status for r in report.runs] == ["pass", "pass", "error", "error", "pass", "pass", "pass"], \
+        report.render()
+    reason = rows["dp", 4].reason
+    assert "a vector of 4" in reason and "out.loss.mean()" in reason, reason
+    assert rows["dp", 2].simulated and "backend" not in reason
+    assert check(bugs.own_loss_under_dataparallel(mean=True), modes=("single", "dp", "ddp"), world_sizes=(2, 4)).ok

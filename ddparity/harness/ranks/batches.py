@@ -109,6 +109,18 @@ def batch_size(obj: Any, step: int = 0) -> int | None:
     return counts[0][0]
 
 
+def layout(batch: Any, size: int | None) -> str:
+    """How a batch is cut per rank, said by its tensors' paths: those whose dim 0 is the
+    batch size ``size`` (cut, and reversed by the calibration twin), those every rank gets
+    whole, and the lists of samples."""
+    cut = [path for path, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
+    whole = [f"{path} (dim 0 = {t.shape[0]})" if t.dim() else f"{path} (0-d)"
+             for path, t in named_tensors(batch) if not (t.dim() and t.shape[0] == size)]
+    parts = [f"cut along dim 0 = {size}: {', '.join(cut)}" if cut else "", f"given whole: {', '.join(whole)}" if whole else "",
+             f"lists of samples: {', '.join(path for path, _ in sample_lists(batch))}" if sample_lists(batch) else ""]
+    return "; ".join(p for p in parts if p)
+
+
 IGNORE_INDEX = -100
 """torch's (and transformers') label for an entry a loss leaves out."""
 

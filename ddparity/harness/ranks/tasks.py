@@ -21,9 +21,9 @@ from typing import Any
 from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference
-from ddparity.errors import UsageError
+from ddparity.errors import CaseError, DdparityError, UsageError
 from ddparity.harness.protocol import RankContext, RunName, names_run
-from ddparity.harness.ranks.batches import batch_size, valid_counts
+from ddparity.harness.ranks.batches import batch_size, layout, valid_counts
 from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.compiling import Compiled
 from ddparity.harness.ranks.modes.ddp import DDPMode
@@ -84,8 +84,29 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     reference.autocast_dtype, reference.layer_types = trained.autocast_dtype, trained.layer_types
     released()  # one replica at a time: the reference's before the twin's
     twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
-    train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1), dtype=case.torch_dtype), twin)
+    try:
+        train(case, spool, ctx.device, TwinMode(case.steps, twin_world_size=max(world_sizes, default=1),
+                                               dtype=case.torch_dtype), twin)
+    except DdparityError:
+        raise
+    except Exception as exc:  # the user's code ran the batch as given, not as ddparity varied it
+        raise CaseError(_twin_raised(case, exc)) from exc
     return calibrated(reference, twin)
+
+
+def _twin_raised(case: Case, exc: Exception) -> str:
+    """Why a check stops when the reference trained but its calibration twin raised: what
+    the twin changes (the sample order), how the batch is cut, and the fixes."""
+    import torch
+
+    first = global_batch(data_fn(case), 0, torch.Generator().manual_seed(case.seed), pair=case.train_step is None)
+    return (f"the reference trained, but the same batches in reversed sample order (ddparity's calibration twin, "
+            f"which measures the noise floor) raised {type(exc).__name__}: {exc}. A rank's share would be cut the same "
+            f"way, so a data-parallel run could not train either: ddparity cuts, as DistributedSampler does, every "
+            f"tensor whose dim 0 is the batch size ({layout(first, batch_size(first))}). A tensor whose rows are not "
+            f"samples (offsets or indices into another tensor) cannot be cut: pass one item per sample as "
+            f"ddparity.samples([...]) and build the offsets in forward, or wrap what every rank needs whole in "
+            f"ddparity.whole(...)")
 
 
 @names_run("the single-device run, compiled")

@@ -26,7 +26,7 @@ from typing import Any
 
 from ddparity.errors import UsageError, WorldFailure
 from ddparity.harness.deadlines import Ending, TaskClock
-from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunName, RunTask, Shutdown, TaskDone, run_name
+from ddparity.harness.protocol import OUTPUT_END_MARK, RankSpec, RunName, RunTask, Shutdown, TaskDone, dumps, run_name
 from ddparity.harness.sidechannel import FileTaskChannel, SimulatedRecords, private_root
 from ddparity.harness.world import outcomes, rendezvous, spawn
 from ddparity.harness.world import progress as progress_observers
@@ -261,14 +261,12 @@ class World:
         where not as the task declares (:func:`~ddparity.harness.protocol.names_run`).
         ``PendingTask.result()`` collects the outcomes.
         """
-        import cloudpickle
-
         if self._pending is not None:
             raise UsageError("this World is already running a task; call result() on it before submitting another")
         self.start()
         self._replace_dead_ranks()
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs))
+            payload = dumps((fn, args, kwargs))
         except Exception as exc:
             raise UsageError(
                 f"the task {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be "

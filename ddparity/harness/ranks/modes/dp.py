@@ -96,4 +96,15 @@ class DataParallelMode:
         pass
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
-        finish_step(replica, step, *record_step(step, replica, batch))
+        try:
+            recorded = record_step(step, replica, batch)
+        except RuntimeError as exc:
+            if self.world_size > 1 and "grad can be implicitly created only for scalar outputs" in str(exc):
+                raise CaseError(
+                    f"the training step called backward() on a tensor that is not a scalar: DataParallel gathers each "
+                    f"replica's 0-d outputs (a model's own loss, out.loss) into one value per replica, a vector of "
+                    f"{self.world_size} (real DataParallel warns that it will unsqueeze them); take their mean "
+                    "before backward (out.loss.mean(), as transformers' Trainer does with several GPUs), which "
+                    "changes nothing on one device or under DDP") from exc
+            raise
+        finish_step(replica, step, *recorded)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ddparity.errors import CaseError
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.stepping import record_step
 from ddparity.harness.ranks.training import Replica, finish_shared_step
@@ -131,9 +132,26 @@ def sharded(model: Any, device: str, world_size: int, shard_size: int | None, ap
     mesh = device_mesh(device, world_size, shard_size)
     if apply is None:
         default_wrapping(model, mesh)
-        return model, mesh
-    returned = apply(model, mesh)
-    return (model if returned is None else returned), mesh
+    else:
+        returned = apply(model, mesh)
+        model = model if returned is None else returned
+    refuse_sparse(model)
+    return model, mesh
+
+
+def refuse_sparse(model: Any) -> None:
+    """A :class:`~ddparity.errors.CaseError` for an embedding with sparse gradients whose
+    weight FSDP2 shards: its reduce-scatter has no sparse kernel (torch raises a
+    NotImplementedError from inside backward, listing every dispatch key)."""
+    sparse = [name or type(model).__name__ for name, m in model.named_modules()
+              if getattr(m, "sparse", False) is True and is_sharded(getattr(m, "weight", None))]
+    if sparse:
+        raise CaseError(
+            f"FSDP2 cannot reduce sparse gradients: {', '.join(sparse)} "
+            f"({'is' if len(sparse) == 1 else 'are'} built with sparse=True); check this model with --modes single,ddp "
+            f"(DDP all-reduces sparse gradients), or build the embedding with sparse=False for fsdp and hsdp, or "
+            f"leave it out of sharding in Case.fsdp (fully_shard(..., ignored_params=...))"
+        )
 
 
 def default_wrapping(model: Any, mesh: Any) -> None:
