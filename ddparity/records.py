@@ -100,6 +100,13 @@ def _string(text: str) -> str:
     return json.dumps(text)
 
 
+GATHERS = ("all_gather", "all_gather_into_tensor")
+GATHERED_WITH_GRAD = " of a tensor that requires grad"
+"""Said in an all-gather's description where its input requires grad: the copies it writes
+carry no gradient back to the ranks they came from (a loss over them is the open_clip
+signature of :func:`ddparity.checks.causes.gathered_without_grad`)."""
+
+
 def parse_ledger(text: str) -> list[Entry]:
     entries = []
     for line in text.splitlines():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry
 from ddparity.run_kinds import kind
 from ddparity.verdicts import Desync, Divergence
 
@@ -55,7 +56,8 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                  unsharded: list[str] | None = None,
                  loss_scaling: Callable[[], float | None] | None = None,
                  forwards: list[dict[int, tuple[int, int]] | None] | None = None,
-                 hook_collectives: int | None = None, eps: float = 0.0) -> str | None:
+                 hook_collectives: int | None = None, eps: float = 0.0,
+                 gathered: list[str] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
     valid entries per sample, by tensor; ``layer_types``: the class of each layer with
@@ -65,7 +67,9 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
     on the first batch given twice to its loss, None where it has none; ``forwards``: each
     rank's count of DDP's forwards per step, and of those with sync on; ``hook_collectives``:
     with a comm hook of the case's, the collectives it issued at step 0 over the ranks'
-    ledgers; ``eps``: the ulp of the precision the run computed in), or None."""
+    ledgers; ``eps``: the ulp of the precision the run computed in; ``gathered``: where the
+    step all-gathered a tensor that requires grad with nothing sent back in backward, from
+    :func:`gathered_without_grad`), or None."""
     if desync is not None:
         return _desync_cause(desync, params, forwards or [], hook_collectives) if world_size > 1 else None
     if not found:
@@ -106,13 +110,67 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         if max(rels) - min(rels) <= UNIFORM_SCALE_TOL * max(rels):
             hint = f" (an unaveraged sum is off by {world_size - 1:g}, a double division by {1 - 1 / world_size:g})"
             share = f"all {len(names)} gradients" if len(names) >= params else f"{len(names)} of {params} gradients"
+            if gathered and abs(rels[0] - off_by) <= max(SIGNATURE_REL_TOL, 2 * eps):
+                return _gathered_cause(share, rels[0], world_size, mode, gathered)
             return (f"likely cause: {share} {SAME_FACTOR} (relative error {rels[0]:.3g} in "
                     f"each, the loss matches){hint}: a comm hook or step that scales the averaged gradient, such "
                     f"as a hook that forgets to divide the all-reduced sum by the world size; DDP's gradient is the "
                     f"mean over ranks: divide the sum by the world size once, and scale nothing else")
+    if gathered:
+        return _gathered_cause(None, 0.0, world_size, mode, gathered)
     if first.kind == "loss" and first.step == 0:
-        return _uneven_valid_entries(valid or {}, world_size, mode)
+        return _uneven_valid_entries(valid or {}, world_size, mode) or _not_per_sample(
+            loss_scaling() if loss_scaling else None, mode)
     return None
+
+
+def _not_per_sample(ratio: float | None, mode: str) -> str | None:
+    """The loss differs at step 0 and the probe's ``ratio`` (the first batch given twice, on
+    one device) is neither a mean's 1x nor a sum's 2x: the loss is no per-sample mean or
+    sum, so each rank's loss over its shard is another objective."""
+    if ratio is None or abs(ratio - 1) <= PROBE_REL_TOL or abs(ratio - 2) <= PROBE_REL_TOL * 2:
+        return None
+    return (f"likely cause: the loss is not a mean or sum over samples: on one device the first batch given twice "
+            f"gives {ratio:.3g}x its loss (a mean over samples gives 1x, a sum 2x), so a rank's loss over its shard "
+            f"is another objective than the loss over the batch: a loss that couples the samples of a batch (a "
+            f"contrastive loss with in-batch negatives, a loss over batch statistics) computed on each rank's shard "
+            f"alone, or a term that does not grow with the batch added to a summed loss; under {mode.upper()}, "
+            f"gather what the loss contrasts across ranks with torch.distributed.nn.functional.all_gather (its "
+            f"backward returns each rank its gradient; open_clip's gather_with_grad=True), or add such a term once "
+            f"per batch, not once per rank")
+
+
+def gathered_without_grad(entries: list[Entry], step: int) -> list[str]:
+    """Where the user's step all-gathered a tensor that requires grad at ``step`` (one rank's
+    ledger ``entries``, in order) with no collective of its own after it before the optimizer:
+    nothing sent the gathered copies' gradients back (``torch.distributed.nn``'s all-gather,
+    ``via`` it, does in backward; FSDP2's own calls are ``via`` FSDP2). Empty where that is not so."""
+    mine = [e for e in entries if e.step == step and not e.via and not e.site.startswith("ddparity/harness/")
+            and e.phase != "optimizer"]
+    first = next((i for i, e in enumerate(mine) if e.op in GATHERS and e.desc.endswith(GATHERED_WITH_GRAD)), None)
+    if first is None or any(e.op not in GATHERS for e in mine[first:]):
+        return []
+    return list(dict.fromkeys(e.site for e in mine[first:] if e.desc.endswith(GATHERED_WITH_GRAD)))
+
+
+def _gathered_cause(share: str | None, rel: float, world_size: int, mode: str, sites: list[str]) -> str:
+    """The step all-gathered a tensor that requires grad and nothing answered it in backward,
+    with every gradient at 1/W and the loss matching (``share``: how many gradients): a loss
+    over the whole batch's features gathered without their gradient (open_clip's ClipLoss
+    without ``gather_with_grad``); without ``share`` the gradients differ otherwise."""
+    where = (f"({'; '.join(sites[:2])}: a tensor that requires grad, and no collective in backward to send the "
+             f"gradients of the gathered copies back)")
+    fix = ("gather with torch.distributed.nn.functional.all_gather, whose backward returns each rank the gradient "
+           "of its copy (open_clip's gather_with_grad=True)")
+    if share is None:
+        return (f"likely cause: the loss uses tensors all-gathered without their gradient {where}: the gradient "
+                f"that reaches each rank misses what the loss sends through the other ranks' copies; {fix}")
+    return (f"likely cause: {share} are 1/{world_size} of the reference's (relative error {rel:.3g} in each, the "
+            f"loss matches): the loss is computed on tensors all-gathered without their gradient {where}: each "
+            f"rank's backward reaches only its own samples' part, and {mode.upper()}'s average over the ranks leaves "
+            f"1/{world_size} of the one-device gradient (open_clip's ClipLoss without gather_with_grad); {fix}, or "
+            f"multiply the loss by the world size; if what you gathered does not reach the loss, look for a loss "
+            f"divided by the world size before backward")
 
 
 def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:

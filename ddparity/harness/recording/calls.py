@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any
 
 from ddparity.frames import PACKAGE
+from ddparity.records import GATHERED_WITH_GRAD, GATHERS
 
 EXACT = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
          "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier", "monitored_barrier")
@@ -70,18 +71,33 @@ _OWN_FILES = {os.path.join(_HERE, name) for name in ("calls.py", "recorder.py", 
 
 def call_site(depth: int) -> str:
     """The first frame outside torch and the recorder: where the user issued it."""
+    return issuer(depth + 1)[0]
+
+
+TORCH_ISSUERS = (("distributed/fsdp/", "FSDP2"), ("distributed/nn/functional", "torch.distributed.nn"))
+"""torch's own callers of collectives named as a call's ``via`` when its frames are on the way
+from the user's line: FSDP2's all-gathers and reduce-scatters are not the user's calls
+(a desync's odd one out, :func:`ddparity.checks.causes.gathered_without_grad`)."""
+
+
+def issuer(depth: int) -> tuple[str, str]:
+    """``(site, via)``: the first frame outside torch and the recorder (where the user issued
+    it), and the torch code that issued it on the user's behalf (:data:`TORCH_ISSUERS`), or ""."""
     global _TORCH_DIR
     if not _TORCH_DIR:
         import torch
 
         _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     frame: FrameType | None = sys._getframe(depth)
+    via = ""
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_TORCH_DIR) and os.path.abspath(path) not in _OWN_FILES:
-            return f"{_shown(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            return f"{_shown(path)}:{frame.f_lineno} in {frame.f_code.co_name}", via
+        if not via and path.startswith(_TORCH_DIR):
+            via = next((name for part, name in TORCH_ISSUERS if part in path.replace(os.sep, "/")), "")
         frame = frame.f_back
-    return "?"
+    return "?", via
 
 
 @functools.lru_cache(maxsize=512)
@@ -121,6 +137,8 @@ def describe(op: str, args: dict[str, Any]) -> tuple[str, str, int | None]:
     splits = [f"{k}={list(args[k])}" for k in ("output_split_sizes", "input_split_sizes") if args.get(k) is not None]
     parts = tensors + ([rop] if rop else []) + ([f"root={root}"] if root is not None else []) + splits
     desc = f"{op}({', '.join(parts)})"
+    if op in GATHERS and getattr(args.get("tensor", args.get("input_tensor")), "requires_grad", False):
+        desc += GATHERED_WITH_GRAD  # the copies it writes carry no gradient back (causes.gathered_without_grad)
     if op in EXACT:
         key = "|".join([op, rop, str(root), *tensors])
     elif op in ROOTED:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddparity.harness.recording.calls import RECORDED, Binder, call_site, ledger_entry
+from ddparity.harness.recording.calls import RECORDED, Binder, call_site, issuer, ledger_entry
 from ddparity.records import BUCKET_VIA, encode_fingerprints, encode_progress
 
 if TYPE_CHECKING:
@@ -216,10 +216,12 @@ class Recorder:
               write: bool = True) -> None:
         """Record a collective about to be issued; ``write=False`` leaves the write to the next
         entry's or the publisher (DDP's buckets: one round trip for all, or none written behind)."""
-        site = site or call_site(3)
+        via = via or getattr(self._local, "via", "")
+        if not site:
+            site, issued_by = issuer(3)
+            via = via or issued_by
         with self._lock:
-            entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site,
-                                                via or getattr(self._local, "via", ""), self.step, self.phase)
+            entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site, via, self.step, self.phase)
             self.recent.append(entry)
             self._ledger.append(entry)
             self._changed()

@@ -97,7 +97,7 @@ class ThreadRecorder:
     # what the patched collectives call
 
     def call(self, op: str, binder: Any, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ddparity.harness.recording.calls import call_site
+        from ddparity.harness.recording.calls import issuer
 
         if self._depth:  # a collective's own inner one (all_gather_object -> all_gather)
             return fn(*args, **kwargs)
@@ -106,7 +106,8 @@ class ThreadRecorder:
         except TypeError:
             return fn(*args, **kwargs)  # torch raises its own error for bad arguments
         blocking = not bound.get("async_op", False) and op not in ("isend", "irecv")
-        self._enter(op, bound, blocking, call_site(3), self._via)
+        site, issued_by = issuer(3)
+        self._enter(op, bound, blocking, site, self._via or issued_by)
         self._depth += 1
         try:
             return fn(*args, **kwargs)
