@@ -79,3 +79,14 @@ def test_a_gather_counts_unanswered_only_without_a_collective_of_the_users_after
     autograd = _entry("all_to_all", "train.py:9 in step", via="torch.distributed.nn")
     assert gathered_without_grad([_entry("all_gather", "train.py:7 in step", via="torch.distributed.nn", grad=True),
                                   autograd], 0) == []
+
+
+def test_a_0d_parameter_is_refused_by_the_default_sharding_with_the_fix_and_trains_under_ddp():
+    """CLIP's logit_scale: fully_shard raised "doesn't support scalar parameters" from inside
+    ddparity's default wrapping, reported as a crash of the user's ranks."""
+    report = check(contrastive.clip(gather_with_grad=True, learned_scale=True), modes=("single", "ddp", "fsdp", "hsdp"),
+                   world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["pass", "pass", "error", "error"], report.render()
+    reason = report.runs[2].reason
+    assert "0-d parameters: logit_scale" in reason and "nn.Parameter(t.reshape(1))" in reason, reason
+    assert "ignored_params" in reason and report.exit_code == 2

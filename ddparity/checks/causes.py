@@ -277,20 +277,47 @@ def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], 
     return None
 
 
-def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: str = "ddp") -> str | None:
+def _uneven_shares(valid: dict[str, list[int]], world_size: int) -> tuple[str, str] | None:
+    """The first batched tensor whose valid entries (``valid``: per sample) are not spread
+    evenly over ``world_size`` equal, contiguous shares: its path and the shares' counts."""
     for path, counts in valid.items():
         if len(counts) % world_size:
             continue
         per = len(counts) // world_size
         totals = [sum(counts[r * per:(r + 1) * per]) for r in range(world_size)]
         if len(set(totals)) > 1:
-            shown = ", ".join(map(str, totals[:4])) + (", ..." if len(totals) > 4 else "")
-            return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
-                    f"entries on the ranks' shards (labels not -100, mask ones), and {mode.upper()} averages the ranks' means, "
-                    f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
-                    f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size (in a "
-                    f"Case's train_step: ctx.world_size)")
+            return path, ", ".join(map(str, totals[:4])) + (", ..." if len(totals) > 4 else "")
     return None
+
+
+def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: str = "ddp") -> str | None:
+    uneven = _uneven_shares(valid, world_size)
+    if uneven is None:
+        return None
+    path, shown = uneven
+    return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
+            f"entries on the ranks' shards (labels not -100, mask ones), and {mode.upper()} averages the ranks' means, "
+            f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
+            f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size (in a "
+            f"Case's train_step: ctx.world_size)")
+
+
+def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[int]]) -> str | None:
+    """The likely cause of a DataParallel run's divergence (``replicas``: its devices): the
+    model's own loss, a mean over each replica's valid entries, averaged over the replicas
+    (``out.loss.mean()`` of what DataParallel gathers) while the entries are not spread evenly
+    over the replicas' chunks of the batch."""
+    if not found or replicas < 2 or found[0].kind != "loss" or found[0].step != 0:
+        return None
+    uneven = _uneven_shares(valid, replicas)
+    if uneven is None:
+        return None
+    path, shown = uneven
+    return (f"likely cause: a loss averaged over each replica's own valid entries: {path} has {shown} valid entries "
+            f"in the replicas' chunks of the batch (labels not -100, mask ones), and the mean of the replicas' losses "
+            f"(out.loss.mean() of what DataParallel gathers) is not the mean over the batch; compute the loss from "
+            f"the gathered outputs (logits) outside the model, or have each replica sum its loss and divide the "
+            f"gathered sum by the whole batch's count")
 
 
 def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int, int]] | None],

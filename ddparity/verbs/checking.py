@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.causes import gathered_without_grad, likely_cause, scale_placed
+from ddparity.checks.causes import gathered_without_grad, likely_cause, replica_cause, scale_placed
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
@@ -265,6 +265,9 @@ class Checking:
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
         if tol.loose:
             run.notes.append(tol.loose)
+        cause = replica_cause(found, ws, self.valid)
+        if cause:
+            run.notes.append(cause)
         return self.localise(_compared_up_to(run, stop), found)
 
     def failed_one_process(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float) -> RunResult:

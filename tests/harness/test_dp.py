@@ -193,3 +193,18 @@ def test_a_models_own_loss_gathered_per_replica_is_named_with_the_fix():
     assert "a vector of 4" in reason and "out.loss.mean()" in reason, reason
     assert rows["dp", 2].simulated and "backend" not in reason
     assert check(bugs.own_loss_under_dataparallel(mean=True), modes=("single", "dp", "ddp"), world_sizes=(2, 4)).ok
+
+
+def test_a_mean_over_each_replicas_valid_tokens_is_named_under_dataparallel():
+    """transformers' own loss with padding under DataParallel: a mean over each replica's tokens,
+    averaged over the replicas (diverged, with no cause named before)."""
+    from ddparity.fixtures import real_models
+
+    report = check(real_models.gpt2_per_rank_mean(), modes=("single", "dp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs] == ["pass", "diverged", "diverged"], report.render()
+    for run in report.runs[1:]:
+        [cause] = [n for n in run.notes if n.startswith("likely cause")]
+        assert cause.startswith("likely cause: a loss averaged over each replica's own valid entries: batch['labels']")
+        assert "out.loss.mean() of what DataParallel gathers" in cause and "all-reduce" not in cause, cause
+    clean = check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(2,))
+    assert clean.ok and not any(n.startswith("likely cause") for r in clean.runs for n in r.notes)

@@ -131,12 +131,26 @@ def sharded(model: Any, device: str, world_size: int, shard_size: int | None, ap
     ``Case.fsdp``), else :func:`default_wrapping`; and the mesh."""
     mesh = device_mesh(device, world_size, shard_size)
     if apply is None:
+        refuse_scalars(model)
         default_wrapping(model, mesh)
     else:
         returned = apply(model, mesh)
         model = model if returned is None else returned
     refuse_sparse(model)
     return model, mesh
+
+
+def refuse_scalars(model: Any) -> None:
+    """A :class:`~ddparity.errors.CaseError` for 0-d parameters, which ``fully_shard`` refuses
+    (CLIP's ``logit_scale``): the default wrapping cannot shard this model as it is."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise CaseError(
+            f"fully_shard cannot shard 0-d parameters: {', '.join(scalars[:4])}{' ...' if len(scalars) > 4 else ''} "
+            f"(torch: \"fully_shard doesn't support scalar parameters\"), so ddparity's default wrapping cannot "
+            f"shard this model; make each a 1-D parameter of one element (nn.Parameter(t.reshape(1))), or give "
+            f"Case(fsdp=...) your own wrapping that leaves it out (fully_shard(..., ignored_params={{...}})) and "
+            f"all-reduce its gradient yourself, as FSDP2 then does not; or check this model with --modes single,ddp")
 
 
 def refuse_sparse(model: Any) -> None:
