@@ -216,10 +216,8 @@ class Recorder:
               write: bool = True) -> None:
         """Record a collective about to be issued; ``write=False`` leaves the write to the next
         entry's or the publisher (DDP's buckets: one round trip for all, or none written behind)."""
-        via = via or getattr(self._local, "via", "")
-        if not site:
-            site, issued_by = issuer(3)
-            via = via or issued_by
+        site, issued_by = (site, "") if site else issuer(3)
+        via = via or getattr(self._local, "via", "") or issued_by
         with self._lock:
             entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site, via, self.step, self.phase)
             self.recent.append(entry)
