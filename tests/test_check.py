@@ -386,3 +386,15 @@ def test_the_same_long_error_is_printed_once_in_a_report():
     assert [r.status for r in report.runs] == ["error"] * 4, text
     assert text.count("runs inside torch's fused RNN kernel on a PackedSequence") == 1, text
     assert text.count("  the same error as single world_size=1 (printed above)") == 3, text
+
+
+def test_a_mean_over_each_shards_class_weights_is_a_candidate_cause_and_its_fix_passes():
+    """cross_entropy(weight=...) divides by the shard's weight sum: diverged with no cause named."""
+    report = check(bugs.class_weighted_mean(), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs] == ["pass"] + ["diverged"] * 4, report.render()
+    for run in report.runs[1:]:
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith("candidate causes: every module's forward agrees and the loss differs"), cause
+        assert "gives 1x its loss" in cause and "class weights" in cause, cause
+    assert check(bugs.class_weighted_mean(whole_batch=True), modes=("single", "dp", "ddp", "fsdp"),
+                 world_sizes=(2, 4)).ok

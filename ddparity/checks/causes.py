@@ -173,6 +173,24 @@ def _gathered_cause(share: str | None, rel: float, world_size: int, mode: str, s
             f"divided by the world size before backward")
 
 
+def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str) -> str | None:
+    """The loss first differs at step 0, at the loss itself (every module's forward agrees; the
+    gradient backward starts from is ``factor`` x the reference's, not 1/W), and it is a mean
+    (the probe's ``ratio``: 1x for the batch given twice): a mean whose denominator each rank
+    takes from its own shard. None where the probe says otherwise or nothing."""
+    if ratio is None or abs(ratio - 1) > PROBE_REL_TOL:
+        return None
+    if factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL:
+        return None  # 1/W: named by the loss's own signatures
+    by = f" (the gradient backward starts from is {factor:.3g}x the reference's)" if factor is not None else ""
+    return (f"candidate causes: every module's forward agrees and the loss differs{by}, and the loss is a mean (on one "
+            f"device the first batch given twice gives {ratio:.3g}x its loss): a mean whose denominator each rank "
+            f"takes from its own shard — cross_entropy with class weights (weight=...: it divides by the sum of the "
+            f"shard's labels' weights), valid entries counted per rank, a normalisation by a statistic of the "
+            f"shard; {mode.upper()} averages the ranks' means, which is not the mean over the batch: sum the loss "
+            f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
+
+
 def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:
     """The uniform gradient scale of :func:`likely_cause` decided by where its step first
     differs (the first differing module's ``phase``): at the loss (every forward agrees and

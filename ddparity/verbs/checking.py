@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.causes import gathered_without_grad, likely_cause, replica_cause, scale_placed
+from ddparity.checks.causes import (
+    gathered_without_grad,
+    likely_cause,
+    per_shard_denominator,
+    replica_cause,
+    scale_placed,
+)
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
@@ -219,6 +225,10 @@ class Checking:
         run.first_divergence = dataclasses.replace(d, module=best)
         for i, note in enumerate(run.notes):  # where the step first differs decides what the numbers left open
             run.notes[i] = scale_placed(note, best.phase, best.factor, run.world_size, run.mode) or note
+        if (best.phase == "loss" and d.step == 0 and d.kind == "loss" and kind(run.mode).replicated
+                and not any(n.startswith(("likely cause", "candidate causes")) for n in run.notes)):
+            cause = per_shard_denominator(self.loss_scaling(), best.factor, run.world_size, run.mode)
+            run.notes += [cause] if cause else []
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:
