@@ -22,6 +22,9 @@ class BucketTiming:
     ops: tuple[str, ...] = ("all_reduce",)
     group_size: int = 0
     """The ranks of the group it ran in (0: the whole world)."""
+    own: bool = False
+    """Issued by the training step itself (a contrastive loss's all-gather, a token count's
+    all-reduce), not by DDP's buckets or FSDP."""
 
 
 @dataclass(slots=True)
@@ -32,6 +35,8 @@ class StepTiming:
     no_sync: float
     optimizer: float
     buckets: list[BucketTiming] = field(default_factory=list)
+    own_no_sync: list[BucketTiming] = field(default_factory=list)
+    """The step's own collectives in the ``no_sync`` pass: communication, not compute."""
 
 
 @dataclass(slots=True)

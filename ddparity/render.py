@@ -317,12 +317,12 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
     lines = [f"ddparity profile: {label}", *table([header, *rows]), ""]
     for r in runs:
         where = f"{r.label} world size {r.world_size}"
-        if not kind(r.mode).buckets or any(c["op"] != "all_reduce" for c in r.collectives or []):
+        if not kind(r.mode).buckets or any(c["op"] != "all_reduce" or c.get("step") for c in r.collectives or []):
             for c in r.collectives or []:
                 bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"
                 bw = ", in groups of 1 (nothing crosses a link)" if c["group_size"] == 1 else bw
-                lines.append(f"  {where}: {c['op']} x{c['calls']} a step, {_size(c['bytes'])} in "
-                             f"{_ms(c['seconds'])} ms{bw}")
+                lines.append(f"  {where}: {c['op']}{' (the step' + chr(39) + 's own)' if c.get('step') else ''} "
+                             f"x{c['calls']} a step, {_size(c['bytes'])} in {_ms(c['seconds'])} ms{bw}")
         if r.memory_per_rank:
             parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items()
                               if k != "activations")

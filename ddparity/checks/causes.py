@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry
+from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry, parse_ledger
 from ddparity.run_kinds import kind
 from ddparity.verdicts import Desync, Divergence
 
@@ -151,6 +151,15 @@ def gathered_without_grad(entries: list[Entry], step: int) -> list[str]:
     if first is None or any(e.op not in GATHERS for e in mine[first:]):
         return []
     return list(dict.fromkeys(e.site for e in mine[first:] if e.desc.endswith(GATHERED_WITH_GRAD)))
+
+
+def gathered_on_every_rank(ledgers: list[str], found: list[Divergence]) -> list[str]:
+    """Where the first divergence's step all-gathered, on every rank (their ledgers' text), a
+    tensor that requires grad with nothing sent back in backward (:func:`gathered_without_grad`)."""
+    if not found or not ledgers:
+        return []
+    each = [gathered_without_grad(parse_ledger(text), found[0].step) for text in ledgers]
+    return each[0] if all(each) else []
 
 
 def _gathered_cause(share: str | None, rel: float, world_size: int, mode: str, sites: list[str]) -> str:

@@ -14,7 +14,7 @@ the steps, medians. Definitions, for a world of ``n`` ranks:
   bandwidth of nccl-tests: what each link carried; comparable across world sizes);
 * ``scaling_efficiency``: strong scaling of the case's global batch against the smallest
   world size profiled in the same mode, ``(T_base x base) / (T_n x n)``; 1.0 is perfect;
-* ``collectives``: per op (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce
+* ``collectives``: per op (the training step's own, FSDP's all-gathers and reduce-scatters, HSDP's all-reduce
   across replicas, DDP's bucket all-reduces), calls and bytes a step, busy time, and bus
   bandwidth in the op's own group of ``g`` ranks: ``2(g-1)/g`` for all-reduce,
   ``(g-1)/g`` for all-gather and reduce-scatter (nccl-tests' factors);
@@ -122,17 +122,17 @@ def by_op(profiles: list[RankProfile], steps: int) -> list[dict[str, Any]]:
     out = []
     world = len(profiles)
 
-    def key(b: BucketTiming) -> tuple[str, int]:
-        return b.ops[0], b.group_size or world
+    def key(b: BucketTiming) -> tuple[bool, str, int]:
+        return b.own, b.ops[0], b.group_size or world
 
     last = profiles[0].steps[steps - 1].buckets
-    for op, group in sorted({key(b) for b in last if b.ops}):
-        mine = [[[b for b in p.steps[k].buckets if b.ops and key(b) == (op, group)] for p in profiles]
+    for own, op, group in sorted({key(b) for b in last if b.ops}):
+        mine = [[[b for b in p.steps[k].buckets if b.ops and key(b) == (own, op, group)] for p in profiles]
                 for k in range(steps)]
         busy = statistics.median(max(busy_seconds(timings) for timings in step) for step in mine)
         nbytes = int(statistics.median(sum(b.nbytes for b in step[0]) for step in mine))
         row: dict[str, Any] = {"op": op, "calls": len(mine[-1][0]), "bytes": nbytes, "seconds": busy,
-                               "group_size": group, "algbw_gbps": None, "busbw_gbps": None}
+                               "group_size": group, "algbw_gbps": None, "busbw_gbps": None, "step": own}
         if busy > 0:
             row["algbw_gbps"] = nbytes / busy / 1e9
             if group > 1:
@@ -154,7 +154,8 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
     if steps == 0:
         raise ValueError("no measured steps")
     sync = [max(p.steps[k].sync for p in profiles) for k in range(steps)]
-    no_sync = [max(p.steps[k].no_sync for p in profiles) for k in range(steps)]
+    # compute: the no_sync pass less the step's own collectives in it (communication all the same)
+    no_sync = [max(p.steps[k].no_sync - busy_seconds(p.steps[k].own_no_sync) for p in profiles) for k in range(steps)]
     opt = [max(p.steps[k].optimizer for p in profiles) for k in range(steps)]
     busy = [max(busy_seconds(p.steps[k].buckets) for p in profiles) for k in range(steps)]
     # sent: a 1-rank group's collective (HSDP with one replica) sends nothing
@@ -170,20 +171,26 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
         samples_per_step=sum(p.samples for p in profiles),
         step_s=step_s, step_p95_s=step_p95, compute_s=compute_s, optimizer_s=statistics.median(opt),
         exposed_comm_s=exposed, comm_s=comm,
-        bytes_per_step=per_step_bytes, buckets=len(profiles[0].steps[-1].buckets),
+        bytes_per_step=per_step_bytes, buckets=len([b for b in profiles[0].steps[-1].buckets if not b.own]),
     )
-    ops = sorted({op for b in profiles[0].steps[-1].buckets for op in b.ops})
+    ops = sorted({op for b in profiles[0].steps[-1].buckets for op in b.ops if not b.own})
+    own = [b for b in profiles[0].steps[-1].buckets if b.own]
     out.collectives, out.memory_per_rank = by_op(profiles, steps), memory_per_rank(profiles)
     if comm > 0:
         out.overlap = min(1.0, max(0.0, 1.0 - exposed / comm))
         out.algbw_gbps = per_step_bytes / comm / 1e9
-        if n > 1 and ops == ["all_reduce"]:
+        if n > 1 and ops == ["all_reduce"] and all(b.ops == ("all_reduce",) for b in own):
             out.busbw_gbps = out.algbw_gbps * bus_factor(n)
     per_message = per_step_bytes / max(out.buckets or 1, 1)
     if out.busbw_gbps is not None and per_message < SMALL_MESSAGE_BYTES:
         out.notes.append(f"messages of {per_message / 1e3:.0f} kB on average: at this size latency, not the link, "
                          f"decides a collective's time, so bus bandwidth says little about the interconnect "
                          f"(it means something from about {SMALL_MESSAGE_BYTES / 2**20:g} MiB a message up)")
+    if own:
+        out.notes.append(f"the training step's own collectives ({', '.join(sorted({b.ops[0] for b in own}))}: "
+                         f"{len(own)} a step, {size_text(sum(b.nbytes for b in own))}) are counted as communication "
+                         f"(comm, exposed, sent/step), not compute: they block the step with or without "
+                         f"{'DDP' if kind(mode).buckets else 'FSDP'}'s sync")
     if n > 1 and ops and ops != ["all_reduce"] and kind(mode).buckets:
         out.notes.append(f"the comm hook issues {', '.join(ops)}: bytes and algorithm bandwidth only "
                          f"(bus bandwidth is defined here for all-reduce)")
@@ -192,8 +199,11 @@ def summarize(profiles: list[RankProfile], backend: str, mode: str = "ddp") -> W
         copies = 0 if profiles[0].ddp_logging.get("gradient_as_bucket_view") else sum(out.ddp_logging["bucket_bytes"])
         out.memory_per_rank["ddp_buckets"] = copies
     out.step_memory = step_memory(out.memory_per_rank)
-    out.notes += cross_checked(out, out.ddp_logging)
-    traffic = extra_traffic(mode, ops, per_step_bytes, profiles[0].memory.get("grads", 0))
+    buckets_s = statistics.median(max(busy_seconds([b for b in p.steps[k].buckets if not b.own]) for p in profiles)
+                                  for k in range(steps))
+    out.notes += cross_checked(out, out.ddp_logging, buckets_s)
+    reduced = per_step_bytes - sum(b.nbytes for b in own if b.group_size != 1)  # DDP's buckets' alone
+    traffic = extra_traffic(mode, ops, reduced, profiles[0].memory.get("grads", 0))
     if traffic:
         out.notes.append(traffic)
     if step_s > 0:
@@ -244,21 +254,22 @@ def ddp_logged(data: dict[str, Any]) -> dict[str, Any] | None:
             "bucket_bytes": sizes, "rebuilt": rebuilt}
 
 
-def cross_checked(run: WorldProfile, logged: dict[str, Any] | None) -> list[str]:
+def cross_checked(run: WorldProfile, logged: dict[str, Any] | None, buckets_s: float | None = None) -> list[str]:
     """Notes where DDP's own logging disagrees with the profile's figures: another number of
     buckets (a count, no noise), or backward communication more than 2x apart (the two time
     different things: DDP from its first bucket's launch to its last's end, averaged over
-    the iterations it sampled; the profile each bucket's flight, median over synced steps)."""
+    the iterations it sampled; the profile each bucket's flight, median over synced steps;
+    ``buckets_s``: the buckets' alone, where the step issued collectives of its own)."""
     if not logged:
         return []
     notes = []
     if logged["buckets"] is not None and run.buckets is not None and logged["buckets"] != run.buckets:
         notes.append(f"DDP's own logging reports {logged['buckets']} bucket(s) "
                      f"({'rebuilt' if logged['rebuilt'] else 'as first built'}); the profile timed {run.buckets} a step")
-    comm = logged["backward_comm_ms"]
-    if comm is not None and run.comm_s and run.world_size > 1 and not 0.5 <= comm / (run.comm_s * 1e3) <= 2.0:
+    comm, ours = logged["backward_comm_ms"], run.comm_s if buckets_s is None else buckets_s
+    if comm is not None and ours and run.world_size > 1 and not 0.5 <= comm / (ours * 1e3) <= 2.0:
         notes.append(f"DDP's own logging: backward communication {comm:.2f} ms a sampled iteration against the "
-                     f"profile's {run.comm_s * 1e3:.2f} ms in flight: more than 2x apart")
+                     f"profile's {ours * 1e3:.2f} ms of its buckets in flight: more than 2x apart")
     return notes
 
 
@@ -285,8 +296,8 @@ def extra_traffic(mode: str, ops: list[str], per_step: int, grad_bytes: int) -> 
 
 
 def size_text(n: float) -> str:
-    """``6.8 kB``, ``1.5 MB``."""
-    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB"
+    """``8 B``, ``6.8 kB``, ``1.5 MB``."""
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} kB" if n >= 2**10 else f"{n:.0f} B"
 
 
 def add_scaling(runs: list[WorldProfile]) -> None:

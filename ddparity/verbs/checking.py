@@ -14,7 +14,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.causes import (
-    gathered_without_grad,
+    gathered_on_every_rank,
     likely_cause,
     per_shard_denominator,
     replica_cause,
@@ -189,7 +189,7 @@ class Checking:
         unsharded = sorted({n for r in runs for n in r.unsharded})
         cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
                               mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling, eps=tol.eps,
-                              gathered=self._gathered(records, found))
+                              gathered=gathered_on_every_rank([r.ledger for r in records.values()], found))
                  if judged.status == "diverged"
                  else likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
                                    hook_collectives=self._hook_collectives(records))
@@ -241,14 +241,6 @@ class Checking:
             return dataclasses.replace(module, note=f"no op named ({answers})")
         op, error, why = answers[module.rank]
         return dataclasses.replace(module, op=op, op_error=error, note=f"no op named: {why}" if why else "")
-
-    def _gathered(self, records: dict[int, Any], found: list[Divergence]) -> list[str]:
-        """Where the first divergence's step all-gathered, on every rank, a tensor that
-        requires grad with nothing sent back in backward (:func:`gathered_without_grad`)."""
-        if not found or not records:
-            return []
-        each = [gathered_without_grad(parse_ledger(r.ledger), found[0].step) for r in records.values()]
-        return each[0] if all(each) else []
 
     def _hook_collectives(self, records: dict[int, Any]) -> int | None:
         """With a comm hook of the case's: the collectives it issued at step 0 over the ranks'

@@ -165,3 +165,39 @@ def test_profile_of_accumulation_says_what_no_sync_would_save(fixture, said):
     [run] = [r for r in report.runs if r.world_size == 2]
     traffic = [n for n in run.notes if n.startswith("traffic:")]
     assert bool(traffic) == said, run.notes
+
+
+def test_the_steps_own_collectives_are_communication_not_compute_and_apart_from_the_buckets():
+    """A contrastive step's all-gathers ran in both passes: they were compute (the no_sync pass)
+    and missing from comm and sent/step, or (FSDP) merged into FSDP's all-gather row."""
+    own = BucketTiming(index=0, nbytes=1024, start=0.001, end=0.002, ops=("all_gather",), own=True)
+    steps = [StepTiming(sync=0.010, no_sync=0.008, optimizer=0.001, buckets=[b(0.005, 0.008, 4000), own],
+                        own_no_sync=[BucketTiming(0, 1024, 0.001, 0.0025, ("all_gather",), own=True)])
+             for _ in range(3)]
+    out = summarize([rank(0, steps), rank(1, steps)], "gloo")
+    assert out.compute_s == pytest.approx(0.008 - 0.0015 + 0.001)  # the no_sync pass less its all-gather
+    assert out.exposed_comm_s == pytest.approx(0.010 - 0.0065)
+    assert out.comm_s == pytest.approx(0.004) and out.bytes_per_step == 5024 and out.buckets == 1
+    assert out.busbw_gbps is None  # an all-gather among the bytes: no all-reduce bus bandwidth for the world
+    rows = {(c["op"], c["step"]): c for c in out.collectives}
+    assert rows["all_gather", True]["bytes"] == 1024 and rows["all_reduce", False]["bytes"] == 4000
+    assert [n for n in out.notes if n.startswith("the training step's own collectives (all_gather: 1 a step, 1.0 kB)")]
+    assert "world size 2: all_gather (the step's own) x1 a step, 1.0 kB in 1.00 ms" in render("case", [out])
+
+
+def test_a_profile_counts_the_steps_own_all_gathers_in_ddp_and_fsdp():
+    from ddparity import profile
+    from ddparity.fixtures import contrastive
+
+    report = profile(contrastive.clip(gather_with_grad=True), world_sizes=(2,), modes=("ddp", "fsdp"), steps=2,
+                     warmup=1)
+    for run in report.runs:
+        assert run.status == "ok", report.render()
+        own = [c for c in run.collectives if c["step"]]
+        # gather_with_grad: two all-gathers of 8 rows x 8 floats from each of 2 ranks, and in backward the
+        # gradients torch.distributed.nn sends back for the step (gloo: scatters; nccl: a reduce-scatter)
+        assert ("all_gather", 2, 1024) in [(c["op"], c["calls"], c["bytes"]) for c in own], run.collectives
+        assert {c["op"] for c in own} <= {"all_gather", "scatter", "all_to_all", "reduce_scatter"}, run.collectives
+        assert not [n for n in run.notes if n.startswith("traffic")], run.notes
+    fsdp = next(r for r in report.runs if r.mode == "fsdp")
+    assert all(c["op"] in ("all_gather", "reduce_scatter") for c in fsdp.collectives if not c["step"])

@@ -36,6 +36,7 @@ from ddparity.harness.ranks.modes.twin import TwinMode, calibrated
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import Writer, fits_the_spool, write_state
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
+from ddparity.harness.recording.recorder import set_collective_timer
 from ddparity.measurements import RankProfile
 from ddparity.run_kinds import REPLICA_MODES, kind
 
@@ -219,5 +220,8 @@ def profile_task(ctx: RankContext, case: Case, state: Any, steps: int, warmup: i
     else:
         mode = TimedShardedMode(ctx.rank, ctx.world_size, ctx.device, steps, warmup, name=name,
                                 shard_size=shard_size, apply=case.fsdp)
-    train(case, state, ctx.device, mode)
+    try:
+        train(case, state, ctx.device, mode)
+    finally:
+        set_collective_timer(None)  # the warm rank process runs other tasks next
     return mode.profile

@@ -74,10 +74,13 @@ def call_site(depth: int) -> str:
     return issuer(depth + 1)[0]
 
 
-TORCH_ISSUERS = (("distributed/fsdp/", "FSDP2"), ("distributed/nn/functional", "torch.distributed.nn"))
+TORCH_ISSUERS = (("distributed/fsdp/", "FSDP2"), ("nn/parallel/distributed.py", "DDP"),
+                 ("distributed/nn/functional", "torch.distributed.nn"))
 """torch's own callers of collectives named as a call's ``via`` when its frames are on the way
-from the user's line: FSDP2's all-gathers and reduce-scatters are not the user's calls
-(a desync's odd one out, :func:`ddparity.checks.causes.gathered_without_grad`)."""
+from the user's line: FSDP2's all-gathers and reduce-scatters, DDP's broadcasts of buffers
+and of the initial state are not the user's calls (a desync's odd one out, a profile's step's
+own collectives); ``torch.distributed.nn``'s are, made differentiable
+(:func:`ddparity.checks.causes.gathered_without_grad`)."""
 
 
 def issuer(depth: int) -> tuple[str, str]:

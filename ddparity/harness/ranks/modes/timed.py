@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.harness.ranks.batches import shard
+from ddparity.harness.ranks.collective_times import IN_BUCKET_HOOK, CollectiveTimes
 from ddparity.harness.ranks.modes.ddp import distributed
 from ddparity.harness.ranks.training import Replica, compute_loss, forward
 from ddparity.harness.recording import recorder
+from ddparity.harness.recording.recorder import set_collective_timer
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 
@@ -72,11 +75,15 @@ def _timed_hook(timer: _BucketTimer, bucket):  # noqa: ANN001, ANN202 - DDP chec
     buffer = bucket.buffer()
     slot = [bucket.index(), timer.clock.mark(), None, None, buffer.numel() * buffer.element_size()]
     timer.marks.append(slot)
-    with timer.recorder.tally() as sent:  # what the hook really sends (a compression hook: less)
-        if timer.hook is None:
-            fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
-        else:
-            fut = timer.hook(timer.state, bucket)
+    IN_BUCKET_HOOK.on = True
+    try:
+        with timer.recorder.tally() as sent:  # what the hook really sends (a compression hook: less)
+            if timer.hook is None:
+                fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
+            else:
+                fut = timer.hook(timer.state, bucket)
+    finally:
+        IN_BUCKET_HOOK.on = False
     slot[3] = sent
 
     def done(f):  # noqa: ANN001, ANN202
@@ -198,29 +205,45 @@ class TimedMode:
         self.clock = _Clock(self.device)
         self._torch = self.clock._torch
         self.profile = RankProfile(self.rank, self.world_size, self.device, samples=0)
+        self.compute_times = CollectiveTimes(self.clock, own_only=True)
         self._count_activations, self._model = False, None
 
     def wrap(self, model: Any) -> Any:
         ddp = distributed(model, self.device, self.ddp_options)
         self.timer = _BucketTimer(self.comm_hook, copy.deepcopy(self.comm_hook_state), self.clock, self.recorder)
         ddp.register_comm_hook(self.timer, _timed_hook)
+        self.times = CollectiveTimes(self.clock, own_only=True)  # the step's own, beside the buckets
+        set_collective_timer(self.times)  # this rank process runs the profile and nothing else meanwhile
         return ddp
 
     def sync_off(self, wrapped: Any) -> Any:
         return wrapped.no_sync
 
+    @contextmanager
+    def compute_only(self, wrapped: Any) -> Any:
+        """:meth:`no_comm`, the step's own collectives timed apart (communication, not compute)."""
+        self.compute_times.marks.clear()
+        with self.no_comm(wrapped):
+            set_collective_timer(self.compute_times)
+            try:
+                yield
+            finally:
+                set_collective_timer(self.times)
+
     # what a sharded mode times otherwise (:mod:`.timed_sharded`)
 
     def no_comm(self, wrapped: Any) -> Any:
-        """The context in which forward and backward communicate nothing."""
+        """The context in which forward and backward communicate nothing of DDP's."""
         return wrapped.no_sync()
 
     def clear_comm(self) -> None:
         self.timer.marks.clear()
+        self.times.marks.clear()
 
     def comm_timings(self, origin: Any) -> list[BucketTiming]:
         """This iteration's communication, from ``origin`` (the start of its forward)."""
-        return [_bucket(mark, origin, self.clock) for mark in self.timer.marks if mark[2] is not None]
+        return [_bucket(mark, origin, self.clock) for mark in self.timer.marks if mark[2] is not None] + \
+            self.times.timings(origin)
 
     def _measured(self, step: int, replica: Replica, timing: StepTiming) -> None:
         if step < self.warmup:
@@ -288,9 +311,9 @@ class TimedMode:
 
         self.recorder.set_phase(step, "profile no_sync")
         self._optimizer_marks.clear()
-        with self.no_comm(ddp):
+        with self.compute_only(ddp):
             total, origin, _ = self._timed(run)
-        no_sync = until_optimizer(total, origin)
+        no_sync, own = until_optimizer(total, origin), self.compute_times.timings(origin)
         self.recorder.set_phase(step, "profile forward")
         self.clear_comm()
         self._optimizer_marks.clear()
@@ -300,7 +323,7 @@ class TimedMode:
         marks = self._optimizer_marks
         sync = until_optimizer(total, origin)
         opt = clock.seconds(marks[0], marks[1]) if len(marks) >= 2 else 0.0
-        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin)))
+        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin), own))
 
     def _own_step(self, step: int, replica: Replica, inputs: Any, targets: Any) -> None:
         rec, ddp = self.recorder, replica.wrapped
@@ -313,8 +336,9 @@ class TimedMode:
             loss.backward()
 
         rec.set_phase(step, "profile no_sync")
-        with self.no_comm(ddp):
-            no_sync, _, _ = self._timed(forward_backward)
+        with self.compute_only(ddp):
+            no_sync, compute_origin, _ = self._timed(forward_backward)
+        own = self.compute_times.timings(compute_origin)
         rec.set_phase(step, "profile forward")
         self.clear_comm()
         self._count_activations = step == 0 and self.warmup > 0
@@ -324,4 +348,4 @@ class TimedMode:
         replica.watch.begin()
         opt, _, _ = self._timed(replica.optimizer.step)
         self._optimizer_marks.clear()
-        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin)))
+        self._measured(step, replica, StepTiming(sync, no_sync, opt, self.comm_timings(origin), own))

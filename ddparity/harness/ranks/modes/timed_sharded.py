@@ -13,8 +13,7 @@ batch twice, each start behind a barrier:
   from its call to its completion by a process-wide collective timer
   (:func:`~ddparity.harness.recording.recorder.set_collective_timer`).
 
-Bytes are those nccl-tests counts for each op: the gathered output of an all-gather, the
-input of a reduce-scatter (both the whole tensor), the tensor of an all-reduce.
+Bytes are those nccl-tests counts for each op (:mod:`ddparity.harness.ranks.collective_times`).
 """
 
 from __future__ import annotations
@@ -23,54 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ddparity.harness.ranks.collective_times import CollectiveTimes
 from ddparity.harness.ranks.modes.fsdp import fsdp_no_sync, sharded
 from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.recording.recorder import set_collective_timer
-from ddparity.measurements import BucketTiming
 from ddparity.run_kinds import kind
-
-OPS = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-       "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
-"""torch's names of FSDP's collectives, and the op each is (nccl-tests' names)."""
-TOTAL = {"all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
-         "reduce_scatter_single": "input", "reduce_scatter_tensor": "input"}
-"""The argument whose bytes are the op's size (the whole tensor, not one rank's part)."""
-
-
-class CollectiveTimes:
-    """Every collective of this process while set, timed from its call to its completion
-    (a future's callback for an asynchronous one): ``[op, bytes, group size, start, end]``."""
-
-    def __init__(self, clock: Any) -> None:
-        self.clock = clock
-        self.marks: list[list[Any]] = []
-
-    def call(self, op: str, arguments: dict[str, Any], run: Any) -> Any:
-        import torch.distributed as dist
-
-        if op in ("barrier", "monitored_barrier"):  # the timing's own (every start behind one): not the step's
-            return run()
-        tensor: Any = arguments.get(TOTAL.get(op, ""))
-        if tensor is None:
-            tensor = next(iter(arguments.values()), None)
-        nbytes = int(tensor.numel() * tensor.element_size()) if hasattr(tensor, "numel") else 0
-        group = arguments.get("group")
-        slot = [OPS.get(op, op), nbytes, dist.get_world_size(group), self.clock.mark(), None]
-        self.marks.append(slot)
-        work = run()
-        if work is not None and hasattr(work, "get_future"):
-            def done(f: Any) -> None:
-                slot[4] = self.clock.mark()
-
-            work.get_future().then(done)
-        else:
-            slot[4] = self.clock.mark()
-        return work
-
-    def timings(self, origin: Any) -> list[BucketTiming]:
-        clock = self.clock
-        return [BucketTiming(i, nbytes, clock.seconds(origin, start), clock.seconds(origin, end), (op,), size)
-                for i, (op, nbytes, size, start, end) in enumerate(self.marks) if end is not None]
 
 
 @dataclass
@@ -83,7 +39,7 @@ class TimedShardedMode(TimedMode):
     def wrap(self, model: Any) -> Any:
         model, _ = sharded(model, self.device, self.world_size, self.shard_size if kind(self.name).mesh else None,
                            self.apply)
-        self.times = CollectiveTimes(self.clock)
+        self.times = CollectiveTimes(self.clock)  # FSDP2's collectives, and the step's own
         set_collective_timer(self.times)  # this rank process runs the profile and nothing else meanwhile
         return model
 
@@ -114,13 +70,8 @@ class TimedShardedMode(TimedMode):
     def clear_comm(self) -> None:
         self.times.marks.clear()
 
-    def comm_timings(self, origin: Any) -> list[BucketTiming]:
+    def comm_timings(self, origin: Any) -> list[Any]:
         return self.times.timings(origin)
-
-    def _measured(self, step: int, replica: Any, timing: Any) -> None:
-        super()._measured(step, replica, timing)
-        if step == self.steps - 1:
-            set_collective_timer(None)
 
 
 _GROUP_SETTINGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads")
