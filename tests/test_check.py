@@ -398,3 +398,26 @@ def test_a_mean_over_each_shards_class_weights_is_a_candidate_cause_and_its_fix_
         assert "gives 1x its loss" in cause and "class weights" in cause, cause
     assert check(bugs.class_weighted_mean(whole_batch=True), modes=("single", "dp", "ddp", "fsdp"),
                  world_sizes=(2, 4)).ok
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_learning_rate_scaled_by_the_world_size_is_placed_after_the_gradients(optimizer):
+    """Gradients match, parameters differ: diverged at the optimizer step with no cause named."""
+    report = check(bugs.lr_scaled_by_world_size(optimizer), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs] == ["pass", "pass", "pass"] + ["diverged"] * 4, report.render()
+    for run in report.runs[3:]:
+        assert run.first_divergence.kind == "param" and run.first_divergence.step == 0, report.render()
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith("candidate causes: at step 0 every gradient agrees and the parameters differ after "
+                                "the optimizer step") and "lr x world size" in cause, cause
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_shard_nudged_on_one_rank_is_placed_after_the_gradients_on_that_rank(rank):
+    from ddparity.fixtures import sharded
+
+    report = check(sharded.drifting_shard(rank), modes=("single", "fsdp"), world_sizes=(4,))
+    [fsdp] = report.runs[1:]
+    assert fsdp.status == "diverged", report.render()
+    [cause] = [n for n in fsdp.notes if n.startswith(("likely cause", "candidate causes"))]
+    assert f"on rank(s) [{rank}] only: parameters changed there outside the optimizer" in cause, cause

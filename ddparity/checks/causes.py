@@ -200,6 +200,22 @@ def per_shard_denominator(ratio: float | None, factor: float | None, world_size:
             f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
 
 
+def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int]) -> str:
+    """The parameters differ first (on ``ranks``), after a step whose every module's output
+    and gradient agreed with the reference on every rank: the update itself differs."""
+    head = (f"candidate causes: at step {step} every gradient agrees and the parameters differ after the optimizer "
+            f"step, so the update itself differs")
+    if 0 < len(ranks) < world_size:
+        return (f"{head}, on rank(s) {ranks} only: parameters changed there outside the optimizer (a nudge, a clamp, "
+                f"an update written by hand on some ranks), or an optimizer whose state or settings differ on those "
+                f"ranks")
+    return (f"{head}: a learning rate (or another optimizer setting) that depends on the world size or the rank — the "
+            f"linear scaling rule (lr x world size) among them: ddparity keeps the global batch, so {world_size} "
+            f"{mode.upper()} ranks must train with one device's rate; scale it where the global batch grows, not "
+            f"with the ranks — or parameters changed outside the optimizer (a clamp, an update written by hand) "
+            f"differently than on one device")
+
+
 def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:
     """The uniform gradient scale of :func:`likely_cause` decided by where its step first
     differs (the first differing module's ``phase``): at the loss (every forward agrees and

@@ -13,13 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks.causes import (
-    gathered_on_every_rank,
-    likely_cause,
-    per_shard_denominator,
-    replica_cause,
-    scale_placed,
-)
+from ddparity.checks import causes
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
@@ -187,12 +181,13 @@ class Checking:
         judged = judge_completed(run, records, found)
         params = reference.params
         unsharded = sorted({n for r in runs for n in r.unsharded})
-        cause = (likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
-                              mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling, eps=tol.eps,
-                              gathered=gathered_on_every_rank([r.ledger for r in records.values()], found))
+        cause = (causes.likely_cause(found, ws, params=params, valid=self.valid, layer_types=reference.layer_types,
+                                     mode=run.mode, unsharded=unsharded, loss_scaling=self.loss_scaling, eps=tol.eps,
+                                     gathered=causes.gathered_on_every_rank([r.ledger for r in records.values()],
+                                                                            found))
                  if judged.status == "diverged"
-                 else likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
-                                   hook_collectives=self._hook_collectives(records))
+                 else causes.likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
+                                          hook_collectives=self._hook_collectives(records))
                  if judged.status == "desync" else None)
         if cause:
             judged.notes.append(cause)
@@ -224,11 +219,14 @@ class Checking:
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
         for i, note in enumerate(run.notes):  # where the step first differs decides what the numbers left open
-            run.notes[i] = scale_placed(note, best.phase, best.factor, run.world_size, run.mode) or note
-        if (best.phase == "loss" and d.step == 0 and d.kind == "loss" and kind(run.mode).replicated
-                and not any(n.startswith(("likely cause", "candidate causes")) for n in run.notes)):
-            cause = per_shard_denominator(self.loss_scaling(), best.factor, run.world_size, run.mode)
+            run.notes[i] = causes.scale_placed(note, best.phase, best.factor, run.world_size, run.mode) or note
+        unexplained = not any(n.startswith(("likely cause", "candidate causes")) for n in run.notes)
+        if best.phase == "loss" and d.step == 0 and d.kind == "loss" and kind(run.mode).replicated and unexplained:
+            cause = causes.per_shard_denominator(self.loss_scaling(), best.factor, run.world_size, run.mode)
             run.notes += [cause] if cause else []
+        elif not best.found and d.kind == "param" and unexplained:
+            ranks = sorted({x.rank for x in found if x.step == d.step and x.kind == "param"})
+            run.notes.append(causes.after_the_gradients(d.step, run.world_size, run.mode, ranks))
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:
@@ -267,7 +265,7 @@ class Checking:
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
         if tol.loose:
             run.notes.append(tol.loose)
-        cause = replica_cause(found, ws, self.valid)
+        cause = causes.replica_cause(found, ws, self.valid)
         if cause:
             run.notes.append(cause)
         return self.localise(_compared_up_to(run, stop), found)
