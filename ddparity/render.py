@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 
 SAID_ONCE = 100
+STEPS_OWN = " (the step's own)"
+"""Said after a collective the training step issued itself, in a profile's per-op lines."""
 MESSAGE_LINES = 8
 """An error message longer than this many lines is cut to its first ones in the text report
 (torch's "Could not run ... with arguments from the 'SparseCPU' backend" lists every dispatch
@@ -321,8 +323,9 @@ def render_profile(label: str, runs: list[WorldProfile], recommendation: str | N
             for c in r.collectives or []:
                 bw = "" if c["busbw_gbps"] is None else f", busbw {c['busbw_gbps']:.3g} GB/s in groups of {c['group_size']}"
                 bw = ", in groups of 1 (nothing crosses a link)" if c["group_size"] == 1 else bw
-                lines.append(f"  {where}: {c['op']}{' (the step' + chr(39) + 's own)' if c.get('step') else ''} "
-                             f"x{c['calls']} a step, {_size(c['bytes'])} in {_ms(c['seconds'])} ms{bw}")
+                own = STEPS_OWN if c.get("step") else ""
+                lines.append(f"  {where}: {c['op']}{own} x{c['calls']} a step, {_size(c['bytes'])} in "
+                             f"{_ms(c['seconds'])} ms{bw}")
         if r.memory_per_rank:
             parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in r.memory_per_rank.items()
                               if k != "activations")
