@@ -345,13 +345,35 @@ def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: st
             f"Case's train_step: ctx.world_size)")
 
 
-def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[int]]) -> str | None:
+def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[int]],
+                  loss_scaling: Callable[[], float | None] | None = None) -> str | None:
     """The likely cause of a DataParallel run's divergence (``replicas``: its devices): the
     model's own loss, a mean over each replica's valid entries, averaged over the replicas
     (``out.loss.mean()`` of what DataParallel gathers) while the entries are not spread evenly
-    over the replicas' chunks of the batch."""
+    over the replicas' chunks; a loss 1/W of one device's (sums averaged, or a division by W:
+    the probe, ``loss_scaling``, decides) or W times it."""
     if not found or replicas < 2 or found[0].kind != "loss" or found[0].step != 0:
         return None
+    rel = found[0].max_rel
+    if abs(rel - (replicas - 1)) <= SIGNATURE_REL_TOL * replicas:
+        return (f"candidate causes: the loss is {replicas}x one device's (relative error {rel:.3g}): the step sums "
+                f"the per-replica losses DataParallel gathers (out.loss.sum() of means over each chunk: take "
+                f".mean()), or multiplies the loss by the world size, which only DDP's average over ranks needs "
+                f"(DataParallel's loss already covers the whole batch: leave it out under DataParallel)")
+    if abs(rel - (1 - 1 / replicas)) <= SIGNATURE_REL_TOL:
+        ratio = loss_scaling() if loss_scaling else None
+        summed = ("the step averages the per-replica losses DataParallel gathers (out.loss.mean()) while each is a "
+                  "sum over its chunk: sum them (out.loss.sum()), or compute the loss from the gathered outputs")
+        divided = ("a loss divided by the world size, which only DDP's average over ranks needs: DataParallel's loss "
+                   "already covers the whole batch; leave the division out under DataParallel")
+        head = f"the loss is 1/{replicas} of one device's (relative error {rel:.3g})"
+        if ratio is not None and abs(ratio - 2) <= PROBE_REL_TOL * 2:
+            return (f"likely cause: {head}: {summed}; evidence: on one device the first batch given twice gives "
+                    f"{ratio:.3g}x its loss (a sum)")
+        if ratio is not None and abs(ratio - 1) <= PROBE_REL_TOL:
+            return (f"likely cause: {head}: {divided}; evidence: on one device the first batch given twice gives "
+                    f"{ratio:.3g}x its loss (a mean)")
+        return f"candidate causes: {head}: {summed}; or {divided}"
     uneven = _uneven_shares(valid, replicas)
     if uneven is None:
         return None

@@ -265,7 +265,7 @@ class Checking:
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
         if tol.loose:
             run.notes.append(tol.loose)
-        cause = causes.replica_cause(found, ws, self.valid)
+        cause = causes.replica_cause(found, ws, self.valid, self.loss_scaling)
         if cause:
             run.notes.append(cause)
         return self.localise(_compared_up_to(run, stop), found)

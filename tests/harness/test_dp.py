@@ -208,3 +208,15 @@ def test_a_mean_over_each_replicas_valid_tokens_is_named_under_dataparallel():
         assert "out.loss.mean() of what DataParallel gathers" in cause and "all-reduce" not in cause, cause
     clean = check(models.mlp_sgd(), modes=("single", "dp"), world_sizes=(2,))
     assert clean.ok and not any(n.startswith("likely cause") for r in clean.runs for n in r.notes)
+
+
+def test_a_loss_at_1_over_w_under_dataparallel_is_told_apart_by_the_probe():
+    """Per-replica sums averaged (the model's own summed loss, .mean()) and a division by W only
+    DDP needs: both leave the loss at 1/W under DataParallel (no cause named before)."""
+    for case, says in ((bugs.own_summed_loss_under_dataparallel(), "the step averages the per-replica losses"),
+                       (bugs.loss_over_world_size_under_dataparallel(), "a loss divided by the world size")):
+        report = check(case, modes=("single", "dp"), world_sizes=(2, 4))
+        assert [r.status for r in report.runs] == ["pass", "diverged", "diverged"], report.render()
+        for run in report.runs[1:]:
+            [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+            assert cause.startswith(f"likely cause: the loss is 1/{run.world_size} of one device's") and says in cause
