@@ -255,15 +255,21 @@ def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:
                f"by the whole batch's count, as transformers' num_items_in_batch is): the loss and every gradient are "
                f"1/{world_size} of the single-device run's, because {mode.upper()} already averages the ranks' "
                f"gradients; drop the division (or multiply such a loss by the world size)")
+    found = f" (the probe found {ratio:.3g}x, neither a sum's 2x nor a mean's 1x)" if ratio is not None else ""
+    return _sum_or_mean(ratio, summed, divided, f"candidate causes, the loss off by exactly 1 - 1/{world_size} = "
+                                                f"{off_by:g} at step 0 fits both{found}: {summed}; or {divided}")
+
+
+def _sum_or_mean(ratio: float | None, summed: str, divided: str, undecided: str) -> str:
+    """``summed`` or ``divided`` as the likely cause where the probe's ``ratio`` (the first
+    batch given twice, on one device) says a sum (2x) or a mean (1x); else ``undecided``."""
     if ratio is not None and abs(ratio - 2) <= PROBE_REL_TOL * 2:
         return (f"likely cause: {summed}; evidence: on one device, the first batch given twice gives {ratio:.3g}x "
                 f"its loss (a sum doubles, a mean stays)")
     if ratio is not None and abs(ratio - 1) <= PROBE_REL_TOL:
         return (f"likely cause: {divided}; evidence: on one device, the first batch given twice gives {ratio:.3g}x "
                 f"its loss (a mean, not a sum: a sum would double)")
-    found = f" (the probe found {ratio:.3g}x, neither a sum's 2x nor a mean's 1x)" if ratio is not None else ""
-    return (f"candidate causes, the loss off by exactly 1 - 1/{world_size} = {off_by:g} at step 0 fits both"
-            f"{found}: {summed}; or {divided}")
+    return undecided
 
 
 def _nothing_reduced(differing: int, params: int, step0: list[tuple[int, int]] | None,
@@ -361,19 +367,13 @@ def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[
                 f".mean()), or multiplies the loss by the world size, which only DDP's average over ranks needs "
                 f"(DataParallel's loss already covers the whole batch: leave it out under DataParallel)")
     if abs(rel - (1 - 1 / replicas)) <= SIGNATURE_REL_TOL:
-        ratio = loss_scaling() if loss_scaling else None
         summed = ("the step averages the per-replica losses DataParallel gathers (out.loss.mean()) while each is a "
                   "sum over its chunk: sum them (out.loss.sum()), or compute the loss from the gathered outputs")
         divided = ("a loss divided by the world size, which only DDP's average over ranks needs: DataParallel's loss "
                    "already covers the whole batch; leave the division out under DataParallel")
         head = f"the loss is 1/{replicas} of one device's (relative error {rel:.3g})"
-        if ratio is not None and abs(ratio - 2) <= PROBE_REL_TOL * 2:
-            return (f"likely cause: {head}: {summed}; evidence: on one device the first batch given twice gives "
-                    f"{ratio:.3g}x its loss (a sum)")
-        if ratio is not None and abs(ratio - 1) <= PROBE_REL_TOL:
-            return (f"likely cause: {head}: {divided}; evidence: on one device the first batch given twice gives "
-                    f"{ratio:.3g}x its loss (a mean)")
-        return f"candidate causes: {head}: {summed}; or {divided}"
+        return _sum_or_mean(loss_scaling() if loss_scaling else None, f"{head}: {summed}", f"{head}: {divided}",
+                            f"candidate causes: {head}: {summed}; or {divided}")
     uneven = _uneven_shares(valid, replicas)
     if uneven is None:
         return None

@@ -134,12 +134,27 @@ def dumps(obj: Any) -> bytes:
     ``sys.modules``) pickled by name. cloudpickle finds them among the submodules that a
     function pickled by value uses (any function of a target file calling
     ``torch.ops.aten...``) and cannot pickle them: ``cannot pickle '_Ops' object``."""
+    import sys
+
+    import cloudpickle
+
+    global _MODULES_SEEN
+    if len(sys.modules) != _MODULES_SEEN:  # a task is submitted per run: scan again only after imports
+        _MODULES_SEEN = len(sys.modules)
+        _module_likes_by_name()
+    return cloudpickle.dumps(obj)
+
+
+_MODULES_SEEN = 0
+"""How many modules :func:`dumps` last looked through."""
+
+
+def _module_likes_by_name() -> None:
+    """Every module subclass in ``sys.modules`` pickled as an import of its name."""
     import copyreg
     import importlib
     import sys
     import types
-
-    import cloudpickle
 
     for name, module in list(sys.modules.items()):
         kind = type(module)
@@ -151,4 +166,3 @@ def dumps(obj: Any) -> bytes:
             continue
         if named:
             copyreg.pickle(kind, lambda m: (importlib.import_module, (m.__name__,)))
-    return cloudpickle.dumps(obj)
