@@ -276,6 +276,22 @@ def test_default_wrapping_takes_the_blocks_inside_containers_and_leaves_shared_p
                                                      "decoder.layers.1", "head"]
 
 
+def test_default_wrapping_takes_a_transformers_models_declared_blocks():
+    """A transformers model names its blocks (``_no_split_modules``): those are wrapped, as
+    accelerate does, the embeddings, final norm and head left to the root. (Mixtral's inner
+    model wrapped whole lost its router logits: the real-models tier.)"""
+    pytest.importorskip("transformers")
+    from ddparity.fixtures import real_models
+    from ddparity.harness.ranks.modes.fsdp import wrapping_units
+
+    for build, blocks in ((real_models.mixtral, ["model.layers.0", "model.layers.1"]),
+                          (real_models.gpt2, ["transformer.h.0", "transformer.h.1"]),
+                          (real_models.bert, ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"])):
+        net = build()
+        units = wrapping_units(net)
+        assert [name for name, m in net.named_modules() if any(m is u for u in units)] == blocks, build
+
+
 @pytest.mark.parametrize("layout", ["module_list", "tied_module_dict", "nested_containers", "shared_embedding"])
 def test_user_layouts_pass_clean_and_catch_a_summed_loss_under_the_default_wrapping(layout):
     """Before the default wrapping looked into containers, every one of these was a CRASH

@@ -41,6 +41,10 @@ to 2 (a sum) or 1 (a mean) to decide (a float32 loss lands within ~1e-6; dropout
 per sample keeps it so)."""
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var")
+OWN_VALID_ENTRIES = ("likely cause: a loss averaged over each rank's own valid entries",
+                     "likely cause: a loss averaged over each replica's own valid entries")
+"""The heads of the per-rank (per-replica) token-mean causes: read from the loss's numbers and
+the batch's padding, contradicted where the loss's own gradient agrees (:mod:`ddparity.checks.placed`)."""
 SAME_FACTOR = "are scaled by the same factor"
 UNIFORM_SCALE_TOL = 1e-2
 """How close every gradient's relative error must be to one another to call it one factor."""
@@ -182,68 +186,6 @@ def _gathered_cause(share: str | None, rel: float, world_size: int, mode: str, s
             f"divided by the world size before backward")
 
 
-def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str) -> str | None:
-    """The loss first differs at step 0, at the loss itself (every module's forward agrees; the
-    gradient backward starts from is ``factor`` x the reference's, not 1/W), and it is a mean
-    (the probe's ``ratio``: 1x for the batch given twice): a mean whose denominator each rank
-    takes from its own shard. None where the probe says otherwise or nothing."""
-    if ratio is None or abs(ratio - 1) > PROBE_REL_TOL:
-        return None
-    if factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL:
-        return None  # 1/W: named by the loss's own signatures
-    by = f" (the gradient backward starts from is {factor:.3g}x the reference's)" if factor is not None else ""
-    return (f"candidate causes: every module's forward agrees and the loss differs{by}, and the loss is a mean (on one "
-            f"device the first batch given twice gives {ratio:.3g}x its loss): a mean whose denominator each rank "
-            f"takes from its own shard — cross_entropy with class weights (weight=...: it divides by the sum of the "
-            f"shard's labels' weights), valid entries counted per rank, a normalisation by a statistic of the "
-            f"shard; {mode.upper()} averages the ranks' means, which is not the mean over the batch: sum the loss "
-            f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
-
-
-def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int]) -> str:
-    """The parameters differ first (on ``ranks``), after a step whose every module's output
-    and gradient agreed with the reference on every rank: the update itself differs."""
-    head = (f"candidate causes: at step {step} every gradient agrees and the parameters differ after the optimizer "
-            f"step, so the update itself differs")
-    if 0 < len(ranks) < world_size:
-        return (f"{head}, on rank(s) {ranks} only: parameters changed there outside the optimizer (a nudge, a clamp, "
-                f"an update written by hand on some ranks), or an optimizer whose state or settings differ on those "
-                f"ranks")
-    return (f"{head}: a learning rate (or another optimizer setting) that depends on the world size or the rank — the "
-            f"linear scaling rule (lr x world size) among them: ddparity keeps the global batch, so {world_size} "
-            f"{mode.upper()} ranks must train with one device's rate; scale it where the global batch grows, not "
-            f"with the ranks — or parameters changed outside the optimizer (a clamp, an update written by hand) "
-            f"differently than on one device")
-
-
-def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:
-    """The uniform gradient scale of :func:`likely_cause` decided by where its step first
-    differs (the first differing module's ``phase``): at the loss (every forward agrees and
-    the gradient backward starts from is already scaled, by ``factor``) the step scaled the
-    loss it gave ``backward()``; in the reduction (every rank's forward and backward agree
-    with the reference's rows) a comm hook or the step scaled the gradients after backward.
-    None where ``cause`` is not that signature or the place decides nothing."""
-    if not cause.startswith("likely cause: ") or SAME_FACTOR not in cause or phase not in ("loss", "reduction"):
-        return None
-    head = cause[:cause.index(")") + 1]  # likely cause: all 6 gradients are scaled ... (relative error ..., the loss matches)
-    name = mode.upper()
-    if phase == "loss":
-        by = f" ({factor:.3g}x the reference's)" if factor is not None else ""
-        over_w = factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL
-        what = (f"a loss divided by the world size before backward ((loss / world_size).backward()), which {name} "
-                f"already averages over the ranks; backward the mean loss itself" if over_w else
-                "a loss scaled before backward(); backward the loss the step returns (a loss scale, such as "
-                "GradScaler's, must be undone before the optimizer steps)")
-        return (f"{head}: the loss the step gave backward() is scaled, not the one it returns: {what}; evidence: "
-                f"every module's forward agrees and the gradient backward starts from (the loss's) differs "
-                f"already{by}")
-    return (f"{head}: the gradients were scaled after every rank's backward, by a comm hook (one that forgets to "
-            f"divide the all-reduced sum by the world size, or scales by another factor) or by the step between "
-            f"backward() and optimizer.step(); divide the sum by the world size once, and scale nothing else; "
-            f"evidence: every rank's forward and backward agree with the reference's rows, the reduced gradients "
-            f"do not")
-
-
 def _loss_one_over_w(world_size: int, mode: str, ratio: float | None) -> str:
     """The loss and the gradients at 1/W of the reference's: a summed loss, or a mean loss
     divided by the world size, as the probe's ``ratio`` says (both candidates without it)."""
@@ -344,7 +286,7 @@ def _uneven_valid_entries(valid: dict[str, list[int]], world_size: int, mode: st
     if uneven is None:
         return None
     path, shown = uneven
-    return (f"likely cause: a loss averaged over each rank's own valid entries: {path} has {shown} valid "
+    return (f"{OWN_VALID_ENTRIES[0]}: {path} has {shown} valid "
             f"entries on the ranks' shards (labels not -100, mask ones), and {mode.upper()} averages the ranks' means, "
             f"which is not the mean over the batch; sum the loss, divide by the count of the whole batch "
             f"(all-reduce it; transformers: num_items_in_batch) and multiply by the world size (in a "
@@ -378,7 +320,7 @@ def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[
     if uneven is None:
         return None
     path, shown = uneven
-    return (f"likely cause: a loss averaged over each replica's own valid entries: {path} has {shown} valid entries "
+    return (f"{OWN_VALID_ENTRIES[1]}: {path} has {shown} valid entries "
             f"in the replicas' chunks of the batch (labels not -100, mask ones), and the mean of the replicas' losses "
             f"(out.loss.mean() of what DataParallel gathers) is not the mean over the batch; compute the loss from "
             f"the gathered outputs (logits) outside the model, or have each replica sum its loss and divide the "

@@ -10,7 +10,8 @@ rounding. The reference is therefore run a second time, as a *calibration twin*:
   misuse is *not* absorbed into the floor), summed in another order;
 * in float32 and float64, on a batch moved by an ulp of each element (the last bits
   kernels of another batch size change, which a cancelled sum is made of alone:
-  :func:`~ddparity.harness.ranks.modes.twin.jittered`);
+  :func:`~ddparity.harness.ranks.modes.twin.jittered`), or, for token ids, on the rows the
+  embeddings look up (:func:`~ddparity.harness.ranks.modes.twin.jitter_embeddings`);
 * with every gradient nudged towards zero, before each optimizer step, by the rounding a
   W-rank run may add: W ulps of the size of its summands (per-sample gradients through
   ``torch.func``, or per-shard ones where those are not defined). Rounding a sum scales

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.case import Case
-from ddparity.checks import causes
+from ddparity.checks import causes, placed
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
@@ -218,15 +218,8 @@ class Checking:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
-        for i, note in enumerate(run.notes):  # where the step first differs decides what the numbers left open
-            run.notes[i] = causes.scale_placed(note, best.phase, best.factor, run.world_size, run.mode) or note
-        unexplained = not any(n.startswith(("likely cause", "candidate causes")) for n in run.notes)
-        if best.phase == "loss" and d.step == 0 and d.kind == "loss" and kind(run.mode).replicated and unexplained:
-            cause = causes.per_shard_denominator(self.loss_scaling(), best.factor, run.world_size, run.mode)
-            run.notes += [cause] if cause else []
-        elif not best.found and d.kind == "param" and unexplained:
-            ranks = sorted({x.rank for x in found if x.step == d.step and x.kind == "param"})
-            run.notes.append(causes.after_the_gradients(d.step, run.world_size, run.mode, ranks))
+        run.notes = placed.reread(run.notes, best, d, found, run.world_size, run.mode, kind(run.mode).replicated,
+                                  self.loss_scaling)
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ddparity.checks.causes import scale_placed
 from ddparity.checks.equivalence import divergences, worst
+from ddparity.checks.placed import scale_placed
 from ddparity.checks.tolerance import compiled_tolerance
 from ddparity.compile_spec import CompileSpec, CompileSummary
 from ddparity.distances import Distances, Reference

@@ -120,7 +120,7 @@ def test_where_a_step_first_differs_decides_a_uniform_gradient_scale():
     """The numbers alone (every gradient off by one factor, the loss matching) fit a loss
     divided before backward() and a comm hook that scales; the first differing place
     decides: at the loss, the step; in the reduction, after every rank's backward."""
-    from ddparity.checks.causes import scale_placed
+    from ddparity.checks.placed import scale_placed
 
     cause = ("likely cause: all 6 gradients are scaled by the same factor (relative error 0.5 in each, the loss "
              "matches) (an unaveraged sum is off by 1, a double division by 0.5): a comm hook or step that scales")

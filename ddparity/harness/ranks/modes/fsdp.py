@@ -179,8 +179,16 @@ def default_wrapping(model: Any, mesh: Any) -> None:
 
 
 def wrapping_units(model: Any) -> list[Any]:
-    """The modules the default wrapping gives a group of their own: each direct child that
-    holds parameters, except that
+    """The modules the default wrapping gives a group of their own.
+
+    A transformers model names its blocks (``_no_split_modules``: ``GPT2Block``,
+    ``MixtralDecoderLayer``): each module of those classes, as accelerate's and TRL's FSDP2
+    wrapping takes them, the rest (embeddings, final norm, head) left to the root. Wrapping
+    such a model's inner ``MixtralModel`` whole swaps its class (``FSDPMixtralModel``), and
+    transformers' output capture, keyed on the class, then records no router logits: the
+    model's own loss raised.
+
+    Otherwise each direct child that holds parameters, except that
 
     * a container without a ``forward`` of its own (``ModuleList``, ``ModuleDict``: nanoGPT's
       ``transformer``, torchtitan's ``layers``) is looked into, its children taken instead
@@ -189,12 +197,20 @@ def wrapping_units(model: Any) -> list[Any]:
       embedding shared by encoder and decoder) is looked into too, and a parameter so shared
       is left to the root's group: one FSDP group may manage a parameter, never two.
     """
-    from torch import nn
-
     seen_names: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         seen_names[id(p)] = seen_names.get(id(p), 0) + 1
     shared = {pid for pid, count in seen_names.items() if count > 1}
+    declared = {str(name) for name in getattr(model, "_no_split_modules", None) or ()}
+    blocks = _units(model, shared, declared) if declared else []
+    return blocks or _units(model, shared, set())
+
+
+def _units(model: Any, shared: set[int], declared: set[str]) -> list[Any]:
+    """:func:`wrapping_units` by ``declared`` block classes (by name), or by children where
+    none are declared."""
+    from torch import nn
+
     units: list[Any] = []
     taken: set[int] = set()
 
@@ -206,11 +222,12 @@ def wrapping_units(model: Any) -> list[Any]:
             params = list(child.parameters())
             if not params:
                 continue
-            container = type(child).forward is nn.Module.forward  # ModuleList, ModuleDict, a bare Module
-            if container or any(id(p) in shared for p in params):
-                visit(child)
-            else:
+            whole = (type(child).__name__ in declared if declared
+                     else type(child).forward is not nn.Module.forward)  # not ModuleList, ModuleDict, a bare Module
+            if whole and not any(id(p) in shared for p in params):
                 units.append(child)
+            else:
+                visit(child)
 
     visit(model)
     return units

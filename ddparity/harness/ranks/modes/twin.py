@@ -49,6 +49,14 @@ class TwinMode(SingleMode):
         super().__post_init__()
         self._batch: Any = None
         self._scales: tuple[Any, dict] | None = None
+        self._jitter_rows = False
+        """Whether the embeddings' rows are jittered now (the step's own passes, not the
+        summands' measurement)."""
+
+    def wrap(self, model: Any) -> Any:
+        if self.twin_world_size > 1 and self.dtype is not None:
+            jitter_embeddings(model, self.dtype, lambda: self._jitter_rows)
+        return model
 
     def share(self, batch: Any, size: int | None) -> Any:
         if not (self.twin_world_size and size):
@@ -64,6 +72,7 @@ class TwinMode(SingleMode):
         if ws <= 1:
             return
         if replica.case.train_step is None:
+            self._jitter_rows = False
             with suspended():
                 self._scales = self._magnitudes(replica)
         dtype = lowest_precision(replica.case.torch_dtype, replica.precision.dtype if replica.precision else None)
@@ -109,6 +118,7 @@ class TwinMode(SingleMode):
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._batch = batch
+        self._jitter_rows = True
         finish_step(replica, step, *record_step(step, replica, batch))
 
 
@@ -148,6 +158,31 @@ def jittered(batch: Any, dtype: Any) -> Any:
         return t + t * torch.finfo(dtype).eps * signs * (t != t.round())
 
     return map_tensors(batch, nudge, samples=lambda s: Samples(map_tensors(s.items, nudge)))
+
+
+def jitter_embeddings(model: Any, dtype: Any, on: Any) -> None:
+    """The rows every embedding of ``model`` looks up, moved by an ulp while ``on()``: the
+    twin's :func:`jittered` for a batch of token ids (whole numbers, which it leaves as they
+    are), whose floating-point input is the rows. Without it, a gradient that is a cancelled
+    sum downstream of the tokens (Mixtral's router with one expert per token: a weight
+    normalised by itself, analytically 1) came bit for bit the reference's in the twin, and a
+    correct 2-rank run differed by 60% of it. The signs alternate along the last dimension:
+    no random draw (the per-sample pass is vmapped; the reference's streams stay its own)."""
+    import torch
+    from torch import nn
+
+    if torch.finfo(dtype).eps > 1e-6:
+        return
+
+    def nudge(module: Any, args: Any, output: Any) -> Any:
+        if not on() or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        signs = (torch.arange(output.shape[-1], device=output.device) % 2).to(output.dtype) * 2 - 1
+        return output + output * torch.finfo(output.dtype).eps * signs
+
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            module.register_forward_hook(nudge)
 
 
 @contextlib.contextmanager

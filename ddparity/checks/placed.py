@@ -1,0 +1,131 @@
+"""Causes decided by *where* a run's first differing step first differs (the localisation's
+:class:`~ddparity.verdicts.ModuleFinding`), where the numbers alone (:mod:`ddparity.checks.causes`)
+fit more than one story or none:
+
+* every gradient off by one factor: scaled before ``backward()`` (the gradient backward starts
+  from differs already) or after it (every rank's forward and backward agree: a comm hook);
+* a loss that differs at the loss itself and is a mean: a denominator taken from each shard
+  (class-weighted cross-entropy);
+* the parameters differing first, every gradient agreeing: the update (lr x W, a hand-written
+  nudge on some ranks);
+* the loss's own gradient agreeing and a module inside the model adding what differs: a loss
+  term computed there from each rank's shard (a mixture-of-experts load-balancing loss), which
+  contradicts a per-rank token mean read from the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddparity.checks.causes import OWN_VALID_ENTRIES, PROBE_REL_TOL, SAME_FACTOR, SIGNATURE_REL_TOL
+from ddparity.verdicts import Divergence, ModuleFinding
+
+INPUT_GRADIENT = "input gradient"
+"""A backward finding's ``differs`` where the module's output gradient agrees."""
+
+
+def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list[Divergence], world_size: int,
+           mode: str, replicated: bool, loss_scaling: Callable[[], float | None]) -> list[str]:
+    """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
+    ``best``: a cause the place decides (a scale before or after backward), a cause the place
+    contradicts replaced, and, where nothing named a cause, the one the place names."""
+    notes = [scale_placed(n, best.phase, best.factor, world_size, mode) or n for n in notes]
+    inside = entered_inside(best, first, mode)
+    if inside is not None:
+        notes = [inside if n.startswith(OWN_VALID_ENTRIES) else n for n in notes]
+    if any(n.startswith(("likely cause", "candidate causes")) for n in notes):
+        return notes
+    if best.phase == "loss" and first.step == 0 and first.kind == "loss" and replicated:
+        cause = per_shard_denominator(loss_scaling(), best.factor, world_size, mode)
+        return notes + ([cause] if cause else [])
+    if not best.found and first.kind == "param":
+        ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
+        return notes + [after_the_gradients(first.step, world_size, mode, ranks)]
+    return notes + ([inside] if inside is not None else [])
+
+
+def entered_inside(best: ModuleFinding, first: Divergence, mode: str) -> str | None:
+    """The step first differs inside the model (``best``: backward, a module whose output
+    gradient agrees and whose input gradient differs, every module nearer the loss agreeing):
+    the loss's own gradient is the reference's, so what differs is added on the way — a term of
+    the loss computed inside that module from each rank's shard alone (where the loss differs
+    too, at step 0: the likely cause), or that module's backward itself. None elsewhere."""
+    if best.phase != "backward" or best.differs != INPUT_GRADIENT or best.agrees_ok is not True:
+        return None
+    where = f"{best.module} ({best.type})" if best.type else best.module
+    term = (f"a term of the loss computed inside {where} that {mode.upper()} does not train as one device does: "
+            f"an auxiliary loss (a mixture-of-experts load-balancing loss: transformers' output_router_logits, "
+            f"router_aux_loss_coef; a regulariser over the batch) computed from each rank's own shard, or multiplied "
+            f"by the world size along with the loss it is added to (transformers' Trainer scales the model's whole "
+            f"loss, auxiliary term included, by the number of processes when it averages tokens across devices); "
+            f"scale only the loss normalised over the global batch by the world size, and compute the term's "
+            f"statistics over the whole batch (all-reduce them) if the objective must be one device's, or check "
+            f"the model without the term")
+    evidence = (f"evidence: the gradient backward starts from, and every module's output gradient down to {where}, "
+                f"agree with the reference's; its input gradient differs")
+    if first.kind == "loss" and first.step == best.step == 0:
+        return f"likely cause: {term}; {evidence}, and so does the loss"
+    return (f"candidate causes: {term}; or a backward of {where} that differs from one device's (a backward hook "
+            f"or custom autograd function that scales or depends on the rank or world size); {evidence}")
+
+
+def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, mode: str) -> str | None:
+    """The uniform gradient scale of :func:`likely_cause` decided by where its step first
+    differs (the first differing module's ``phase``): at the loss (every forward agrees and
+    the gradient backward starts from is already scaled, by ``factor``) the step scaled the
+    loss it gave ``backward()``; in the reduction (every rank's forward and backward agree
+    with the reference's rows) a comm hook or the step scaled the gradients after backward.
+    None where ``cause`` is not that signature or the place decides nothing."""
+    if not cause.startswith("likely cause: ") or SAME_FACTOR not in cause or phase not in ("loss", "reduction"):
+        return None
+    head = cause[:cause.index(")") + 1]  # likely cause: all 6 gradients are scaled ... (relative error ..., the loss matches)
+    name = mode.upper()
+    if phase == "loss":
+        by = f" ({factor:.3g}x the reference's)" if factor is not None else ""
+        over_w = factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL
+        what = (f"a loss divided by the world size before backward ((loss / world_size).backward()), which {name} "
+                f"already averages over the ranks; backward the mean loss itself" if over_w else
+                "a loss scaled before backward(); backward the loss the step returns (a loss scale, such as "
+                "GradScaler's, must be undone before the optimizer steps)")
+        return (f"{head}: the loss the step gave backward() is scaled, not the one it returns: {what}; evidence: "
+                f"every module's forward agrees and the gradient backward starts from (the loss's) differs "
+                f"already{by}")
+    return (f"{head}: the gradients were scaled after every rank's backward, by a comm hook (one that forgets to "
+            f"divide the all-reduced sum by the world size, or scales by another factor) or by the step between "
+            f"backward() and optimizer.step(); divide the sum by the world size once, and scale nothing else; "
+            f"evidence: every rank's forward and backward agree with the reference's rows, the reduced gradients "
+            f"do not")
+
+
+def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str) -> str | None:
+    """The loss first differs at step 0, at the loss itself (every module's forward agrees; the
+    gradient backward starts from is ``factor`` x the reference's, not 1/W), and it is a mean
+    (the probe's ``ratio``: 1x for the batch given twice): a mean whose denominator each rank
+    takes from its own shard. None where the probe says otherwise or nothing."""
+    if ratio is None or abs(ratio - 1) > PROBE_REL_TOL:
+        return None
+    if factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL:
+        return None  # 1/W: named by the loss's own signatures
+    by = f" (the gradient backward starts from is {factor:.3g}x the reference's)" if factor is not None else ""
+    return (f"candidate causes: every module's forward agrees and the loss differs{by}, and the loss is a mean (on one "
+            f"device the first batch given twice gives {ratio:.3g}x its loss): a mean whose denominator each rank "
+            f"takes from its own shard — cross_entropy with class weights (weight=...: it divides by the sum of the "
+            f"shard's labels' weights), valid entries counted per rank, a normalisation by a statistic of the "
+            f"shard; {mode.upper()} averages the ranks' means, which is not the mean over the batch: sum the loss "
+            f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
+
+
+def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int]) -> str:
+    """The parameters differ first (on ``ranks``), after a step whose every module's output
+    and gradient agreed with the reference on every rank: the update itself differs."""
+    head = (f"candidate causes: at step {step} every gradient agrees and the parameters differ after the optimizer "
+            f"step, so the update itself differs")
+    if 0 < len(ranks) < world_size:
+        return (f"{head}, on rank(s) {ranks} only: parameters changed there outside the optimizer (a nudge, a clamp, "
+                f"an update written by hand on some ranks), or an optimizer whose state or settings differ on those "
+                f"ranks")
+    return (f"{head}: a learning rate (or another optimizer setting) that depends on the world size or the rank — the "
+            f"linear scaling rule (lr x world size) among them: ddparity keeps the global batch, so {world_size} "
+            f"{mode.upper()} ranks must train with one device's rate; scale it where the global batch grows, not "
+            f"with the ranks — or parameters changed outside the optimizer (a clamp, an update written by hand) "
+            f"differently than on one device")

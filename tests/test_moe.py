@@ -1,0 +1,62 @@
+"""Mixture-of-experts models (:mod:`ddparity.fixtures.moe`, transformers' Mixtral in the
+real-models tier): a router whose gradient is rounding alone is no divergence, and an
+auxiliary loss that data parallelism trains otherwise is named where it enters the model,
+not read as a per-rank token mean from the batch's padding."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddparity import check
+from ddparity.checks.causes import OWN_VALID_ENTRIES
+from ddparity.checks.placed import reread
+from ddparity.fixtures import moe
+from ddparity.verdicts import Divergence, ModuleFinding
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+INSIDE = "likely cause: a term of the loss computed inside layers.1 (Experts)"
+
+
+def test_a_router_whose_gradient_is_a_cancelled_sum_passes():
+    """One expert per token, renormalised: the router's gradient is analytically 0. A correct
+    run's kernels of another batch size change its rounding by ~100%; the twin, given token
+    ids it cannot jitter, computed it bit for bit before the embeddings' rows were jittered
+    (then: diverged at 2 and 4 ranks, ddp and fsdp)."""
+    report = check(moe.top1_clean(), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert report.ok, report.render()
+
+
+@pytest.mark.parametrize(("fixture", "modes"), [("aux_per_rank", ("ddp", "fsdp")),
+                                                ("aux_scaled_with_the_loss", ("ddp",))])
+def test_an_auxiliary_loss_is_named_where_it_enters_not_read_from_the_padding(fixture, modes):
+    report = check(getattr(moe, fixture)(), modes=modes, world_sizes=(2, 4))
+    for run in report.runs[1:]:
+        d = run.first_divergence
+        assert run.status == "diverged" and d.step == 0 and d.kind == "loss", report.render()
+        assert d.max_abs >= 100 * d.tolerance, (run.mode, run.world_size, d)
+        assert d.module.phase == "backward" and d.module.module == "layers.1", d.module
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith(INSIDE) and f"that {run.mode.upper()} does not train" in cause, cause
+        assert "transformers' Trainer scales the model's whole loss" in cause
+
+
+def test_the_place_replaces_a_per_rank_token_mean_it_contradicts():
+    """The padding alone (uneven valid entries) names a per-rank token mean; where the loss's own
+    gradient agrees and a module inside adds what differs, that cause is replaced. A module
+    whose *output* gradient differs (the loss's own, computed inside a transformers model)
+    leaves it standing."""
+    padding = f"{OWN_VALID_ENTRIES[0]}: batch['labels'] has 78, 81 valid entries on the ranks' shards"
+    first = Divergence(step=0, kind="loss", name="loss", rank=0, max_abs=1e-3, max_rel=1e-4, tolerance=1e-5)
+    inside = ModuleFinding(step=0, rank=0, phase="backward", module="model.layers.1", type="MixtralDecoderLayer",
+                           differs="input gradient", agrees="output gradient", agrees_error=0.0, agrees_ok=True)
+    [note] = reread([padding], inside, first, [first], 2, "ddp", True, lambda: 1.0)
+    assert note.startswith("likely cause: a term of the loss computed inside model.layers.1 (MixtralDecoderLayer)")
+    assert note.endswith("its input gradient differs, and so does the loss")
+    at_head = ModuleFinding(step=0, rank=0, phase="backward", module="lm_head", type="Linear",
+                            differs="output gradient")
+    assert reread([padding], at_head, first, [first], 2, "ddp", True, lambda: 1.0) == [padding]
+    grad_first = Divergence(step=0, kind="grad", name="w", rank=0, max_abs=1e-3, max_rel=1e-4, tolerance=1e-5)
+    [candidates] = reread([], inside, grad_first, [grad_first], 2, "fsdp", True, lambda: 1.0)
+    assert candidates.startswith("candidate causes: a term of the loss computed inside model.layers.1")
+    assert "or a backward of model.layers.1 (MixtralDecoderLayer) that differs" in candidates
