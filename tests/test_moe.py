@@ -60,3 +60,25 @@ def test_the_place_replaces_a_per_rank_token_mean_it_contradicts():
     [candidates] = reread([], inside, grad_first, [grad_first], 2, "fsdp", True, lambda: 1.0)
     assert candidates.startswith("candidate causes: a term of the loss computed inside model.layers.1")
     assert "or a backward of model.layers.1 (MixtralDecoderLayer) that differs" in candidates
+
+
+def test_experts_idle_on_some_ranks_are_named_under_ddp_and_fsdp():
+    """Experts no token of a shard was routed to are skipped (Switch Transformers' way): DDP's
+    bucket holding them was never all-reduced on that rank while others waited in it (gloo
+    then aborted every rank on a size mismatch: a crash quoting gloo), and FSDP2
+    reduce-scattered other sizes (a desync, no cause). Now: the rank that reached
+    optimizer.step() with DDP's reduction unfinished names the parameters and the fix; the
+    FSDP2 desync names the unused parameters and set_reduce_scatter_unused_params."""
+    report = check(moe.idle_experts(), modes=("ddp", "fsdp"), world_sizes=(2, 4), timeout=60)
+    for run in report.runs:
+        if run.mode == "ddp":
+            assert run.status == "crash", report.render()
+            assert "DistributedDataParallel did not all-reduce every gradient of step 0" in run.crash.error
+            assert "layers.0.experts." in run.crash.error and '"find_unused_parameters": True' in run.crash.error
+            continue
+        assert run.status == "desync" and run.desync.step == 0, report.render()
+        [cause] = [n for n in run.notes if n.startswith("likely cause")]
+        assert cause.startswith("likely cause: parameters used on some ranks only: FSDP2 reduce-scattered"), cause
+        assert "set_reduce_scatter_unused_params(True)" in cause
+    found = check(moe.idle_experts(found=True), modes=("single", "ddp"), world_sizes=(2, 4), timeout=60)
+    assert found.ok, found.render()

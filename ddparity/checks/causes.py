@@ -327,8 +327,34 @@ def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[
             f"gathered sum by the whole batch's count")
 
 
+def _unused_on_some_ranks(desync: Desync) -> str | None:
+    """FSDP2's own reduce-scatters of one slot with different sizes on the ranks: FSDP2
+    reduce-scatters only the gradients a rank's backward made, so some parameters took no part
+    in some ranks' loss. None for any other mismatch."""
+    issued = desync.collective.ranks if desync.collective is not None else {}
+    calls = {rank: c.collective for rank, c in issued.items()}
+    if (len(set(calls.values())) < 2 or not all(c.via == "FSDP2" for c in issued.values())
+            or not all(call.startswith("reduce_scatter") for call in calls.values())):
+        return None
+    by_call: dict[str, list[int]] = {}
+    for rank, call in sorted(calls.items()):
+        by_call.setdefault(call, []).append(rank)
+    sizes = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:4]))}"
+                      f"{' ...' if len(ranks) > 4 else ''}: {call}" for call, ranks in list(by_call.items())[:3])
+    return (f"likely cause: parameters used on some ranks only: FSDP2 reduce-scattered gradients of different sizes "
+            f"({sizes}), as it reduces only the gradients this rank's backward made; parameters that took no part "
+            f"in some ranks' loss (mixture-of-experts experts no token of a shard was routed to, a branch the data "
+            f"picks) leave them out there. Have FSDP2 reduce zeros for them: model.set_reduce_scatter_unused_params"
+            f"(True) on the sharded root, in Case.fsdp here and after fully_shard in your training (torch's "
+            f"counterpart of DDP's find_unused_parameters; a parameter no rank used then gets a zero gradient "
+            f"where one device has none, which AdamW's weight decay and moments still act on); or make every "
+            f"parameter take part in every rank's loss")
+
+
 def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int, int]] | None],
                   hook_collectives: int | None = None) -> str | None:
+    if desync.collective is not None:
+        return _unused_on_some_ranks(desync)
     if desync.differs is None:
         return None
     differing = [d for d in desync.differs if d.startswith("param ")]

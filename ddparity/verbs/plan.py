@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from ddparity.case import Case
+from ddparity.checks.causes import likely_cause
 from ddparity.checks.judge import judge_failure
 from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.frames import own_error_site, without_package_frames
@@ -135,7 +136,10 @@ def failure(exc: BaseException) -> Failure:
 def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
     """A check's run at ``ws`` that ``exc`` ended (see :func:`failure`)."""
     run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
-    return run.failed(failure(exc))
+    run = run.failed(failure(exc))
+    cause = likely_cause([], ws, run.desync) if run.desync is not None else None
+    run.notes += [cause] if cause else []
+    return run
 
 
 # -- reproduce lines ---------------------------------------------------------------------

@@ -82,6 +82,9 @@ class DDPMode:
 
     def before_optimizer(self, replica: Replica) -> None:
         self.recorder.set_phase(self._step, "optimizer")
+        unreduced = unreduced_parameters(self._ddp, self._step, self.rank)
+        if unreduced is not None:
+            raise RuntimeError(unreduced)
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._step = step
@@ -107,6 +110,38 @@ def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
 
     device_ids = [torch.device(device).index] if device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids, **(options or {}))
+
+
+def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
+    """Where this rank reached ``optimizer.step()`` with DDP's reduction unfinished (DDP's own
+    local check: a bucket never all-reduced) because some parameters got no gradient in its
+    backward, the parameters and the fix, in words; None otherwise. Parameters unused on some
+    ranks only (experts no token of a shard was routed to) leave the other ranks waiting in
+    that bucket's all-reduce: a hang, or the next collective mismatched (gloo aborted every
+    rank on "Received data size doesn't match"), in training as here."""
+    if ddp is None or not ddp.require_backward_grad_sync:
+        return None
+    try:
+        ddp._check_reducer_finalized()
+        return None
+    except RuntimeError:
+        pass
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    wanted = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    missing = [n for n, p in wanted if p.grad is None]
+    if not missing or len(missing) == len(wanted):  # no backward at all: not this cause
+        return None
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (f"DistributedDataParallel did not all-reduce every gradient of step {step} on rank {rank}: "
+            f"{len(missing)} parameter(s) received no gradient in this rank's backward ({shown}). They took no "
+            f"part in this rank's loss (parameters that some batches use and others do not, such as "
+            f"mixture-of-experts experts no token of this shard was routed to, or a branch the data picks), and DDP "
+            f"all-reduces a bucket only once every parameter in it has its gradient: this rank never sent that "
+            f"bucket, and ranks whose batch used them wait for it (in training: a hang, or the next collective "
+            f"mismatched; where no rank used them, DDP raises at the next forward). Let DDP find them: Case(ddp_options={{\"find_unused_parameters\": True}}) here, "
+            f"DistributedDataParallel(model, find_unused_parameters=True) in your training; or make every "
+            f"parameter take part in every rank's loss (or remove the unused ones, or set requires_grad=False on "
+            f"frozen ones)")
 
 
 def unused_parameters(ddp: Any, error: str) -> str | None:
