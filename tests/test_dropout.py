@@ -4,9 +4,10 @@ rank, so a dropout model is compared as sharply as one without; other random dra
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
-from ddparity import check
-from ddparity.fixtures import dropout
+from ddparity import Case, check
+from ddparity.fixtures import dropout, models
 from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
 from ddparity.harness.ranks.modes.single import SingleMode
@@ -87,9 +88,17 @@ def test_the_twin_draws_the_same_masks_in_reversed_order():
     assert grads and max(grads.values()) < 1e-5, grads
 
 
-@pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn_like"),
+def _nested_noise() -> Case:
+    return Case(model=lambda: nn.Sequential(nn.Linear(16, 16), dropout.NoisyInput()), data=models.vectors, steps=2,
+                name="random: noise in a submodule's forward")
+
+
+@pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn_like in the model (NoisyInput)"),
+                                         (_nested_noise, "aten.randn_like in module 1 (NoisyInput)"),
                                          (dropout.rrelu, "aten.rrelu_with_noise")])
 def test_other_random_draws_are_named_and_never_a_pass(factory, op):
+    """Named by op and by the module whose forward drew (Switch Transformers' router jitter:
+    "aten.uniform_ x2 in modules encoder.block.1.layer.1.mlp.router, ...")."""
     report = check(factory(), world_sizes=(2,))
     assert report.exit_code == 2, report.render()
     assert all(r.status == "error" for r in report.runs)

@@ -22,23 +22,45 @@ class RandomDraws:
 
     def __init__(self, name: bool = False) -> None:
         self.found: dict[str, int] = {}
+        self.callers: dict[str, list[Any]] = {}
+        """Per op named: the innermost modules whose forward drew it, in order (None: outside any)."""
         self.moved = False
-        self._mode: Any = _NamingMode(self.found) if name else contextlib.nullcontext()
+        self._calls = ModuleCalls() if name else None
+        self._mode: Any = (_NamingMode(self.found, self.callers, self._calls) if self._calls is not None
+                           else contextlib.nullcontext())
 
     def __enter__(self) -> RandomDraws:
         self._before = _generator_states()
+        if self._calls is not None:
+            self._calls.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+        if self._calls is not None:
+            self._calls.__exit__(*exc)
         self.moved = any(not a.equal(b) for a, b in zip(self._before, _generator_states()))
 
     def raise_if_any(self, step: int, model: Any = None) -> None:
         if not self.moved:
             return
-        ops = ", ".join(f"aten.{name}" + (f" x{n}" if n > 1 else "") for name, n in sorted(self.found.items()))
+        names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+
         layers = unaligned_layers(model) if model is not None else []
+
+        def caller(op: str) -> str:
+            found = [m for m in self.callers.get(op, []) if m is not None and id(m) in names]
+            if not found or layers:  # the layers' own line says where, and why
+                return ""
+            kinds = ", ".join(dict.fromkeys(type(m).__name__ for m in found))
+            if any(not names[id(m)] for m in found):
+                return f" in the model ({kinds})"
+            shown = ", ".join(names[id(m)] for m in found[:3]) + (" ..." if len(found) > 3 else "")
+            return f" in module{'s' if len(found) > 1 else ''} {shown} ({kinds})"
+
+        ops = ", ".join(f"aten.{name}" + (f" x{n}" if n > 1 else "") + caller(name)
+                        for name, n in sorted(self.found.items()))
         where = f" in {', '.join(layers)}" if layers else ""
         raise CaseError(
             f"the training step draws random numbers from torch's generator at step {step} ({ops or 'an op'}){where}, "
@@ -81,22 +103,59 @@ def _naming_mode_class() -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class NamingMode(TorchDispatchMode):
-        def __init__(self, found: dict[str, int]) -> None:
+        def __init__(self, found: dict[str, int], callers: dict[str, list[Any]], calls: ModuleCalls) -> None:
             super().__init__()
-            self.found = found
+            self.found, self.callers, self.calls = found, callers, calls
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
             if _may_draw(func, args, kwargs):
                 name = func.overloadpacket.__name__
                 self.found[name] = self.found.get(name, 0) + 1
+                where = self.callers.setdefault(name, [])
+                if not any(m is self.calls.innermost() for m in where):
+                    where.append(self.calls.innermost())
             return func(*args, **kwargs)
 
     return NamingMode
 
 
-def _NamingMode(found: dict[str, int]) -> Any:  # noqa: N802 - reads as the class it makes
-    return _naming_mode_class()(found)
+def _NamingMode(found: dict[str, int], callers: dict[str, list[Any]], calls: ModuleCalls) -> Any:  # noqa: N802
+    return _naming_mode_class()(found, callers, calls)
+
+
+class ModuleCalls:
+    """The modules whose forward this thread is inside, innermost last, while active (global
+    forward hooks: only in the naming pass, which explains a draw already found)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+
+    def innermost(self) -> Any:
+        return self.stack[-1] if self.stack else None
+
+    def __enter__(self) -> ModuleCalls:
+        import threading
+
+        from torch.nn.modules import module
+
+        thread = threading.get_ident()
+
+        def enter(m: Any, args: Any) -> None:
+            if threading.get_ident() == thread:
+                self.stack.append(m)
+
+        def leave(m: Any, args: Any, out: Any) -> None:
+            if threading.get_ident() == thread and self.stack and self.stack[-1] is m:
+                self.stack.pop()
+
+        self._handles = [module.register_module_forward_pre_hook(enter),
+                         module.register_module_forward_hook(leave, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
