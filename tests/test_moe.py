@@ -82,3 +82,16 @@ def test_experts_idle_on_some_ranks_are_named_under_ddp_and_fsdp():
         assert "set_reduce_scatter_unused_params(True)" in cause
     found = check(moe.idle_experts(found=True), modes=("single", "ddp"), world_sizes=(2, 4), timeout=60)
     assert found.ok, found.render()
+
+
+def test_a_routing_loop_that_compiles_nothing_is_skipped_naming_the_dynamo_setting():
+    """Routing by torch.nonzero breaks Dynamo's graph inside the experts' loop ("Dynamic shape
+    operator"), so the whole forward ran eagerly: skipped, not passed, and the reason names the
+    setting that traces it (with it set in the model factory the same check compiles 160 ops
+    and passes in single, ddp and fsdp: tried by hand, as a set flag outlives a warm world)."""
+    report = check(moe.top2_clean(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager", timeout=300)
+    compiled = [r for r in report.runs if r.compile is not None]
+    assert [r.status for r in compiled] == ["skipped", "skipped"], report.render()
+    for run in compiled:
+        assert "a graph break inside a loop of your forward" in run.reason, run.reason
+        assert "torch._dynamo.config.capture_dynamic_output_shape_ops = True" in run.reason

@@ -42,6 +42,17 @@ NOTHING_COMPILED_SHARDED = (
     "or a bare nn.Sequential's forward, which Dynamo does not trace on its own, or a frame it ran eagerly after a "
     "break inside a loop (the graph breaks noted say where); shard blocks of your own with a forward (Case.fsdp), "
     "or check compiled under ddp)")
+LOOP_BREAK = "ran eagerly: a graph break inside its loop"
+"""How a graph-break note says Dynamo ran a frame of the user's eagerly (``compiling``)."""
+DYNAMIC_SHAPE_BREAK = "Dynamic shape operator"
+"""Dynamo's graph-break reason for an op whose output shape depends on the data (``nonzero``)."""
+NOTHING_COMPILED_LOOP = (
+    "not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so this run compared "
+    "no compiled code and says nothing about compiled training (a graph break inside a loop of your forward made "
+    "Dynamo run the whole frame eagerly: the graph breaks noted say where")
+DYNAMIC_SHAPES = ("; an op whose output's shape depends on the data, such as torch.nonzero or a boolean mask (a "
+                  "mixture of experts' routing), is traced with torch._dynamo.config.capture_dynamic_output_shape_ops "
+                  "= True)")
 LIKELY = "likely cause: "
 SPLIT_SHOWN = 8
 """Bucket sizes listed in a note before ``...``."""
@@ -181,6 +192,8 @@ def compared_nothing(run: RunResult) -> RunResult:
     if run.compile is None or run.compile.get("ops") != 0:
         return run
     why = NOTHING_COMPILED_SHARDED if kind(run.mode).sharded else NOTHING_COMPILED
+    if not kind(run.mode).sharded and any(LOOP_BREAK in n for n in run.notes):
+        why = NOTHING_COMPILED_LOOP + (DYNAMIC_SHAPES if any(DYNAMIC_SHAPE_BREAK in n for n in run.notes) else ")")
     if run.status == "pass":
         run.status, run.reason = "skipped", why
     else:
