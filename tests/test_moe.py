@@ -60,6 +60,8 @@ def test_the_place_replaces_a_per_rank_token_mean_it_contradicts():
     [candidates] = reread([], inside, grad_first, [grad_first], 2, "fsdp", True, lambda: 1.0)
     assert candidates.startswith("candidate causes: a term of the loss computed inside model.layers.1")
     assert "or a backward of model.layers.1 (MixtralDecoderLayer) that differs" in candidates
+    [replicas] = reread([], inside, first, [first], 2, "dp", True, lambda: 1.0)  # Qwen2-MoE under DataParallel
+    assert "that DataParallel does not train" in replicas and "computed from each replica's own chunk" in replicas
 
 
 def test_experts_idle_on_some_ranks_are_named_under_ddp_and_fsdp():

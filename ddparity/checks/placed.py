@@ -53,9 +53,10 @@ def entered_inside(best: ModuleFinding, first: Divergence, mode: str) -> str | N
     if best.phase != "backward" or best.differs != INPUT_GRADIENT or best.agrees_ok is not True:
         return None
     where = f"{best.module} ({best.type})" if best.type else best.module
-    term = (f"a term of the loss computed inside {where} that {mode.upper()} does not train as one device does: "
+    name, part = ("DataParallel", "each replica's own chunk") if mode == "dp" else (mode.upper(), "each rank's own shard")
+    term = (f"a term of the loss computed inside {where} that {name} does not train as one device does: "
             f"an auxiliary loss (a mixture-of-experts load-balancing loss: transformers' output_router_logits, "
-            f"router_aux_loss_coef; a regulariser over the batch) computed from each rank's own shard, or multiplied "
+            f"router_aux_loss_coef; a regulariser over the batch) computed from {part}, or multiplied "
             f"by the world size along with the loss it is added to (transformers' Trainer scales the model's whole "
             f"loss, auxiliary term included, by the number of processes when it averages tokens across devices); "
             f"scale only the loss normalised over the global batch by the world size, and compute the term's "
