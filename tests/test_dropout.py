@@ -120,3 +120,23 @@ def test_aligned_dropout_leaves_torch_as_it_was():
     case = dropout.every_dropout()
     train(case, initial_state(case), "cpu", SingleMode(1))
     assert (F.dropout, F.scaled_dot_product_attention) == before
+
+
+def test_stochastic_depth_per_sample_is_aligned_like_dropout():
+    """timm's DropPath and torchvision's stochastic_depth (mode="row") draw one Bernoulli per
+    sample with Tensor.bernoulli_, transformers' ConvNext/Swin/BEiT one uniform per sample with
+    torch.rand: draws ddparity refused (every model with a drop-path rate was an error). Each sample's draw now comes from its own generator, as its dropout masks
+    do: clean passes in every mode with stochastic depth on, a summed loss is still caught at
+    step 0; a draw for the whole batch (mode="batch") stays an error that says which mode is
+    aligned."""
+    clean = check(dropout.stochastic_depth_case(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert clean.ok, clean.render()
+    assert "3 dropout or stochastic-depth draw(s) a step" in clean.runs[0].notes[0]
+    summed = check(dropout.stochastic_depth_case(summed=True), modes=("ddp", "fsdp"), world_sizes=(2, 4))
+    for run in summed.runs:
+        d = run.first_divergence
+        assert run.status == "diverged" and d.step == 0 and d.max_abs > 1e3 * d.tolerance, summed.render()
+    batch = check(dropout.stochastic_depth_case("batch"), modes=("single", "ddp"), world_sizes=(2,))
+    assert all(r.status == "error" for r in batch.runs), batch.render()
+    assert "aten.bernoulli_ in the model (DeepResidual)" in batch.runs[0].reason
+    assert "mode='row') is aligned like dropout, but not a draw for the whole batch" in batch.runs[0].reason

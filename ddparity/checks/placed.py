@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ddparity.checks.causes import OWN_VALID_ENTRIES, PROBE_REL_TOL, SAME_FACTOR, SIGNATURE_REL_TOL
+from ddparity.run_kinds import kind
 from ddparity.verdicts import Divergence, ModuleFinding
 
 INPUT_GRADIENT = "input gradient"
@@ -53,7 +54,8 @@ def entered_inside(best: ModuleFinding, first: Divergence, mode: str) -> str | N
     if best.phase != "backward" or best.differs != INPUT_GRADIENT or best.agrees_ok is not True:
         return None
     where = f"{best.module} ({best.type})" if best.type else best.module
-    name, part = ("DataParallel", "each replica's own chunk") if mode == "dp" else (mode.upper(), "each rank's own shard")
+    name, part = (("DataParallel", "each replica's own chunk") if kind(mode).one_process
+                  else (mode.upper(), "each rank's own shard"))
     term = (f"a term of the loss computed inside {where} that {name} does not train as one device does: "
             f"an auxiliary loss (a mixture-of-experts load-balancing loss: transformers' output_router_logits, "
             f"router_aux_loss_coef; a regulariser over the batch) computed from {part}, or multiplied "

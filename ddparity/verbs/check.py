@@ -178,7 +178,7 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
         locate_compiled(report.runs, lambda run: _search_compiled(pool, checking, spool, run))
     if reference.dropout_calls and report.runs:
         report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
-                                       f"sample ({reference.dropout_calls} dropout call(s) a step)")
+                                       f"sample ({reference.dropout_calls} dropout or stochastic-depth draw(s) a step)")
     return report
 
 

@@ -223,8 +223,9 @@ def dropout_drawn(reference: Reference) -> str | None:
     if not reference.dropout_calls:
         return None
     return (f"not compared compiled: the model draws dropout masks in training ({reference.dropout_calls} dropout "
-            f"call(s) a step), and a compiled run's masks cannot be the eager reference's; check compiled with "
-            f"dropout off (p=0, e.g. a config's dropout set to 0.0), eager runs compare it with dropout on")
+            f"or stochastic-depth draw(s) a step), and a compiled run's masks cannot be the eager reference's; check "
+            f"compiled with dropout off (p=0, e.g. a config's dropout set to 0.0; a drop-path rate of 0), eager runs "
+            f"compare it with dropout on")
 
 
 def refused_run(checking: Checking, spec: CompileSpec, mode: str, ws: int, backend: str, reason: str) -> RunResult:

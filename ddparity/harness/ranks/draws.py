@@ -69,6 +69,10 @@ class RandomDraws:
             f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
             + (" (for these layers: dropout=0 for an RNN's inter-layer dropout, nn.LeakyReLU for RReLU, "
                "_random_samples or a plain pool for a FractionalMaxPool)" if layers else "")
+            + ("; stochastic depth drawn per sample (a (samples, 1, ..., 1) tensor's bernoulli_ or torch.rand: timm's "
+               "DropPath, transformers' drop paths, torchvision's stochastic_depth with mode='row') is aligned like "
+               "dropout, but not a draw for the whole batch (mode='batch') nor one inside an activation-checkpointed "
+               "region (drop_path_rate=0 for the check there)" if {"bernoulli_", "rand"} & set(self.found) else "")
         )
 
 

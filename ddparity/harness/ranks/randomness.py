@@ -10,7 +10,9 @@ dropout of ``scaled_dot_product_attention``, which ``nn.MultiheadAttention``,
 ``nn.TransformerEncoderLayer`` and transformers' attention call) with one whose mask
 for a sample is drawn from a generator seeded by (case seed, step, the dropout's place in
 the forward, the sample's index in the global batch). A sample's mask is therefore the
-same wherever it is trained.
+same wherever it is trained. Stochastic depth drawn per sample (``Tensor.bernoulli_`` or
+``torch.rand`` of a ``(samples, 1, ..., 1)`` tensor) is drawn the same way, outside
+activation checkpointing (whose recompute must repeat torch's own draw).
 
 Which rows of a tensor are which samples: the replica's share of the global batch says
 its samples (all, reversed, a shard); a forward called on a slice of the share (a
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
+from ddparity.harness.ranks.forward_rows import rows_of
+from ddparity.harness.ranks.replays import digest, in_backward, may_be_recomputed, replayed
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -76,7 +80,7 @@ class _Scope:
     """``batch_first`` of the modules the forward is in, innermost last (None: attention)."""
     replays: dict[tuple, list[tuple[Any, int]]] = field(default_factory=dict)
     """The rows and place of each dropout call that activation checkpointing may run again
-    in backward, by a digest of its input (see :func:`_replayed`)."""
+    in backward, by a digest of its input (see :mod:`ddparity.harness.ranks.replays`)."""
 
 
 class AlignedDropout:
@@ -165,46 +169,12 @@ def suspended() -> Iterator[None]:
         _local.scope = scope
 
 
-def _rows_of(scope: _Scope, inputs: list[Any]) -> Any:
-    """The samples of a forward's rows: a slice of the share (matched by the storage it
-    views), or the whole share; None when its inputs say neither."""
-    import torch
-
-    from ddparity.harness.ranks.batches import named_tensors
-
-    if scope.rows is None:
-        return None
-    first = None
-    for _, t in named_tensors(inputs):
-        if not t.dim():
-            continue
-        first = first if first is not None else t
-        for src in scope.sources:
-            if (t.layout == src.layout == torch.strided and t.dim() == src.dim() and t.stride(0) == src.stride(0)
-                    and src.stride(0) and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
-                offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
-                if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(scope.rows):
-                    return scope.rows[offset: offset + t.shape[0]]
-    if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(scope.rows)
-                                               for d in scope.dims):
-        return scope.rows
-    if _holds_sample_list(inputs, len(scope.rows)):  # ddparity.samples(...): one item per row
-        return scope.rows
-    return None
-
-
-def _holds_sample_list(obj: Any, size: int) -> bool:
-    """Whether a forward's arguments hold a list of ``size`` items that hold tensors (the
-    share of a ``ddparity.samples`` list, as the model receives it)."""
-    from ddparity.harness.ranks.batches import named_tensors
-
-    if isinstance(obj, list) and len(obj) == size and all(next(named_tensors(o), None) is not None for o in obj):
-        return True
-    if isinstance(obj, (tuple, list)):
-        return any(_holds_sample_list(o, size) for o in obj)
-    if isinstance(obj, dict):
-        return any(_holds_sample_list(o, size) for o in obj.values())
-    return False
+def _forward_rows(scope: _Scope) -> Any:
+    """The samples of this forward's rows (matched at its first draw, then kept)."""
+    if scope.forward_rows is None and scope.forward_inputs is not None:
+        scope.forward_rows = rows_of(scope.rows, scope.sources, scope.dims, scope.forward_inputs)
+        scope.forward_inputs = None
+    return scope.forward_rows
 
 
 def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
@@ -215,19 +185,16 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
     scope = getattr(_local, "scope", None)
     if scope is None:
         return None
-    replay = _replayed(scope, x)
+    replay = replayed(scope.replays, x)
     if replay is not None:
         rows, place = replay  # activation checkpointing runs a forward's dropout again: its mask
     else:
-        if scope.forward_rows is None and scope.forward_inputs is not None:
-            scope.forward_rows = _rows_of(scope, scope.forward_inputs)
-            scope.forward_inputs = None
-        rows = scope.forward_rows
+        rows = _forward_rows(scope)
         place = scope.calls
         scope.calls += 1
         scope.drawn += 1
-        if _may_be_recomputed():
-            scope.replays.setdefault(_digest(x), []).append((rows, place))
+        if may_be_recomputed():
+            scope.replays.setdefault(digest(x), []).append((rows, place))
     b = len(rows) if rows is not None else 0
     inner = scope.batch_first[-1] if scope.batch_first else True
     dim, group = None, 1
@@ -263,52 +230,6 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
         noise = noise.reshape(b * group, *moved.shape[1:])
     noise = noise.to(device=x.device, dtype=x.dtype if x.is_floating_point() else torch.float32)
     return noise.movedim(0, dim) if dim else noise
-
-
-# Activation checkpointing (torch.utils.checkpoint, reentrant or not) runs a region's
-# forward again inside backward, torch's RNG state restored so that torch's own dropout
-# draws the same mask. Aligned dropout draws from the step, the sample and the call's place
-# instead: the recomputed call must get the place (and, under the DataParallel emulation,
-# the replica's rows) of the call it repeats, not the next place (or the last replica's
-# rows). A recomputed input is bit-identical to the original, so a digest of it finds
-# the call it repeats; calls that cannot be recomputed (outside any checkpoint) keep none.
-
-
-def _may_be_recomputed() -> bool:
-    """Whether this forward runs where checkpointing may run it again: under saved-tensor
-    hooks (non-reentrant checkpointing), or without grad (the reentrant kind's forward)."""
-    import torch
-
-    if not torch.is_grad_enabled():
-        return True
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-    except (AttributeError, TypeError):  # an older torch: keep every call's place
-        return True
-
-
-def _replayed(scope: _Scope, x: Any) -> tuple[Any, int] | None:
-    """The rows and place of the forward call this one repeats, when it runs inside
-    backward (a checkpointed region recomputed), else None."""
-    import torch
-
-    if not scope.replays:
-        return None
-    try:
-        in_backward = torch._C._current_graph_task_id() != -1
-    except AttributeError:
-        return None
-    if not in_backward:
-        return None
-    calls = scope.replays.get(_digest(x))
-    return calls.pop(0) if calls else None
-
-
-def _digest(x: Any) -> tuple:
-    import torch
-
-    sums = torch.stack([x.detach().sum(dtype=torch.float64), x.detach().abs().sum(dtype=torch.float64)]).tolist()
-    return (tuple(x.shape), str(x.dtype), str(x.device), *sums)
 
 
 def _apply(x: Any, noise: Any, p: float, alpha: bool, inplace: bool) -> Any:
@@ -372,12 +293,66 @@ def _aligned_attention() -> Any:
     return attention
 
 
+def _sample_draws(shape: tuple, draw: Any) -> Any:
+    """One value per sample for a draw of ``shape`` ``(n, 1, ..., 1)``, n this forward's samples
+    (stochastic depth: timm's ``DropPath``, torchvision's ``stochastic_depth``, transformers'
+    ``torch.rand((n, 1, ...))``), each from its sample's generator as aligned dropout's masks
+    are (``draw(generator)``: a 0-d float32 value); None for any other draw, and where activation
+    checkpointing may run it again (torch's own RNG, which checkpointing restores, draws it
+    then, and it is found as a draw)."""
+    import torch
+
+    scope = getattr(_local, "scope", None)
+    if scope is None or not shape or any(s != 1 for s in shape[1:]) or may_be_recomputed() or in_backward():
+        return None
+    rows = _forward_rows(scope)
+    if rows is None or shape[0] != len(rows):
+        return None
+    place = scope.calls
+    scope.calls += 1
+    scope.drawn += 1
+    values = [draw(torch.Generator().manual_seed(_mix(scope.seed, scope.step, place, g))) for g in rows.tolist()]
+    return torch.stack(values).reshape(shape)
+
+
+def _aligned_bernoulli() -> Any:
+    original = _installed["bernoulli_"]
+
+    def bernoulli_(self: Any, p: Any = 0.5, *, generator: Any = None) -> Any:
+        import torch
+
+        values = (_sample_draws(tuple(self.shape), lambda g: torch.empty(()).bernoulli_(p, generator=g))
+                  if generator is None and isinstance(p, float) else None)
+        return original(self, p, generator=generator) if values is None else self.copy_(values)
+
+    bernoulli_.__wrapped__ = original  # type: ignore[attr-defined]
+    return bernoulli_
+
+
+def _aligned_rand() -> Any:
+    original = _installed["rand"]
+
+    def rand(*size: Any, generator: Any = None, dtype: Any = None, device: Any = None, **rest: Any) -> Any:
+        import torch
+
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        values = (_sample_draws(shape, lambda g: torch.rand((), generator=g))
+                  if generator is None and not rest and all(isinstance(s, int) for s in shape) else None)
+        if values is None:
+            return original(*size, generator=generator, dtype=dtype, device=device, **rest)
+        return values.to(device=device, dtype=dtype or torch.get_default_dtype())
+
+    rand.__wrapped__ = original  # type: ignore[attr-defined]
+    return rand
+
+
 _DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d": (True, False),
              "dropout3d": (True, False), "alpha_dropout": (False, True), "feature_alpha_dropout": (True, True)}
 
 
 def _install() -> None:
     global _users
+    import torch
     import torch.nn.functional as F
 
     with _lock:
@@ -386,14 +361,18 @@ def _install() -> None:
             return
         for name in (*_DROPOUTS, "scaled_dot_product_attention"):
             _installed[name] = getattr(F, name)
+        _installed["bernoulli_"], _installed["rand"] = torch.Tensor.bernoulli_, torch.rand
         for name, (feature, alpha) in _DROPOUTS.items():
             setattr(F, name, _dropout_like(name, feature, alpha))
         F.scaled_dot_product_attention = _aligned_attention()
+        torch.Tensor.bernoulli_ = _aligned_bernoulli()  # type: ignore[method-assign]
+        torch.rand = _aligned_rand()
 
 
 def _uninstall() -> None:
+    import torch
     import torch.nn.functional as F
 
     for name, original in _installed.items():
-        setattr(F, name, original)
+        setattr(torch.Tensor if name == "bernoulli_" else torch if name == "rand" else F, name, original)
     _installed.clear()

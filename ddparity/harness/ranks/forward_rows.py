@@ -1,0 +1,52 @@
+"""Which samples a forward's rows are: what aligned dropout and stochastic depth draw for
+(:mod:`ddparity.harness.ranks.randomness`). A forward called on a slice of the replica's
+share (a micro-batch, DataParallel's chunks) is matched to its rows through the storage the
+slice views; a forward on the whole share, or on a ``ddparity.samples`` list, has them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rows_of(rows: Any, sources: list[Any], dims: list[int], inputs: list[Any]) -> Any:
+    """The samples of a forward's rows: a slice of the share (``rows``: the global index of
+    each of its rows; ``sources``: its batched tensors; ``dims``: the dimensions it is batched
+    along), matched by the storage the slice views, or the whole share; None when its
+    ``inputs`` say neither."""
+    import torch
+
+    from ddparity.harness.ranks.batches import named_tensors
+
+    if rows is None:
+        return None
+    first = None
+    for _, t in named_tensors(inputs):
+        if not t.dim():
+            continue
+        first = first if first is not None else t
+        for src in sources:
+            if (t.layout == src.layout == torch.strided and t.dim() == src.dim() and t.stride(0) == src.stride(0)
+                    and src.stride(0) and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
+                offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
+                if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(rows):
+                    return rows[offset: offset + t.shape[0]]
+    if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(rows)
+                                               for d in dims):
+        return rows
+    if _holds_sample_list(inputs, len(rows)):  # ddparity.samples(...): one item per row
+        return rows
+    return None
+
+
+def _holds_sample_list(obj: Any, size: int) -> bool:
+    """Whether a forward's arguments hold a list of ``size`` items that hold tensors (the
+    share of a ``ddparity.samples`` list, as the model receives it)."""
+    from ddparity.harness.ranks.batches import named_tensors
+
+    if isinstance(obj, list) and len(obj) == size and all(next(named_tensors(o), None) is not None for o in obj):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_sample_list(o, size) for o in obj)
+    if isinstance(obj, dict):
+        return any(_holds_sample_list(o, size) for o in obj.values())
+    return False
