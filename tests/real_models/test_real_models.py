@@ -1,5 +1,5 @@
-"""The real-models tier: transformers GPT-2 and BERT from tiny configs (dropout on) and
-torchvision-style networks written by hand, trained as their users train them. Every
+"""The real-models tier: transformers GPT-2, BERT, Mixtral and ConvNeXt from tiny configs (dropout and
+stochastic depth on) and torchvision-style networks written by hand, trained as their users train them. Every
 clean one passes at world sizes 1, 2, 4 and 8 simulated; every planted bug is reported at
 its first step with a margin (error / tolerance) of 100 or more."""
 
