@@ -308,7 +308,7 @@ class _LaunchedCheck:
             said=[f"launched: {processes(ctx.world_size)}; the reference on rank 0 ({ctx.device})"])
 
     def _report_failure(self, exc: WorldFailure, stage: int) -> int:
-        from ddparity.verbs.plan import failure
+        from ddparity.verbs.plan import ended
 
         report = Report(self.case.label)
         if stage == 1:
@@ -318,7 +318,7 @@ class _LaunchedCheck:
         failed = self.modes[stage - 2]
         for mode in self.modes:
             if mode == failed:
-                report.runs.append(self._replica_run(mode, "error").failed(failure(exc)))
+                report.runs.append(ended(self._replica_run(mode, "error"), exc))
             elif self.go is not None and mode in self.go.skipped:
                 report.runs.append(self._skipped(mode))
             else:  # judged only once every mode ran: an earlier mode's verdict is not this report's to give

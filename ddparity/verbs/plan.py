@@ -135,9 +135,14 @@ def failure(exc: BaseException) -> Failure:
 
 def failure_run(mode: str, ws: int, backend: str, exc: BaseException, seconds: float, repro: str) -> RunResult:
     """A check's run at ``ws`` that ``exc`` ended (see :func:`failure`)."""
-    run = RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro)
+    return ended(RunResult(mode=mode, world_size=ws, backend=backend, status="error", seconds=seconds, repro=repro),
+                 exc)
+
+
+def ended(run: RunResult, exc: BaseException) -> RunResult:
+    """``run``, ended by ``exc`` (see :func:`failure`), with the likely cause of its desync."""
     run = run.failed(failure(exc))
-    cause = likely_cause([], ws, run.desync) if run.desync is not None else None
+    cause = likely_cause([], run.world_size, run.desync) if run.desync is not None else None
     run.notes += [cause] if cause else []
     return run
 

@@ -218,6 +218,22 @@ def test_a_skipped_collective_is_a_desync_naming_the_rank(tmp_path):
     assert run["status"] == "desync" and run["desync"]["ranks"] == [1], run
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_experts_idle_on_some_ranks_are_named_under_a_launch(tmp_path, mode):
+    """A mixture of experts that skips experts no token was routed to: under DDP the rank that
+    reached optimizer.step() with the reduction unfinished names them (gloo had aborted every
+    rank on a size mismatch); under FSDP2 the desync of its reduce-scatters names them, as a
+    local check does (the launch's failure report had no cause)."""
+    _, _, data = torchrun(tmp_path, "check", "ddparity.fixtures.moe:idle_experts", "--modes", mode, "--timeout", "30")
+    [run] = [r for r in data["runs"] if r["mode"] == mode]
+    if mode == "ddp":
+        assert run["status"] == "crash" and "find_unused_parameters" in run["crash"]["error"], run
+        assert "did not all-reduce every gradient of step 0" in run["crash"]["error"]
+        return
+    assert run["status"] == "desync", run
+    assert any(n.startswith("likely cause: parameters used on some ranks only") for n in run["notes"]), run["notes"]
+
+
 STALLS = "from ddparity.fixtures import faults\n" + "".join(
     f"def {where}_{'first' if on == 0 else 'last'}(): return faults.stalled_at({where!r}, {on})\n"
     for where in ("data", "forward", "inforward", "backward", "step", "inoptim", "end") for on in (0, -1))
