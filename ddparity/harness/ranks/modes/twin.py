@@ -178,7 +178,8 @@ def jitter_embeddings(model: Any, dtype: Any, on: Any) -> None:
         if not on() or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         signs = (torch.arange(output.shape[-1], device=output.device) % 2).to(output.dtype) * 2 - 1
-        return output + output * torch.finfo(output.dtype).eps * signs
+        # whole numbers stay, as in jittered: a one-hot table's rows may be read as integers
+        return output + output * torch.finfo(output.dtype).eps * signs * (output != output.round())
 
     for module in model.modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
