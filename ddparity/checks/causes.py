@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry, parse_ledger
 from ddparity.run_kinds import kind
-from ddparity.verdicts import Desync, Divergence
+from ddparity.verdicts import Desync, Divergence, MismatchedSlot
 
 SIGNATURE_REL_TOL = 1e-3
 """How close the loss's relative error must be to ``1 - 1/W`` to name a summed loss (a
@@ -327,11 +327,11 @@ def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[
             f"gathered sum by the whole batch's count")
 
 
-def _unused_on_some_ranks(desync: Desync) -> str | None:
-    """FSDP2's own reduce-scatters of one slot with different sizes on the ranks: FSDP2
+def _unused_on_some_ranks(slot: MismatchedSlot) -> str | None:
+    """FSDP2's own reduce-scatters of one ``slot`` with different sizes on the ranks: FSDP2
     reduce-scatters only the gradients a rank's backward made, so some parameters took no part
     in some ranks' loss. None for any other mismatch."""
-    issued = desync.collective.ranks if desync.collective is not None else {}
+    issued = slot.ranks
     calls = {rank: c.collective for rank, c in issued.items()}
     if (len(set(calls.values())) < 2 or not all(c.via == "FSDP2" for c in issued.values())
             or not all(call.startswith("reduce_scatter") for call in calls.values())):
@@ -354,7 +354,7 @@ def _unused_on_some_ranks(desync: Desync) -> str | None:
 def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int, int]] | None],
                   hook_collectives: int | None = None) -> str | None:
     if desync.collective is not None:
-        return _unused_on_some_ranks(desync)
+        return _unused_on_some_ranks(desync.collective)
     if desync.differs is None:
         return None
     differing = [d for d in desync.differs if d.startswith("param ")]

@@ -116,9 +116,9 @@ def _naming_mode_class() -> Any:
             if _may_draw(func, args, kwargs):
                 name = func.overloadpacket.__name__
                 self.found[name] = self.found.get(name, 0) + 1
-                where = self.callers.setdefault(name, [])
-                if not any(m is self.calls.innermost() for m in where):
-                    where.append(self.calls.innermost())
+                where, caller = self.callers.setdefault(name, []), self.calls.innermost()
+                if not any(m is caller for m in where):
+                    where.append(caller)
             return func(*args, **kwargs)
 
     return NamingMode

@@ -82,6 +82,21 @@ class _Scope:
     """The rows and place of each dropout call that activation checkpointing may run again
     in backward, by a digest of its input (see :mod:`ddparity.harness.ranks.replays`)."""
 
+    def next_place(self) -> int:
+        """The place of a new draw in this forward (counted in the step's draws too)."""
+        place = self.calls
+        self.calls += 1
+        self.drawn += 1
+        return place
+
+    def generators(self, place: int, rows: Any) -> Iterator[Any]:
+        """Each sample's generator for the draw at ``place``: seeded by the case's seed, the
+        step, the place and the sample's index in the global batch."""
+        import torch
+
+        for g in rows.tolist():
+            yield torch.Generator().manual_seed(_mix(self.seed, self.step, place, g))
+
 
 class AlignedDropout:
     """Same-sample, same-mask dropout for one replica's training (see the module docstring)."""
@@ -190,9 +205,7 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
         rows, place = replay  # activation checkpointing runs a forward's dropout again: its mask
     else:
         rows = _forward_rows(scope)
-        place = scope.calls
-        scope.calls += 1
-        scope.drawn += 1
+        place = scope.next_place()
         if may_be_recomputed():
             scope.replays.setdefault(digest(x), []).append((rows, place))
     b = len(rows) if rows is not None else 0
@@ -221,11 +234,8 @@ def _noise(x: Any, p: float, feature: bool, where: str) -> Any:
     if feature:
         per_sample = (moved.shape[1],) + (1,) * (moved.dim() - 2)
     keep = 1.0 - p
-    parts = []
-    for g in rows.tolist():
-        gen = torch.Generator().manual_seed(_mix(scope.seed, scope.step, place, g))
-        parts.append(torch.empty(per_sample, dtype=torch.float32).bernoulli_(keep, generator=gen))
-    noise = torch.stack(parts)
+    noise = torch.stack([torch.empty(per_sample, dtype=torch.float32).bernoulli_(keep, generator=gen)
+                         for gen in scope.generators(place, rows)])
     if group > 1:
         noise = noise.reshape(b * group, *moved.shape[1:])
     noise = noise.to(device=x.device, dtype=x.dtype if x.is_floating_point() else torch.float32)
@@ -308,11 +318,7 @@ def _sample_draws(shape: tuple, draw: Any) -> Any:
     rows = _forward_rows(scope)
     if rows is None or shape[0] != len(rows):
         return None
-    place = scope.calls
-    scope.calls += 1
-    scope.drawn += 1
-    values = [draw(torch.Generator().manual_seed(_mix(scope.seed, scope.step, place, g))) for g in rows.tolist()]
-    return torch.stack(values).reshape(shape)
+    return torch.stack([draw(gen) for gen in scope.generators(scope.next_place(), rows)]).reshape(shape)
 
 
 def _aligned_bernoulli() -> Any:

@@ -112,6 +112,11 @@ def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
     return DistributedDataParallel(model, device_ids=device_ids, **(options or {}))
 
 
+FIND_UNUSED = ("Case(ddp_options={\"find_unused_parameters\": True}) here, "
+               "DistributedDataParallel(model, find_unused_parameters=True) in your training")
+"""How to let DDP find parameters without a gradient, here and in the user's training."""
+
+
 def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
     """Where this rank reached ``optimizer.step()`` with DDP's reduction unfinished (DDP's own
     local check: a bucket never all-reduced) because some parameters got no gradient in its
@@ -126,8 +131,7 @@ def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
         return None
     except RuntimeError:
         pass
-    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-    wanted = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    wanted = reduced_parameters(ddp)
     missing = [n for n, p in wanted if p.grad is None]
     if not missing or len(missing) == len(wanted):  # no backward at all: not this cause
         return None
@@ -138,10 +142,9 @@ def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
             f"mixture-of-experts experts no token of this shard was routed to, or a branch the data picks), and DDP "
             f"all-reduces a bucket only once every parameter in it has its gradient: this rank never sent that "
             f"bucket, and ranks whose batch used them wait for it (in training: a hang, or the next collective "
-            f"mismatched; where no rank used them, DDP raises at the next forward). Let DDP find them: Case(ddp_options={{\"find_unused_parameters\": True}}) here, "
-            f"DistributedDataParallel(model, find_unused_parameters=True) in your training; or make every "
-            f"parameter take part in every rank's loss (or remove the unused ones, or set requires_grad=False on "
-            f"frozen ones)")
+            f"mismatched; where no rank used them, DDP raises at the next forward). Let DDP find them: "
+            f"{FIND_UNUSED}; or make every parameter take part in every rank's loss (or remove the unused ones, or "
+            f"set requires_grad=False on frozen ones)")
 
 
 def unused_parameters(ddp: Any, error: str) -> str | None:
@@ -154,17 +157,23 @@ def unused_parameters(ddp: Any, error: str) -> str | None:
     found = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", error)
     if found is None:
         return None
-    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-    names, seen = [], set()
-    for name, p in ddp.module.named_parameters():
-        if p.requires_grad and name not in ignored and id(p) not in seen:
-            seen.add(id(p))
-            names.append(name)
+    names = [name for name, _ in reduced_parameters(ddp)]
     indices = [int(i) for i in found.group(2).split()]
     unused = [names[i] if i < len(names) else f"#{i}" for i in indices]
     return (f"DistributedDataParallel found parameters that received no gradient in the previous step's backward "
             f"on rank {found.group(1)}: {', '.join(unused)} (DDP's parameter indices {found.group(2).strip()}). They "
             f"take no part in the loss, and DDP waits for every parameter's gradient before the next step. Either "
             f"use them in the loss (or remove them, or set requires_grad=False on frozen ones), or let DDP find them: "
-            f"Case(ddp_options={{\"find_unused_parameters\": True}}) here, "
-            f"DistributedDataParallel(model, find_unused_parameters=True) in your training")
+            f"{FIND_UNUSED}")
+
+
+def reduced_parameters(ddp: Any) -> list[tuple[str, Any]]:
+    """The parameters DDP reduces, by name, in its own order (its parameter indices): those
+    of ``named_parameters`` that require grad and that it was not told to ignore, each once."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    out, seen = [], set()
+    for name, p in ddp.module.named_parameters():
+        if p.requires_grad and name not in ignored and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
