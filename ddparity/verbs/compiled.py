@@ -31,13 +31,12 @@ if TYPE_CHECKING:
 
 DP_NOT_COMPILED = ("not compiled: DataParallel replicates the module on every forward, which torch.compile does "
                    "not support; PyTorch advises DDP (check --modes ddp --compile ...)")
-NOTHING_COMPILED = ("not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so "
-                    "this run compared no compiled code and says nothing about compiled training (Dynamo does not "
-                    "trace a forward that is torch's own code, e.g. a bare nn.Sequential as the module DDP or FSDP "
-                    "wraps; wrap it in a module of your own with a forward)")
+NOTHING = ("not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so this run "
+           "compared no compiled code and says nothing about compiled training")
+NOTHING_COMPILED = (NOTHING + " (Dynamo does not trace a forward that is torch's own code, e.g. a bare nn.Sequential "
+                    "as the module DDP or FSDP wraps; wrap it in a module of your own with a forward)")
 NOTHING_COMPILED_SHARDED = (
-    "not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so this run compared "
-    "no compiled code and says nothing about compiled training (under FSDP2 every sharded module's call breaks the "
+    NOTHING + " (under FSDP2 every sharded module's call breaks the "
     "graph at FSDP's hooks, which Dynamo does not trace; what lay between the breaks was torch's own code, a layer's "
     "or a bare nn.Sequential's forward, which Dynamo does not trace on its own, or a frame it ran eagerly after a "
     "break inside a loop (the graph breaks noted say where); shard blocks of your own with a forward (Case.fsdp), "
@@ -46,10 +45,8 @@ LOOP_BREAK = "ran eagerly: a graph break inside its loop"
 """How a graph-break note says Dynamo ran a frame of the user's eagerly (``compiling``)."""
 DYNAMIC_SHAPE_BREAK = "Dynamic shape operator"
 """Dynamo's graph-break reason for an op whose output shape depends on the data (``nonzero``)."""
-NOTHING_COMPILED_LOOP = (
-    "not compared compiled: torch.compile captured nothing of the model, every op ran eagerly, so this run compared "
-    "no compiled code and says nothing about compiled training (a graph break inside a loop of your forward made "
-    "Dynamo run the whole frame eagerly: the graph breaks noted say where")
+NOTHING_COMPILED_LOOP = (NOTHING + " (a graph break inside a loop of your forward made Dynamo run the whole frame "
+                         "eagerly: the graph breaks noted say where")
 DYNAMIC_SHAPES = ("; an op whose output's shape depends on the data, such as torch.nonzero or a boolean mask (a "
                   "mixture of experts' routing), is traced with torch._dynamo.config.capture_dynamic_output_shape_ops "
                   "= True)")
