@@ -167,8 +167,9 @@ class _Watched:
 
         if self.flight_recorder:
             backend = self._summary(0)["backend"] or "gloo"
+            running = not finished and self.recorder.last_running()
             write_fr_dump(self.flight_recorder, self.rank,
-                          fr_dump(list(self.channel.ledger), self.rank, self.n, GROUP_RANKS, finished, backend))
+                          fr_dump(list(self.channel.ledger), self.rank, self.n, GROUP_RANKS, running, backend))
 
     def _summary(self, code: int) -> dict[str, Any]:
         import torch.distributed as dist

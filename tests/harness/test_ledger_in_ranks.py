@@ -73,3 +73,31 @@ def test_a_call_site_is_named_by_its_import_path_from_any_working_directory(tmp_
     here = call_site(1)
     monkeypatch.chdir(tmp_path)
     assert call_site(1).split(":")[0] == here.split(":")[0] == "tests/harness/test_ledger_in_ranks.py"
+
+
+def test_the_last_collective_runs_until_it_returns_or_its_step_is_over(world2):
+    """What a failed watch's Flight Recorder dump calls ``started``: a collective that
+    completed (a rank stopped in its next forward) must not read as the one it hung in."""
+    def probe(ctx):
+        import torch
+        import torch.distributed as dist
+
+        from ddparity.harness.recording.recorder import active
+
+        rec = active()
+        seen = [rec.last_running()]  # nothing recorded
+        dist.all_reduce(torch.ones(1))
+        seen.append(rec.last_running())  # returned
+        dist.all_reduce(torch.ones(1), async_op=True).wait()
+        seen.append(rec.last_running())  # async, in the step the rank is still in
+        rec.set_phase(rec.step + 1, "optimizer")
+        seen.append(rec.last_running())  # its step is over (DDP's buckets: backward waited)
+        try:
+            dist.broadcast(torch.ones(1), src=7)  # raises inside the call
+        except (ValueError, RuntimeError):
+            pass
+        seen.append(rec.last_running())
+        return seen
+
+    for o in world2.execute(probe):
+        assert o.ok and o.value == [False, False, True, False, True], (o.value, o.traceback)

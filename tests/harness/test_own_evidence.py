@@ -38,3 +38,30 @@ def test_without_py_spy_it_returns_nothing_for_the_python_stacks_to_stand_in(mon
 def test_the_flight_recorder_outside_a_process_group_says_why_it_has_nothing():
     state = own_flight_state()
     assert "groups" not in state and state["error"]
+
+
+def test_a_rank_stopped_before_the_mismatch_reads_as_missing_from_it_alone(tmp_path):
+    """PyTorch's own analyser over three ledgers written as Flight Recorder dumps: rank 0
+    was stopped in its forward after its all-reduce completed, rank 2 broadcast where rank 1
+    all-reduced. The one collective with errors is the mismatch, rank 0 missing from it."""
+    import subprocess
+    import sys
+
+    from ddparity.harness.launch.flight import fr_dump, write_fr_dump
+    from ddparity.records import encode_entry
+
+    def line(seq, op, desc, async_):
+        return encode_entry("world", seq, op, op, desc, "train.py:28 in main", "", 0, "forward", 1.0 + seq, async_)
+
+    reduce = "all_reduce(tensor=float32[8], op=SUM)"
+    ledgers = {0: ([line(0, "all_reduce", reduce, True)], False),
+               1: ([line(0, "all_reduce", reduce, True), line(1, "all_reduce", reduce, True)], True),
+               2: ([line(0, "all_reduce", reduce, True), line(1, "broadcast", "broadcast(tensor=float32[5], root=0)",
+                                                             False)], True)}
+    for rank, (lines, running) in ledgers.items():
+        write_fr_dump(str(tmp_path / "fr"), rank, fr_dump(lines, rank, 3, {}, running))
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "fr"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+    shown = fr.stdout + fr.stderr
+    assert "Not all ranks joining collective, sequence number: 2" in shown and "missing ranks: {0}" in shown, shown
+    assert "has errors" not in shown, shown  # the all-reduce rank 0 completed is not read as where it stopped

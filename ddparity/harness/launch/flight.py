@@ -6,7 +6,8 @@ format (the pickled dict ``torch._C._distributed_c10d._dump_fr_trace()`` returns
 2.10): one entry per recorded collective with its process group, sequence number,
 operation, input and output sizes and dtypes, creation time and the user's source line as
 its frame. Entries are ``completed`` except, in a run that failed, the rank's last one
-(``started``: where it was when the run was stopped). DDP's gradient all-reduces are
+where it may still have been running when the run was stopped (``started``: a blocking call
+that had not returned or that raised; DDP's buckets of the step the rank was still in). DDP's gradient all-reduces are
 recorded from its bucket layout (one entry per bucket).
 
 The other way round, :func:`own_flight_state` reads this process's own Flight Recorder
@@ -73,8 +74,9 @@ def _frame(site: str) -> list[dict[str, Any]]:
 
 
 def fr_dump(lines: Iterable[str], rank: int, world_size: int, groups: dict[str, list[int]],
-            finished: bool, backend: str = "gloo") -> dict[str, Any]:
-    """The dump of one rank's ledger ``lines`` (:func:`ddparity.records.encode_entry`'s JSON)."""
+            running: bool, backend: str = "gloo") -> dict[str, Any]:
+    """The dump of one rank's ledger ``lines`` (:func:`ddparity.records.encode_entry`'s JSON);
+    ``running``: its last entry had not completed (:meth:`Recorder.last_running`)."""
     names = {"world": ("0", "default_pg")}
     pg_config = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world_size)))}}
     for name, ranks in groups.items():
@@ -93,7 +95,7 @@ def fr_dump(lines: Iterable[str], rank: int, world_size: int, groups: dict[str, 
             "collective_seq_id": 0 if is_p2p else e["s"] + 1, "p2p_seq_id": p2p if is_p2p else 0, "op_id": i + 1,
             "profiling_name": _profiling_name(backend, e["op"], e["d"], rank), "time_created_ns": int(e["t"] * 1e9),
             "input_sizes": ins, "input_dtypes": in_dtypes, "output_sizes": outs, "output_dtypes": out_dtypes,
-            "state": "started" if not finished and i == len(parsed) - 1 else "completed",
+            "state": "started" if running and i == len(parsed) - 1 else "completed",
             "time_discovered_started_ns": None, "time_discovered_completed_ns": None, "retired": True,
             "timeout_ms": 0, "is_p2p": is_p2p,
         })

@@ -103,6 +103,8 @@ class Recorder:
         self.phase = ""
         self.events = 0
         self.inflight: int | None = None
+        self._last: tuple[bool, int] | None = None  # the last call's (blocking, step)
+        self._returned = True  # the last blocking call returned
         self.recent: deque[str] = deque(maxlen=RECENT)
         self.enabled = True
         self._dirty = False  # the progress record changed since it was last written
@@ -220,6 +222,7 @@ class Recorder:
         via = via or getattr(self._local, "via", "") or issued_by
         with self._lock:
             entry, self.inflight = ledger_entry(self.seq, op, args, blocking, site, via, self.step, self.phase)
+            self._last, self._returned = (blocking, self.step), not blocking
             self.recent.append(entry)
             self._ledger.append(entry)
             self._changed()
@@ -232,11 +235,23 @@ class Recorder:
                 progress = self._render()
             self.channel.set_progress(progress)
 
-    def leave(self) -> None:
+    def leave(self, returned: bool = True) -> None:
         with self._lock:
+            self._returned = returned
             if self.inflight is not None:
                 self.inflight = None
                 self._changed()
+
+    def last_running(self) -> bool:
+        """Whether this rank's last recorded collective may still be running: a blocking
+        call that has not returned (or raised), or one issued asynchronously (DDP's gradient
+        buckets, ``async_op=True``) in the step the rank is still in (DDP's backward waits
+        for its buckets before the optimizer steps)."""
+        with self._lock:
+            if self._last is None:
+                return False
+            blocking, step = self._last
+            return not self._returned if blocking else step >= self.step
 
     def _changed(self) -> None:
         """The progress record changed (call with ``_lock`` held): the publisher renders and
@@ -352,11 +367,14 @@ def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         blocking = not bound.get("async_op", False) and op not in ("isend", "irecv")
         rec.enter(op, bound, blocking)
         rec._local.depth = True
+        returned = False
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            returned = True
+            return result
         finally:
             rec._local.depth = False
-            rec.leave()
+            rec.leave(returned)
 
     recorded.__ddparity_recorded__ = True  # type: ignore[attr-defined]
     return recorded
