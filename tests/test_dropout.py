@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 def test_dropout_models_pass_sharply_at_every_world_size(factory):
     report = check(factory(), modes=("single", "dp", "ddp"), world_sizes=(1, 2, 4))
     assert report.ok, report.render()
-    assert report.runs[0].notes[0].startswith("dropout compared on: every mode and rank drew the same mask")
+    assert report.runs[0].notes[0].startswith("random draws compared on: every mode and rank drew the same dropout mask")
     for run in report.runs[1:]:
         assert "float32" in run.tolerance
 
@@ -93,8 +93,8 @@ def _nested_noise() -> Case:
                 name="random: noise in a submodule's forward")
 
 
-@pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn_like in the model (NoisyInput)"),
-                                         (_nested_noise, "aten.randn_like in module 1 (NoisyInput)"),
+@pytest.mark.parametrize("factory, op", [(dropout.noisy_input, "aten.randn in the model (NoisyInput)"),
+                                         (_nested_noise, "aten.randn in module 1 (NoisyInput)"),
                                          (dropout.rrelu, "aten.rrelu_with_noise")])
 def test_other_random_draws_are_named_and_never_a_pass(factory, op):
     """Named by op and by the module whose forward drew (Switch Transformers' router jitter:
@@ -131,7 +131,7 @@ def test_stochastic_depth_per_sample_is_aligned_like_dropout():
     aligned."""
     clean = check(dropout.stochastic_depth_case(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
     assert clean.ok, clean.render()
-    assert "3 dropout or stochastic-depth draw(s) a step" in clean.runs[0].notes[0]
+    assert "(3 draw(s) a step: dropouts, stochastic depth" in clean.runs[0].notes[0]
     summed = check(dropout.stochastic_depth_case(summed=True), modes=("ddp", "fsdp"), world_sizes=(2, 4))
     for run in summed.runs:
         d = run.first_divergence
@@ -139,4 +139,4 @@ def test_stochastic_depth_per_sample_is_aligned_like_dropout():
     batch = check(dropout.stochastic_depth_case("batch"), modes=("single", "ddp"), world_sizes=(2,))
     assert all(r.status == "error" for r in batch.runs), batch.render()
     assert "aten.bernoulli_ in the model (DeepResidual)" in batch.runs[0].reason
-    assert "mode='row') is aligned like dropout, but not a draw for the whole batch" in batch.runs[0].reason
+    assert "stochastic_depth with mode='row'), but not a draw for the whole batch" in batch.runs[0].reason

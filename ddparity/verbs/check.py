@@ -177,8 +177,9 @@ def _check(checking: Checking, chosen: str, pool: WorldPool, report: Report, spo
         fewer_ops(ddp_runs, single)
         locate_compiled(report.runs, lambda run: _search_compiled(pool, checking, spool, run))
     if reference.dropout_calls and report.runs:
-        report.runs[0].notes.insert(0, f"dropout compared on: every mode and rank drew the same mask for the same "
-                                       f"sample ({reference.dropout_calls} dropout or stochastic-depth draw(s) a step)")
+        report.runs[0].notes.insert(0, f"random draws compared on: every mode and rank drew the same dropout mask or "
+                                       f"values for the same sample ({reference.dropout_calls} draw(s) a step: "
+                                       f"dropouts, stochastic depth, per-sample noise or timesteps)")
     return report
 
 

@@ -219,10 +219,10 @@ def dropout_drawn(reference: Reference) -> str | None:
     (traced, the replacement would be baked into the graph); None when it draws none."""
     if not reference.dropout_calls:
         return None
-    return (f"not compared compiled: the model draws dropout masks in training ({reference.dropout_calls} dropout "
-            f"or stochastic-depth draw(s) a step), and a compiled run's masks cannot be the eager reference's; check "
-            f"compiled with dropout off (p=0, e.g. a config's dropout set to 0.0; a drop-path rate of 0), eager runs "
-            f"compare it with dropout on")
+    return (f"not compared compiled: the step draws random numbers per sample ({reference.dropout_calls} dropout, "
+            f"stochastic-depth or noise draw(s) a step), and a compiled run's draws cannot be the eager reference's; "
+            f"check compiled with dropout off (p=0, e.g. a config's dropout set to 0.0; a drop-path rate of 0) and "
+            f"without noise drawn in the step, eager runs compare it with them on")
 
 
 def refused_run(checking: Checking, spec: CompileSpec, mode: str, ws: int, backend: str, reason: str) -> RunResult:

@@ -22,8 +22,10 @@ from tests.conftest import _children, needs_newer_torch, stray_processes
 
 MEMBERS = catalogue.members()
 NAMES = [m.name for m in MEMBERS]
-UNALIGNED = {"RReLU", "FractionalMaxPool2d", "FractionalMaxPool3d"}
-"""Layers that draw random numbers inside torch's kernels: an error naming the class."""
+UNALIGNED = {"RReLU"}
+"""Layers that draw random numbers inside torch's kernels: an error naming the class.
+(FractionalMaxPool draws its regions with ``torch.rand((n, C, 2))``: aligned per sample, it
+passes clean and its summed twin is caught.)"""
 CPU_ERRORS = {"SyncBatchNorm": "SyncBatchNorm expected input tensor to be on GPU"}
 """Layers torch itself runs on accelerators only: on CPU an error with torch's reason."""
 
@@ -44,7 +46,7 @@ def test_every_class_torch_nn_ships_is_swept_or_said_why_not():
     kinds = {k for m in MEMBERS for k in m.state}
     assert kinds == {"parameters", "buffers", "random"}
     assert {"LSTM", "GRU", "RNN", "Transformer", "MultiheadAttention", "EmbeddingBag", "LazyLinear"} <= set(NAMES)
-    assert UNALIGNED <= set(NAMES)  # found by running them, not by name
+    assert UNALIGNED | {"FractionalMaxPool2d", "FractionalMaxPool3d"} <= set(NAMES)  # found by running them
 
 
 def _expect(report, name: str, summed: bool) -> None:
@@ -94,7 +96,7 @@ def test_an_rnn_with_inter_layer_dropout_is_checked_with_its_dropout_aligned(cel
         report = check(catalogue.case(name, summed=summed), modes=("single", "dp", "ddp"), world_sizes=(2, 16),
                        pool=pool)
         _expect(report, name, summed)
-        assert "dropout compared on" in report.render()
+        assert "random draws compared on" in report.render()
 
 
 layouts = st.builds(inputs.Layout, structure=st.sampled_from(inputs.STRUCTURES), leaves=st.integers(2, 3),

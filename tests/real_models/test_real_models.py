@@ -21,6 +21,8 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 def _case(table, name):
     if name in real_models.NEEDS_TRANSFORMERS and not HAVE_TRANSFORMERS:
         pytest.skip("needs transformers (pip install transformers; .ci/run installs it)")
+    if name in real_models.NEEDS_DIFFUSERS and importlib.util.find_spec("diffusers") is None:
+        pytest.skip("needs diffusers (pip install diffusers; .ci/run installs it)")
     return table[name]()
 
 

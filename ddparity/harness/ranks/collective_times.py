@@ -1,5 +1,5 @@
 """Every collective of a profiled rank process timed from its call to its completion
-(:func:`~ddparity.harness.recording.recorder.set_collective_timer`), each told as the training
+(:func:`~ddparity.harness.recording.timing.set_collective_timer`), each told as the training
 step's own or as what torch issued for it (FSDP2's all-gathers and reduce-scatters; a DDP
 bucket's comm hook, timed as the bucket by :mod:`ddparity.harness.ranks.modes.timed`).
 
@@ -30,7 +30,7 @@ wrapper's, not the step's."""
 
 
 class CollectiveTimes:
-    """The collectives of this process while set (:func:`~ddparity.harness.recording.recorder.set_collective_timer`),
+    """The collectives of this process while set (:func:`~ddparity.harness.recording.timing.set_collective_timer`),
     each timed from its call to its completion (a future's callback for an asynchronous one):
     ``[op, bytes, group size, start, end, own]``. ``own_only``: the training step's own only
     (not DDP's or FSDP2's, which torch issues for it, nor a DDP bucket's comm hook's, timed

@@ -79,12 +79,39 @@ def gather(outputs: list[Any]) -> Any:
         if isinstance(out, dict):
             if not all(len(out) == len(d) for d in outs):
                 raise ValueError("All dicts must have the same number of keys")
-            return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+            gathered = {k: gather_map([d[k] for d in outs]) for k in out}
+            rebuilt = type(out)((k, v) for k, v in gathered.items())  # torch's own call: a generator of pairs
+            _refuse_unrebuilt(out, gathered, rebuilt)
+            return rebuilt
         if _is_namedtuple(out):
             return type(out)._make(map(gather_map, zip(*outs)))
         return type(out)(map(gather_map, zip(*outs)))
 
     return gather_map(outputs)
+
+
+def _refuse_unrebuilt(out: Any, gathered: dict[Any, Any], rebuilt: Any) -> None:
+    """A dict-like output whose class does not take the (key, value) pairs DataParallel's
+    gather rebuilds it from (diffusers' ``BaseOutput``: they become its first field) would
+    reach the step broken under real DataParallel too: a :class:`CaseError` that says so,
+    not the user's step failing on a generator."""
+    from ddparity.errors import CaseError
+
+    try:
+        wrong = [(k, rebuilt.get(k)) for k, v in gathered.items() if rebuilt.get(k) is not v]
+        wrong += [(k, rebuilt[k]) for k in rebuilt if k not in gathered]
+    except Exception as exc:
+        wrong = [("its fields", exc)]
+    if not wrong:
+        return
+    name, (key, held) = type(out).__name__, wrong[0]
+    raise CaseError(
+        f"DataParallel's gather rebuilds the model's output, a {name}, as {name}((key, value) pairs) "
+        f"(torch/nn/parallel/scatter_gather.py), which {name} does not take as its fields: under nn.DataParallel "
+        f"its {key!r} would be {type(held).__name__}, not the gathered value, and the step would fail there as "
+        f"well; return a tensor, a tuple or a plain dict from forward "
+        f"under DataParallel (return_dict=False for diffusers' and transformers' models), or check this case in "
+        f"modes single, ddp and fsdp (--modes single,ddp)")
 
 
 def replicate(module: Any, n: int) -> list[Any]:

@@ -67,20 +67,29 @@ class RandomDraws:
             f"outside the dropouts ddparity aligns: every mode and rank would draw other numbers for the same "
             f"sample, so no comparison could be trusted; use torch.nn.functional's dropouts (aligned per sample), "
             f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
-            + (" (for these layers: dropout=0 for an RNN's inter-layer dropout, nn.LeakyReLU for RReLU, "
-               "_random_samples or a plain pool for a FractionalMaxPool)" if layers else "")
-            + ("; stochastic depth drawn per sample (a (samples, 1, ..., 1) tensor's bernoulli_ or torch.rand: timm's "
-               "DropPath, transformers' drop paths, torchvision's stochastic_depth with mode='row') is aligned like "
-               "dropout, but not a draw for the whole batch (mode='batch') nor one inside an activation-checkpointed "
-               "region (drop_path_rate=0 for the check there)" if {"bernoulli_", "rand"} & set(self.found) else "")
+            + (" (for these layers: dropout=0 for an RNN's inter-layer dropout, nn.LeakyReLU for RReLU)"
+               if layers else "")
+            + ("; a draw with one part per sample is aligned like dropout (dim 0 the samples at hand: the forward's, "
+               "or in the step outside the model the whole share — a diffusion step's torch.randn_like(x) and "
+               "torch.randint(0, T, (n,)), stochastic depth's (n, 1, ..., 1) draws: timm's DropPath, torchvision's "
+               "stochastic_depth with mode='row'), but not a draw for the whole batch (one timestep for every "
+               "sample, mode='batch'), a micro-batch's drawn in the step outside the model (draw for the whole "
+               "share, then slice), nor one inside an activation-checkpointed region (drop_path_rate=0 for the "
+               "check there)" if ALIGNED_OPS & set(self.found) else "")
         )
+
+
+ALIGNED_OPS = {"randn", "rand", "randint", "randn_like", "rand_like", "randint_like", "normal", "normal_", "uniform_",
+               "bernoulli", "bernoulli_"}
+"""The ops :mod:`ddparity.harness.ranks.sample_draws` aligns where a draw has one part per sample."""
 
 
 def unaligned_layers(model: Any) -> list[str]:
     """The layers of ``model`` that draw random numbers inside torch's own kernels, where
     ddparity cannot give every mode the same draw per sample: an RNN's inter-layer dropout
-    (in the fused RNN kernel), RReLU's slopes, FractionalMaxPool's regions. Named in the
-    error a draw raises, so that it says which class and why."""
+    (in the fused RNN kernel), RReLU's slopes. (FractionalMaxPool draws its regions in
+    Python, ``torch.rand((n, C, 2))``: aligned per sample.) Named in the error a draw
+    raises, so that it says which class and why."""
     from torch import nn
 
     found = []
@@ -95,8 +104,6 @@ def unaligned_layers(model: Any) -> list[str]:
                    f"ddparity.batched(x, dim=1))")
         elif isinstance(m, nn.RReLU):
             why = "its negative slopes are drawn at random per element in training"
-        elif isinstance(m, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)) and m._random_samples is None:
-            why = "its pooling regions are drawn at random per sample"
         else:
             continue
         found.append(f"{name or 'the model'} (nn.{type(m).__name__}: {why})")
@@ -167,8 +174,9 @@ def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
 
     if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
         return False
-    names = [a.name for a in func._schema.arguments]
-    values = dict(zip(names, args)) | kwargs
+    schema = func._schema.arguments
+    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    values = defaults | dict(zip([a.name for a in schema], args)) | kwargs  # a dropout_p left out is its default, 0
     if "dropout_p" in values:
         return bool(values["dropout_p"])
     if "train" in values and "p" in values:  # native_dropout

@@ -10,9 +10,10 @@ dropout of ``scaled_dot_product_attention``, which ``nn.MultiheadAttention``,
 ``nn.TransformerEncoderLayer`` and transformers' attention call) with one whose mask
 for a sample is drawn from a generator seeded by (case seed, step, the dropout's place in
 the forward, the sample's index in the global batch). A sample's mask is therefore the
-same wherever it is trained. Stochastic depth drawn per sample (``Tensor.bernoulli_`` or
-``torch.rand`` of a ``(samples, 1, ..., 1)`` tensor) is drawn the same way, outside
-activation checkpointing (whose recompute must repeat torch's own draw).
+same wherever it is trained. Any other draw with one part per sample (a diffusion step's
+noise and timesteps, stochastic depth, a router's jitter) is drawn the same way
+(:mod:`ddparity.harness.ranks.sample_draws`), outside activation checkpointing (whose
+recompute must repeat torch's own draw).
 
 Which rows of a tensor are which samples: the replica's share of the global batch says
 its samples (all, reversed, a shard); a forward called on a slice of the share (a
@@ -23,7 +24,7 @@ views; a dropout input has its samples along dim 0 (also grouped, as attention's
 with dropout on, and a :class:`CaseError` says so.
 
 :class:`RandomDraws` (the reference only) records every other draw from torch's
-generators in a step (``torch.randn_like``, ``RReLU``, a dropout called through
+generators in a step (a draw for the whole batch, ``RReLU``, a dropout called through
 ``torch.dropout``); the reference then stops with an error that names them.
 """
 
@@ -40,10 +41,12 @@ from typing import Any
 from ddparity.errors import CaseError
 from ddparity.harness.ranks.forward_rows import rows_of
 from ddparity.harness.ranks.replays import digest, in_backward, may_be_recomputed, replayed
+from ddparity.harness.ranks.sample_draws import STEP_PLACES, replacements
 
 _local = threading.local()
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
+_drawn: dict[tuple[Any, str], Any] = {}
 _users = 0
 _MASK = (1 << 63) - 1
 
@@ -73,6 +76,10 @@ class _Scope:
     forward_rows: Any = None
     forward_inputs: Any = None
     forward_calls: int = 0
+    in_forward: bool = False
+    """Inside the model's forward (else in the training step around it)."""
+    step_draws: int = 0
+    """Draws in the training step outside the forward (the place of the next one)."""
     calls: int = 0
     """Dropout calls in this forward (the place of the next one)."""
     drawn: int = 0
@@ -114,6 +121,7 @@ class AlignedDropout:
             self.enabled = False
             return
         self._handles.append(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._forward_ends, always_call=True))
         for module in model.modules():
             flag = getattr(module, "batch_first", None)
             if isinstance(flag, bool) and not isinstance(module, torch.jit.ScriptModule):
@@ -134,6 +142,7 @@ class AlignedDropout:
         scope = self.scope
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
+        scope.in_forward, scope.step_draws = False, 0
         size = len(rows) if rows is not None else -1
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
@@ -167,9 +176,13 @@ class AlignedDropout:
         if getattr(_local, "scope", None) is not scope:
             return  # suspended (the twin's extra passes)
         scope.calls = 0  # every forward (micro-batch) numbers its dropouts from 0
+        scope.in_forward = True
         scope.forward_calls += 1
         scope.forward_inputs = list(args) + list(kwargs.values())  # matched to rows at the first dropout only
         scope.forward_rows = None
+
+    def _forward_ends(self, module: Any, args: tuple, output: Any) -> None:
+        self.scope.in_forward = False
 
 
 @contextlib.contextmanager
@@ -303,53 +316,25 @@ def _aligned_attention() -> Any:
     return attention
 
 
-def _sample_draws(shape: tuple, draw: Any) -> Any:
-    """One value per sample for a draw of ``shape`` ``(n, 1, ..., 1)``, n this forward's samples
-    (stochastic depth: timm's ``DropPath``, torchvision's ``stochastic_depth``, transformers'
-    ``torch.rand((n, 1, ...))``), each from its sample's generator as aligned dropout's masks
-    are (``draw(generator)``: a 0-d float32 value); None for any other draw, and where activation
-    checkpointing may run it again (torch's own RNG, which checkpointing restores, draws it
-    then, and it is found as a draw)."""
-    import torch
-
+def place_of_draw(samples: int) -> tuple[_Scope, Any, int] | None:
+    """Where a draw of ``samples`` parts along dim 0 is aligned: this thread's scope, the
+    samples' global indices and the draw's place (counted); None where it is not (see
+    :mod:`ddparity.harness.ranks.sample_draws`)."""
     scope = getattr(_local, "scope", None)
-    if scope is None or not shape or any(s != 1 for s in shape[1:]) or may_be_recomputed() or in_backward():
+    if scope is None or in_backward():
         return None
-    rows = _forward_rows(scope)
-    if rows is None or shape[0] != len(rows):
+    if scope.in_forward:
+        if (scope.batch_first and scope.batch_first[-1] is False) or may_be_recomputed():
+            return None
+        rows = _forward_rows(scope)
+        if rows is None or samples != len(rows):
+            return None
+        return scope, rows, scope.next_place()
+    if scope.rows is None or samples != len(scope.rows):
         return None
-    return torch.stack([draw(gen) for gen in scope.generators(scope.next_place(), rows)]).reshape(shape)
-
-
-def _aligned_bernoulli() -> Any:
-    original = _installed["bernoulli_"]
-
-    def bernoulli_(self: Any, p: Any = 0.5, *, generator: Any = None) -> Any:
-        import torch
-
-        values = (_sample_draws(tuple(self.shape), lambda g: torch.empty(()).bernoulli_(p, generator=g))
-                  if generator is None and isinstance(p, float) else None)
-        return original(self, p, generator=generator) if values is None else self.copy_(values)
-
-    bernoulli_.__wrapped__ = original  # type: ignore[attr-defined]
-    return bernoulli_
-
-
-def _aligned_rand() -> Any:
-    original = _installed["rand"]
-
-    def rand(*size: Any, generator: Any = None, dtype: Any = None, device: Any = None, **rest: Any) -> Any:
-        import torch
-
-        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-        values = (_sample_draws(shape, lambda g: torch.rand((), generator=g))
-                  if generator is None and not rest and all(isinstance(s, int) for s in shape) else None)
-        if values is None:
-            return original(*size, generator=generator, dtype=dtype, device=device, **rest)
-        return values.to(device=device, dtype=dtype or torch.get_default_dtype())
-
-    rand.__wrapped__ = original  # type: ignore[attr-defined]
-    return rand
+    scope.drawn += 1
+    scope.step_draws += 1
+    return scope, scope.rows, STEP_PLACES + scope.step_draws - 1
 
 
 _DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d": (True, False),
@@ -358,7 +343,6 @@ _DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d":
 
 def _install() -> None:
     global _users
-    import torch
     import torch.nn.functional as F
 
     with _lock:
@@ -367,18 +351,20 @@ def _install() -> None:
             return
         for name in (*_DROPOUTS, "scaled_dot_product_attention"):
             _installed[name] = getattr(F, name)
-        _installed["bernoulli_"], _installed["rand"] = torch.Tensor.bernoulli_, torch.rand
         for name, (feature, alpha) in _DROPOUTS.items():
             setattr(F, name, _dropout_like(name, feature, alpha))
         F.scaled_dot_product_attention = _aligned_attention()
-        torch.Tensor.bernoulli_ = _aligned_bernoulli()  # type: ignore[method-assign]
-        torch.rand = _aligned_rand()
+        for (owner, name), replacement in replacements(place_of_draw).items():
+            _drawn[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, replacement(_drawn[(owner, name)]))
 
 
 def _uninstall() -> None:
-    import torch
     import torch.nn.functional as F
 
     for name, original in _installed.items():
-        setattr(torch.Tensor if name == "bernoulli_" else torch if name == "rand" else F, name, original)
+        setattr(F, name, original)
+    for (owner, name), original in _drawn.items():
+        setattr(owner, name, original)
     _installed.clear()
+    _drawn.clear()

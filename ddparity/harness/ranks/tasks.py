@@ -36,7 +36,7 @@ from ddparity.harness.ranks.modes.twin import TwinMode, calibrated
 from ddparity.harness.ranks.rank import released
 from ddparity.harness.ranks.spool import Writer, fits_the_spool, write_state
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
-from ddparity.harness.recording.recorder import set_collective_timer
+from ddparity.harness.recording.timing import set_collective_timer
 from ddparity.measurements import RankProfile
 from ddparity.run_kinds import REPLICA_MODES, kind
 

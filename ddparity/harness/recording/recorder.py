@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ddparity.harness.recording import timing
 from ddparity.harness.recording.calls import RECORDED, Binder, call_site, issuer, ledger_entry
 from ddparity.records import BUCKET_VIA, encode_fingerprints, encode_progress
 
@@ -313,30 +314,12 @@ def set_thread_recorder(own: StepRecorder | None) -> None:
     _thread.recorder = own
 
 
-class CollectiveTimer(Protocol):
-    """Times every collective this process issues (``ddparity profile``'s sharded modes):
-    ``call(op, bound arguments, run)`` runs the collective and returns what it returns."""
-
-    def call(self, op: str, arguments: dict[str, Any], run: Callable[[], Any]) -> Any: ...
-
-
-_timer: CollectiveTimer | None = None
-
-
-def set_collective_timer(timer: CollectiveTimer | None) -> None:
-    """While set, every collective of this process, from any thread (a GPU's backward runs
-    on the autograd engine's own), goes through ``timer`` (the outer call only:
-    ``all_gather_into_tensor`` calling ``all_gather_single`` is timed once)."""
-    global _timer
-    _timer = timer
-
-
 def _recorded(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     binder = Binder(fn)
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        timer = _timer
+        timer = timing.timer
         if timer is not None and not getattr(_thread, "timed", False):
             try:
                 arguments = binder.bind(args, kwargs)

@@ -30,7 +30,7 @@ from ddparity.harness.ranks.collective_times import IN_BUCKET_HOOK, CollectiveTi
 from ddparity.harness.ranks.modes.ddp import distributed
 from ddparity.harness.ranks.training import Replica, compute_loss, forward
 from ddparity.harness.recording import recorder
-from ddparity.harness.recording.recorder import set_collective_timer
+from ddparity.harness.recording.timing import set_collective_timer
 from ddparity.measurements import BucketTiming, RankProfile, StepTiming
 
 

@@ -11,7 +11,7 @@ batch twice, each start behind a barrier:
 * as in training: FSDP's all-gathers (forward, and again in backward when it reshards
   after forward) and reduce-scatters (and HSDP's all-reduce across replicas), each timed
   from its call to its completion by a process-wide collective timer
-  (:func:`~ddparity.harness.recording.recorder.set_collective_timer`).
+  (:func:`~ddparity.harness.recording.timing.set_collective_timer`).
 
 Bytes are those nccl-tests counts for each op (:mod:`ddparity.harness.ranks.collective_times`).
 """
@@ -25,7 +25,7 @@ from typing import Any
 from ddparity.harness.ranks.collective_times import CollectiveTimes
 from ddparity.harness.ranks.modes.fsdp import fsdp_no_sync, sharded
 from ddparity.harness.ranks.modes.timed import TimedMode
-from ddparity.harness.recording.recorder import set_collective_timer
+from ddparity.harness.recording.timing import set_collective_timer
 from ddparity.run_kinds import kind
 
 

@@ -1,0 +1,129 @@
+"""A diffusion model's step draws each sample's noise and timestep: drawn per sample, the same
+in every mode, so DDPM's step is compared as sharply as one without randomness, and its bugs
+named (ddparity.fixtures.diffusion; diffusers' own UNet2DModel in tests/real_models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddparity import Case, check
+from ddparity.fixtures import diffusion, models
+from tests.conftest import older_torch
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def test_ddpm_passes_in_every_mode_with_noise_and_timesteps_drawn_per_sample():
+    """Before, every such step was an error (aten.randint, aten.randn_like: no verdict)."""
+    report = check(diffusion.ddpm(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert report.ok, report.render()
+    assert "random draws compared on" in report.runs[0].notes[0] and "(2 draw(s) a step" in report.runs[0].notes[0]
+    if not older_torch():  # the threaded backend is refused there
+        simulated = check(diffusion.ddpm(), modes=("ddp",), world_sizes=(8,), backend="threaded")
+        assert simulated.ok, simulated.render()
+
+
+@pytest.mark.parametrize("bug, cause", [("summed", "a loss summed over the batch"),
+                                        ("over_world_size", "a mean loss divided by the world size")])
+def test_ddpm_bugs_are_named_at_step_0_by_orders_of_magnitude(bug, cause):
+    report = check(diffusion.ddpm(bug), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    for run in report.runs[1:]:
+        d = run.first_divergence
+        assert run.status == "diverged" and d.step == 0 and d.max_abs > 1e3 * d.tolerance, report.render()
+        [named] = [n for n in run.notes if n.startswith("likely cause")]
+        assert cause in named, named
+
+
+@pytest.mark.parametrize("bug, op, hint", [
+    ("one_timestep", "aten.randint", "not a draw for the whole batch (one timestep for every sample"),
+    ("micro_batch_noise", "aten.randint x2, aten.randn_like x2", "a micro-batch's drawn in the step outside the model")])
+def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, op, hint):
+    report = check(diffusion.ddpm(bug), modes=("single", "ddp"), world_sizes=(2,))
+    assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()
+    reason = report.runs[0].reason
+    assert f"at step 0 ({op})" in reason and hint in reason, reason
+
+
+def test_an_output_dataparallel_cannot_gather_is_said_as_such_not_as_the_steps_crash():
+    """diffusers' UNet2DOutput under DataParallel: its gather rebuilds the output from (key,
+    value) pairs, which the dataclass takes as its one field; the step then got a generator
+    ("'generator' object has no attribute 'size'", a crash in the user's step)."""
+    report = check(diffusion.ddpm("dataclass_output"), modes=("single", "dp", "ddp"), world_sizes=(2,))
+    single, dp, ddp = report.runs
+    assert single.ok and ddp.ok, report.render()
+    assert dp.status == "error" and "DataParallel's gather rebuilds the model's output, a DenoiserOutput" in dp.reason
+    assert "its 'sample' would be generator" in dp.reason and "return_dict=False" in dp.reason, dp.reason
+
+
+def _draws(rows: torch.Tensor, batch: torch.Tensor) -> list[torch.Tensor]:
+    from ddparity.harness.ranks.randomness import AlignedDropout
+
+    aligned = AlignedDropout(nn.Linear(3, 3), seed=7)
+    try:
+        aligned.begin(0, rows, batch)
+        n = len(rows)
+        return [torch.randn_like(batch), torch.randint(0, 100, (n,)), torch.empty(n, 3).uniform_(2.0, 3.0),
+                torch.rand(n, 1, 1), torch.empty(n, 5).bernoulli_(0.25), torch.randn(n, 2, dtype=torch.float64),
+                torch.bernoulli(torch.full((n, 4), 0.5)), torch.empty(n, 3).normal_(1.0, 0.5)]
+    finally:
+        aligned.close()
+
+
+def test_a_samples_draws_are_the_same_in_the_whole_batch_in_a_shard_and_reversed():
+    batch = torch.zeros(8, 3)
+    whole = _draws(torch.arange(8), batch)
+    shard = _draws(torch.arange(4, 8), batch[4:])
+    backwards = _draws(torch.arange(8).flip(0), batch)
+    for w, s, b in zip(whole, shard, backwards):
+        assert w.dtype == s.dtype and torch.equal(w[4:], s) and torch.equal(w.flip(0), b)
+    randn, ints, uniform, rand, coin, wide, bern, normal = whole
+    assert ints.dtype == torch.int64 and 0 <= int(ints.min()) and int(ints.max()) < 100
+    assert 2.0 <= float(uniform.min()) and float(uniform.max()) < 3.0 and rand.shape == (8, 1, 1)
+    assert set(coin.unique().tolist()) <= {0.0, 1.0} and wide.dtype == torch.float64
+    assert set(bern.unique().tolist()) <= {0.0, 1.0} and normal.shape == (8, 3)
+    assert len({tuple(r.tolist()) for r in randn}) == 8  # each sample its own
+
+
+def test_aligned_draws_have_torchs_distribution_and_leave_other_draws_to_torch():
+    from ddparity.harness.ranks.randomness import AlignedDropout
+
+    original = torch.randn
+    aligned = AlignedDropout(nn.Linear(3, 3), seed=0)
+    try:
+        aligned.begin(0, torch.arange(4096), torch.zeros(4096, 8))
+        noise = torch.randn(4096, 8)
+        assert abs(float(noise.mean())) < 0.02 and abs(float(noise.std()) - 1) < 0.02
+        state = torch.random.get_rng_state()
+        assert torch.equal(torch.randn(4096, generator=torch.Generator().manual_seed(1)),
+                           original(4096, generator=torch.Generator().manual_seed(1)))  # a generator of its own
+        assert torch.equal(torch.random.get_rng_state(), state)
+        torch.randn(3)  # dim 0 not the samples: torch's generator
+        assert not torch.equal(torch.random.get_rng_state(), state)
+    finally:
+        aligned.close()
+    assert torch.randn is original
+
+
+class _AttentionAndNoise(nn.Module):
+    """Attention without dropout beside a draw for the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], 1, 4, 4)
+        x = torch.nn.functional.scaled_dot_product_attention(q, q, q).reshape(x.shape)
+        return self.fc(x + torch.randn(x.shape[-1]))
+
+
+def test_an_attention_kernel_without_dropout_is_not_named_as_a_draw():
+    """diffusers' UNet: the error named aten._scaled_dot_product_flash_attention_for_cpu x4
+    (its dropout_p left at its default, 0) beside the step's real draws."""
+    report = check(Case(model=_AttentionAndNoise, data=models.vectors, steps=2, name="attention and noise"),
+                   world_sizes=(2,))
+    reason = report.runs[0].reason
+    assert "at step 0 (aten.randn in the model (_AttentionAndNoise))" in reason, reason
+    assert "scaled_dot_product" not in reason, reason
