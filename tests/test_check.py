@@ -401,15 +401,19 @@ def test_a_mean_over_each_shards_class_weights_is_a_candidate_cause_and_its_fix_
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_a_learning_rate_scaled_by_the_world_size_is_placed_after_the_gradients(optimizer):
-    """Gradients match, parameters differ: diverged at the optimizer step with no cause named."""
+def test_a_learning_rate_scaled_by_the_world_size_is_named_by_how_far_every_parameter_moved(optimizer):
+    """Gradients match, parameters differ at the optimizer step: the update differs. Which
+    factor it is, is measured: every parameter moved W times as far in step 0 (SGD's update
+    and Adam's first are proportional to the rate), so the cause is named, not listed among
+    candidates."""
     report = check(bugs.lr_scaled_by_world_size(optimizer), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
     assert [r.status for r in report.runs] == ["pass", "pass", "pass"] + ["diverged"] * 4, report.render()
     for run in report.runs[3:]:
         assert run.first_divergence.kind == "param" and run.first_divergence.step == 0, report.render()
         [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
-        assert cause.startswith("candidate causes: at step 0 every gradient agrees and the parameters differ after "
-                                "the optimizer step") and "lr x world size" in cause, cause
+        ws = run.world_size
+        assert cause.startswith(f"likely cause: the learning rate multiplied by the world size ({ws})"), cause
+        assert f"every parameter moved {ws}x as far as on one device in step 0" in cause, cause
 
 
 @pytest.mark.parametrize("rank", [0, 3])

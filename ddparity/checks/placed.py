@@ -26,10 +26,12 @@ INPUT_GRADIENT = "input gradient"
 
 
 def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list[Divergence], world_size: int,
-           mode: str, replicated: bool, loss_scaling: Callable[[], float | None]) -> list[str]:
+           mode: str, replicated: bool, loss_scaling: Callable[[], float | None],
+           update: tuple[float, float] | None = None) -> list[str]:
     """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
-    contradicts replaced, and, where nothing named a cause, the one the place names."""
+    contradicts replaced, and, where nothing named a cause, the one the place names
+    (``update``: :func:`ddparity.distances.update_ratio` of step 0)."""
     notes = [scale_placed(n, best.phase, best.factor, world_size, mode) or n for n in notes]
     inside = entered_inside(best, first, mode)
     if inside is not None:
@@ -41,7 +43,7 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
         return notes + ([cause] if cause else [])
     if not best.found and first.kind == "param":
         ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
-        return notes + [after_the_gradients(first.step, world_size, mode, ranks)]
+        return notes + [after_the_gradients(first.step, world_size, mode, ranks, update)]
     return notes + ([inside] if inside is not None else [])
 
 
@@ -118,9 +120,31 @@ def per_shard_denominator(ratio: float | None, factor: float | None, world_size:
             f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
 
 
-def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int]) -> str:
+FACTOR_TOL = 1e-3
+"""How near the world size a step-0 update's factor must be to read as lr x W."""
+ONE_FACTOR = 1e-6
+"""1 - cos^2 of the run's step-0 update against the reference's below which every parameter
+moved by one factor (rounding alone leaves ~1e-12 in float32; Adam's eps, ~1e-10)."""
+
+
+def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int],
+                        update: tuple[float, float] | None = None) -> str:
     """The parameters differ first (on ``ranks``), after a step whose every module's output
-    and gradient agreed with the reference on every rank: the update itself differs."""
+    and gradient agreed with the reference on every rank: the update itself differs; where
+    every parameter moved by one factor of the reference's step-0 move (``update``), that
+    factor names it."""
+    if step == 0 and update is not None and update[1] < ONE_FACTOR and len(ranks) in (0, world_size):
+        factor, name = update[0], mode.upper()
+        evidence = (f"evidence: with the same gradients every parameter moved {factor:.4g}x as far as on one device "
+                    f"in step 0 (the update's direction the same to 1 - cos^2 = {update[1]:.1e})")
+        if abs(factor - world_size) <= FACTOR_TOL * world_size:
+            return (f"likely cause: the learning rate multiplied by the world size ({world_size}), the linear "
+                    f"scaling rule, on a global batch that did not grow: ddparity keeps the global batch, so "
+                    f"{world_size} {name} ranks must train with one device's rate; scale it where the global batch "
+                    f"grows, not with the ranks; {evidence}")
+        if abs(factor - 1) > FACTOR_TOL:
+            return (f"likely cause: a learning rate (or another factor of the update) {factor:.4g}x one device's, "
+                    f"one that depends on the world size or the rank; {evidence}")
     head = (f"candidate causes: at step {step} every gradient agrees and the parameters differ after the optimizer "
             f"step, so the update itself differs")
     if 0 < len(ranks) < world_size:

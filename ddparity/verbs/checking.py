@@ -19,7 +19,7 @@ from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite
 from ddparity.checks.judge import judge_completed
 from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
 from ddparity.compile_spec import CompileSpec
-from ddparity.distances import Distances, Reference
+from ddparity.distances import Distances, Reference, update_ratio
 from ddparity.errors import RankCrashed, WorldFailure
 from ddparity.harness.ranks.modes.dp import simulated as dp_simulated
 from ddparity.records import BUCKET_VIA, parse_ledger
@@ -194,9 +194,10 @@ class Checking:
         traffic = extra_syncs(runs)
         if traffic:
             judged.notes.append(traffic)
-        return self.localise(_compared_up_to(judged, stop), found)
+        return self.localise(_compared_up_to(judged, stop), found, update_ratio([r.moved for r in runs if r.moved]))
 
-    def localise(self, run: RunResult, found: list[Divergence]) -> RunResult:
+    def localise(self, run: RunResult, found: list[Divergence],
+                 update: tuple[float, float] | None = None) -> RunResult:
         """A diverged (or drifted apart) eager run's first divergence, given where in the model
         that step first differs: the earliest place over the ranks' activations, else the
         parameters whose gradients the run's own comparison found off (``found``), by the
@@ -219,7 +220,7 @@ class Checking:
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
         run.notes = placed.reread(run.notes, best, d, found, run.world_size, run.mode, kind(run.mode).replicated,
-                                  self.loss_scaling)
+                                  self.loss_scaling, update)
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:
@@ -261,7 +262,7 @@ class Checking:
         cause = causes.replica_cause(found, ws, self.valid, self.loss_scaling)
         if cause:
             run.notes.append(cause)
-        return self.localise(_compared_up_to(run, stop), found)
+        return self.localise(_compared_up_to(run, stop), found, update_ratio([distances.moved] if distances.moved else []))
 
     def failed_one_process(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float) -> RunResult:
         """A run of DataParallel's replicas that ``exc`` ended, labelled as a finished one is

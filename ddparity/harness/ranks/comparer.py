@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ddparity.distances import Distances, max_abs
-from ddparity.harness.ranks.spool import ABORT, ReferenceFailed, Stored, gradient, mapped
+from ddparity.distances import Distances, max_abs, moved
+from ddparity.harness.ranks.spool import ABORT, STATE, ReferenceFailed, Stored, gradient, load_state, mapped
 from ddparity.harness.shards import local_part, optimizer_state
 
 POLL_MIN_S = 0.001
@@ -104,11 +104,15 @@ class Comparer:
         mine.update({("param", n): p for n, p in model.named_parameters()})
         mine.update({("optimizer", n): t for n, t in optimizer_state(model, optimizer)})
         mine.update({("buffer", n): b for n, b in model.named_buffers()})
-        self._compare(step, f"a{step}", mine)
+        self._compare(step, f"a{step}", mine, start=self._initial() if step == 0 and stepped else None)
 
-    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any]) -> None:
+    def _compare(self, step: int, stem: str, mine: dict[tuple[str, str], Any],
+                 start: dict[str, Any] | None = None) -> None:
+        """``mine`` against the reference's step file ``stem``; with ``start`` (the initial
+        state, at step 0) also how far each parameter moved against the reference's move."""
         self.result.steps.extend({} for _ in range(step + 1 - len(self.result.steps)))
         ref = self._open(stem)
+        sums = [0.0, 0.0, 0.0]
         try:
             for key, whole in ref.items():
                 if key[0] == "optimizer" and key not in mine:
@@ -118,8 +122,22 @@ class Comparer:
                 self.result.compare(step, key, expected, got)
                 if self.own_values:
                     self.values[(step, key[0], key[1])] = max_abs(got)
+                initial = start.get(key[1]) if start is not None and key[0] == "param" else None
+                if initial is not None and got is not None and expected is not None and expected.shape == got.shape:
+                    begun, _ = local_part(initial, mine[key])
+                    if begun.shape == got.shape:
+                        sums = [a + b for a, b in zip(sums, moved(begun, expected, got))]
         finally:
             ref.close()
+        if start is not None:
+            self.result.moved = (sums[0], sums[1], sums[2])
+
+    def _initial(self) -> dict[str, Any] | None:
+        """The state every run started from (memory-mapped), where this rank can read the
+        reference's spool (not on a launch's other nodes)."""
+        if not os.path.exists(os.path.join(self.spool, STATE)):
+            return None
+        return load_state(self.spool)
 
     def finish(self) -> Distances:
         return self.result
