@@ -18,8 +18,8 @@ import statistics
 import time
 
 from ddparity.fixtures.models import profile_demo
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import WorldPool
 from ddparity.verbs.profile import profile
 

@@ -28,8 +28,8 @@ import torch.multiprocessing as tmp
 
 from ddparity import check
 from ddparity.fixtures import models
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import WorldPool
 
 STEPS = 5

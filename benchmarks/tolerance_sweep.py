@@ -18,8 +18,8 @@ import torch
 from ddparity import Case
 from ddparity.checks.tolerance import HEADROOM, auto_tolerance
 from ddparity.fixtures import models
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import WorldPool
 
 

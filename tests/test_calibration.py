@@ -56,8 +56,9 @@ def test_an_order_dependent_model_is_never_passed_and_the_report_says_why():
 
 def test_a_skipped_grad_scaler_step_is_recorded_as_not_stepped():
     from ddparity.harness.ranks.modes.single import SingleMode
-    from ddparity.harness.ranks.spool import Spool, Writer
+    from ddparity.harness.ranks.spool import Writer
     from ddparity.harness.ranks.training import initial_state, train
+    from ddparity.harness.spool_files import Spool
 
     case = calibration.grad_scaler_skipping()
     with Spool() as spool:

@@ -46,6 +46,16 @@ def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, op,
     assert f"at step 0 ({op})" in reason and hint in reason, reason
 
 
+def test_draws_from_pythons_random_module_are_an_error_naming_it_not_a_divergence():
+    """Every process draws from its own state there: before, the reference passed and the DDP
+    runs were an error that guessed ("the step depends on the order of the samples in the
+    batch (or on randomness or state outside the batch)"); now the draw is named."""
+    report = check(diffusion.ddpm("python_random"), modes=("single", "ddp"), world_sizes=(2,))
+    assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()
+    reason = report.runs[0].reason
+    assert "draws random numbers from Python's random module at step 0" in reason and "torch.randint" in reason
+
+
 def test_an_output_dataparallel_cannot_gather_is_said_as_such_not_as_the_steps_crash():
     """diffusers' UNet2DOutput under DataParallel: its gather rebuilds the output from (key,
     value) pairs, which the dataclass takes as its one field; the step then got a generator

@@ -12,8 +12,9 @@ from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.ddp import DDPMode  # noqa: F401 - the modes below are the real ones
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.modes.twin import TwinMode
-from ddparity.harness.ranks.spool import Spool, Writer, write_state
+from ddparity.harness.ranks.spool import Writer
 from ddparity.harness.ranks.training import initial_state, train
+from ddparity.harness.spool_files import Spool, write_state
 from tests.conftest import needs_newer_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

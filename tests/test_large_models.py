@@ -10,8 +10,8 @@ import pytest
 
 from ddparity import check
 from ddparity.fixtures import large
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import default_pool
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

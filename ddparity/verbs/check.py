@@ -19,9 +19,9 @@ from ddparity.distances import Distances
 from ddparity.errors import Interrupted, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.compiled_blocks import compiled_replica_blocks_task
 from ddparity.harness.ranks.probes import dp_trace_task, loss_scaling_task, reference_trace_task, replica_trace_task
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import dp_task, prepare_task, reference_task, replica_run_name, replica_task
 from ddparity.harness.ranks.threaded import threaded_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import THREADS, WorldPool, default_pool
 from ddparity.harness.world.simulated import as_simulated
 from ddparity.harness.world.world import PendingTask

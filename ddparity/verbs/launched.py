@@ -100,8 +100,8 @@ class _LaunchedCheck:
 
     def reference_stage(self) -> store_keys.CheckPlan:
         from ddparity.harness.ranks.rank import released
-        from ddparity.harness.ranks.spool import Spool
         from ddparity.harness.ranks.tasks import prepare_task, reference_task, replica_task
+        from ddparity.harness.spool_files import Spool
 
         checking, case, ctx, store = self.checking, self.case, self.ctx, self.launch.store
         self.recorder.begin_task(1)
@@ -146,8 +146,8 @@ class _LaunchedCheck:
         """Every rank: the launch's process group, and the reference's way here (rank 0's
         spool in place on its node, else its initial state fetched over the network)."""
         from ddparity.harness.launch.refserve import ReferenceServer, RemoteReference
-        from ddparity.harness.ranks.spool import Spool, load_state
         from ddparity.harness.ranks.tasks import WAIT_LIMIT_S
+        from ddparity.harness.spool_files import Spool, load_state
 
         ctx, launch = self.ctx, self.launch
         self.watch.stage = 2

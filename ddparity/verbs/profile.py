@@ -16,8 +16,8 @@ from ddparity.case import Case
 from ddparity.checks.comm import WorldProfile, add_scaling, percentile, size_text, summarize
 from ddparity.errors import UsageError, WorldFailure, WorldStartError
 from ddparity.harness.ranks.modes.timed_dp import dp_profile_task
-from ddparity.harness.ranks.spool import Spool
 from ddparity.harness.ranks.tasks import prepare_task, profile_task
+from ddparity.harness.spool_files import Spool
 from ddparity.harness.world.pool import WorldPool, default_pool
 from ddparity.render import render_failure
 from ddparity.report import ProfileReport

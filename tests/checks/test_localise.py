@@ -328,7 +328,7 @@ def test_ranks_waiting_beside_a_reference_whose_re_run_failed_stop_at_once(tmp_p
     from ddparity.fixtures import bugs
     from ddparity.harness.protocol import RankContext
     from ddparity.harness.ranks import probes
-    from ddparity.harness.ranks.spool import ReferenceFailed
+    from ddparity.harness.spool_files import ReferenceFailed
 
     ctx = RankContext(rank=0, world_size=1, backend="gloo", device="cpu")
     with pytest.raises(FileNotFoundError):  # an empty spool: no initial state to train from

@@ -15,7 +15,8 @@ from torch import nn
 
 from ddparity.distances import distance, max_abs
 from ddparity.harness.ranks.comparer import Comparer
-from ddparity.harness.ranks.spool import ReferenceFailed, Spool, Writer
+from ddparity.harness.ranks.spool import Writer
+from ddparity.harness.spool_files import ReferenceFailed, Spool
 
 
 def _model():
@@ -126,7 +127,7 @@ def test_a_spools_janitor_removes_it_when_its_owner_is_killed(tmp_path):
     import sys
     import time
 
-    code = ("import sys, time; from ddparity.harness.ranks.spool import Spool; "
+    code = ("import sys, time; from ddparity.harness.spool_files import Spool; "
             f"s = Spool(parent={str(tmp_path)!r}, janitor=True); print(s.path, flush=True); time.sleep(60)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     path = owner.stdout.readline().strip()

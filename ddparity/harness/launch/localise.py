@@ -68,7 +68,7 @@ def _served_rerun(launch: Launch, case: Case, ask: store_keys.LocaliseAsk) -> tu
     of the step fetched from rank 0 into a spool of this rank's own (removed after)."""
     from ddparity.harness.launch.refserve import RemoteReference
     from ddparity.harness.ranks.probes import trace_name
-    from ddparity.harness.ranks.spool import Spool
+    from ddparity.harness.spool_files import Spool
 
     call = (ask.inside[0], ask.inside[1]) if ask.inside is not None else None
     with Spool(janitor=True) as own:  # removed should this rank die in the re-run

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddparity.harness.ranks.comparer import wait_for
-from ddparity.harness.ranks.spool import STATE, Stored, mapped_bytes, typed
+from ddparity.harness.spool_files import STATE, Stored, mapped_bytes, typed
 
 STATE_REQUEST, GRADS_REQUEST, AFTER_REQUEST, FILE_REQUEST, BYE = 0, 1, 2, 3, -1
 CHUNK_BYTES = 64 << 20

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddparity.distances import Distances, max_abs, moved
-from ddparity.harness.ranks.spool import ABORT, STATE, ReferenceFailed, Stored, gradient, load_state, mapped
+from ddparity.harness.ranks.spool import gradient
 from ddparity.harness.shards import local_part, optimizer_state
+from ddparity.harness.spool_files import ABORT, STATE, ReferenceFailed, Stored, load_state, mapped
 
 POLL_MIN_S = 0.001
 POLL_MAX_S = 0.05

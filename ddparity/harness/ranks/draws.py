@@ -25,12 +25,15 @@ class RandomDraws:
         self.callers: dict[str, list[Any]] = {}
         """Per op named: the innermost modules whose forward drew it, in order (None: outside any)."""
         self.moved = False
+        self.host: list[str] = []
+        """The host generators the step drew from (Python's ``random``, numpy's global one)."""
         self._calls = ModuleCalls() if name else None
         self._mode: Any = (_NamingMode(self.found, self.callers, self._calls) if self._calls is not None
                            else contextlib.nullcontext())
 
     def __enter__(self) -> RandomDraws:
         self._before = _generator_states()
+        self._host = _host_states()
         if self._calls is not None:
             self._calls.__enter__()
         self._mode.__enter__()
@@ -41,8 +44,15 @@ class RandomDraws:
         if self._calls is not None:
             self._calls.__exit__(*exc)
         self.moved = any(not a.equal(b) for a, b in zip(self._before, _generator_states()))
+        after = _host_states()
+        self.host = [name for name, state in self._host.items() if after.get(name) != state]
 
     def raise_if_any(self, step: int, model: Any = None) -> None:
+        if self.host and not self.moved:
+            raise CaseError(f"the training step draws random numbers from {' and '.join(self.host)} at step {step}: "
+                            f"every process draws other numbers there (its own state), so no comparison could be "
+                            f"trusted; draw with torch (torch.rand, torch.randint, torch.randn_like: drawn per sample, "
+                            f"the same in every mode), or from a generator you seed per sample")
         if not self.moved:
             return
         names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
@@ -62,8 +72,10 @@ class RandomDraws:
         ops = ", ".join(f"aten.{name}" + (f" x{n}" if n > 1 else "") + caller(name)
                         for name, n in sorted(self.found.items()))
         where = f" in {', '.join(layers)}" if layers else ""
+        host = f" (and from {' and '.join(self.host)})" if self.host else ""
         raise CaseError(
-            f"the training step draws random numbers from torch's generator at step {step} ({ops or 'an op'}){where}, "
+            f"the training step draws random numbers from torch's generator{host} at step {step} "
+            f"({ops or 'an op'}){where}, "
             f"outside the dropouts ddparity aligns: every mode and rank would draw other numbers for the same "
             f"sample, so no comparison could be trusted; use torch.nn.functional's dropouts (aligned per sample), "
             f"draw from a torch.Generator you seed per sample, or switch the draw off for the check"
@@ -182,6 +194,18 @@ def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
     if "train" in values and "p" in values:  # native_dropout
         return bool(values["train"]) and bool(values["p"])
     return True
+
+
+def _host_states() -> dict[str, Any]:
+    """Python's ``random`` state and, where numpy is imported, its global generator's."""
+    import random
+    import sys
+
+    states: dict[str, Any] = {"Python's random module": random.getstate()}
+    if "numpy" in sys.modules:
+        kind, keys, *rest = sys.modules["numpy"].random.get_state()
+        states["numpy's global generator (np.random)"] = (kind, keys.tobytes(), *rest)
+    return states
 
 
 def _generator_states() -> list[Any]:

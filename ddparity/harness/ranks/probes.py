@@ -30,10 +30,11 @@ from ddparity.harness.ranks.differing import (
 from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.single import SingleMode
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import NoSink, ReferenceFailed
+from ddparity.harness.ranks.spool import NoSink
 from ddparity.harness.ranks.tasks import WAIT_LIMIT_S, replica_mode
 from ddparity.harness.ranks.tracing import ModuleTrace, Traced
 from ddparity.harness.ranks.training import train
+from ddparity.harness.spool_files import ReferenceFailed
 from ddparity.verdicts import ModuleFinding
 
 

@@ -1,15 +1,12 @@
-"""Random draws with one part per sample, made the same for the same sample in every mode and
-on every rank, as aligned dropout's masks are (:mod:`ddparity.harness.ranks.randomness`).
-
-A draw given no generator whose dim 0 is the samples at hand — inside the model's forward
-that forward's, in the training step around it the replica's whole share — is drawn sample
-by sample, each part from that sample's generator: a diffusion step's noise
-(``torch.randn_like(x)``) and timesteps (``torch.randint(0, T, (n,))``), stochastic depth
-(``bernoulli_``/``torch.rand`` of ``(n, 1, ..., 1)``), a router's jitter
-(``torch.empty_like(h).uniform_(a, b)``). Each part has torch's distribution, from that
-sample's own stream. Any other draw (for the whole batch, a micro-batch's in the step, one
-inside a ``batch_first=False`` module, activation checkpointing or backward) is left to
-torch's generator, where it is found and named as a draw.
+"""Random draws with one part per sample, the same for the same sample in every mode and on
+every rank, as aligned dropout's masks are (:mod:`ddparity.harness.ranks.randomness`): a
+draw given no generator whose dim 0 is the samples at hand (inside the model's forward that
+forward's, in the step around it the replica's whole share) is drawn sample by sample from
+each sample's generator — a diffusion step's noise (``torch.randn_like(x)``) and timesteps
+(``torch.randint(0, T, (n,))``), stochastic depth, a router's jitter. Each part has torch's
+distribution. Any other draw (for the whole batch, a micro-batch's in the step, inside a
+``batch_first=False`` module, checkpointing or backward) is left to torch's generator, where
+it is found and named.
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ from ddparity.harness.ranks.modes.timed import TimedMode
 from ddparity.harness.ranks.modes.timed_sharded import TimedShardedMode
 from ddparity.harness.ranks.modes.twin import TwinMode, calibrated
 from ddparity.harness.ranks.rank import released
-from ddparity.harness.ranks.spool import Writer, fits_the_spool, write_state
+from ddparity.harness.ranks.spool import Writer
 from ddparity.harness.ranks.training import data_fn, global_batch, initial_state, train
 from ddparity.harness.recording.timing import set_collective_timer
+from ddparity.harness.spool_files import fits_the_spool, write_state
 from ddparity.measurements import RankProfile
 from ddparity.run_kinds import REPLICA_MODES, kind
 

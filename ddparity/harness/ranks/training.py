@@ -316,7 +316,7 @@ def prepared(case: Case, state: dict[str, Any] | str, device: str) -> Any:
             f"with nn.BatchNorm here (SyncBatchNorm is what makes BatchNorm under DDP match one device)"
         )
     if isinstance(state, str):  # a check's spool: the state memory-mapped from it
-        from ddparity.harness.ranks.spool import load_state
+        from ddparity.harness.spool_files import load_state
 
         state = load_state(state)
     model.load_state_dict(state)
