@@ -97,3 +97,17 @@ def test_a_routing_loop_that_compiles_nothing_is_skipped_naming_the_dynamo_setti
     for run in compiled:
         assert "a graph break inside a loop of your forward" in run.reason, run.reason
         assert "torch._dynamo.config.capture_dynamic_output_shape_ops = True" in run.reason
+
+
+def test_router_jitter_is_drawn_per_sample_and_a_bug_under_it_still_named():
+    """Switch Transformers' router jitter (a uniform draw of the router's input) made every
+    such model an error ("aten.uniform_ x2 in modules ... router"): drawn per sample now, the
+    same in every mode, it passes, and a load-balancing loss on each rank's shard is still
+    named where it enters."""
+    clean = check(moe.jittered(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert clean.ok, clean.render()
+    assert "(2 draw(s) a step" in clean.runs[0].notes[0], clean.runs[0].notes
+    bug = check(moe.jittered("added"), modes=("single", "ddp"), world_sizes=(2,))
+    [run] = bug.runs[1:]
+    assert run.status == "diverged" and run.first_divergence.step == 0, bug.render()
+    assert any(n.startswith(INSIDE) for n in run.notes), run.notes
