@@ -111,6 +111,9 @@ def test_aligned_draws_have_torchs_distribution_and_leave_other_draws_to_torch()
         assert torch.equal(torch.random.get_rng_state(), state)
         torch.randn(3)  # dim 0 not the samples: torch's generator
         assert not torch.equal(torch.random.get_rng_state(), state)
+        state = torch.random.get_rng_state()
+        nn.init.uniform_(nn.Parameter(torch.empty(4096, 2)))  # a parameter (re)initialised: torch's draw
+        assert not torch.equal(torch.random.get_rng_state(), state)
     finally:
         aligned.close()
     assert torch.randn is original

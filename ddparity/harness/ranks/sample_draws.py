@@ -95,8 +95,8 @@ def _in_place(place_of: Place, original: Any, one: Part, defaults: tuple) -> Any
 
         params = tuple(args) + defaults[len(args):]
         values = None
-        if (generator is None and not kwargs and len(args) <= len(defaults)
-                and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in params)):
+        if (generator is None and not kwargs and len(args) <= len(defaults) and not isinstance(self, torch.nn.Parameter)
+                and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in params)):  # (init: torch's)
             values = _per_sample(place_of, tuple(self.shape), one, params)
         if values is None:
             return original(self, *args, generator=generator, **kwargs)
