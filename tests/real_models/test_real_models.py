@@ -1,5 +1,6 @@
-"""The real-models tier: transformers GPT-2, BERT, Mixtral and ConvNeXt from tiny configs (dropout and
-stochastic depth on) and torchvision-style networks written by hand, trained as their users train them. Every
+"""The real-models tier: transformers GPT-2, BERT, Mixtral, ConvNeXt, ViT-MAE and wav2vec2 from tiny configs
+(dropout, stochastic depth and random masking on), diffusers' UNet2DModel as DDPM, and torchvision-style
+networks written by hand, trained as their users train them. Every
 clean one passes at world sizes 1, 2, 4 and 8 simulated; every planted bug is reported at
 its first step with a margin (error / tolerance) of 100 or more."""
 
@@ -189,3 +190,106 @@ def test_mixtral_under_the_default_fsdp_wrapping_block_by_block():
         assert run.status == "diverged" and run.first_divergence.step == 0, aux.render()
         [cause] = [n for n in run.notes if n.startswith("likely cause")]
         assert "a term of the loss computed inside model.layers.1 (MixtralDecoderLayer)" in cause, cause
+
+
+def _vit_mae():
+    import transformers as T
+
+    return T.ViTMAEForPreTraining(T.ViTMAEConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=64, mask_ratio=0.75))
+
+
+def _pixels(step, generator):
+    import torch
+
+    return torch.randn(8, 3, 16, 16, generator=generator)
+
+
+def _mae_step(model, batch, optimizer, ctx, over_w=False):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(pixel_values=batch).loss
+    loss = loss / ctx.world_size if over_w else loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.real_models
+def test_vit_mae_masks_each_image_at_random_and_is_compared_sharply():
+    """transformers' ViT-MAE masks 75% of each image's patches from ``torch.rand(batch,
+    patches)`` inside its forward: a per-sample draw, aligned as dropout is (before: an error,
+    no verdict). Clean passes under DDP and FSDP at 2 and 4; a loss divided by W is named."""
+    import functools
+
+    from ddparity import Case
+
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs transformers")
+
+    def case(over_w):
+        return Case(model=_vit_mae, data=_pixels, optimizer="adamw", lr=1e-3, steps=2, name="ViT-MAE",
+                    train_step=functools.partial(_mae_step, over_w=over_w))
+
+    clean = check(case(False), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert clean.ok, clean.render()
+    assert "(1 draw(s) a step" in clean.runs[0].notes[0], clean.runs[0].notes
+    bug = check(case(True), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    for run in bug.runs[1:]:
+        d = run.first_divergence
+        assert run.status == "diverged" and d.step == 0 and d.max_abs >= 1e3 * d.tolerance, bug.render()
+        assert any(n.startswith("likely cause: a mean loss divided by the world size") for n in run.notes)
+
+
+def _wav2vec2(mask_time_prob, reduction):
+    import transformers as T
+
+    return T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        mask_time_prob=mask_time_prob, mask_time_length=2, ctc_loss_reduction=reduction, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, final_dropout=0.0))
+
+
+def _speech(step, generator):
+    import torch
+
+    return {"input_values": torch.randn(8, 400, generator=generator),
+            "labels": torch.randint(1, 12, (8, 5), generator=generator)}
+
+
+def _own_loss_step(model, batch, optimizer, ctx):
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.real_models
+def test_wav2vec2s_spec_augment_and_its_summed_ctc_loss_are_named():
+    """transformers' wav2vec2 masks time steps with numpy's global generator (SpecAugment):
+    named as such (before: "the step depends on the order of the samples ... or randomness",
+    a guess). Without it, its default CTC loss (``ctc_loss_reduction="sum"``) is a summed
+    loss under DDP, named; with "mean" it passes."""
+    import functools
+
+    from ddparity import Case
+
+    if not HAVE_TRANSFORMERS:
+        pytest.skip("needs transformers")
+
+    def case(mask, reduction):
+        return Case(model=functools.partial(_wav2vec2, mask, reduction), data=_speech, optimizer="adamw", lr=1e-3,
+                    steps=2, train_step=_own_loss_step, name=f"wav2vec2 {mask} {reduction}")
+
+    masked = check(case(0.3, "mean"), modes=("single", "ddp"), world_sizes=(2,))
+    assert all(r.status == "error" for r in masked.runs), masked.render()
+    assert "from numpy's global generator (np.random) at step 0" in masked.runs[0].reason
+    assert "mask_time_prob=0" in masked.runs[0].reason
+    summed = check(case(0.0, "sum"), modes=("single", "ddp"), world_sizes=(2,))
+    [run] = summed.runs[1:]
+    assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
+    assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
+    assert check(case(0.0, "mean"), modes=("single", "ddp"), world_sizes=(2, 4)).ok

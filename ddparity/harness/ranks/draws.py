@@ -52,7 +52,9 @@ class RandomDraws:
             raise CaseError(f"the training step draws random numbers from {' and '.join(self.host)} at step {step}: "
                             f"every process draws other numbers there (its own state), so no comparison could be "
                             f"trusted; draw with torch (torch.rand, torch.randint, torch.randn_like: drawn per sample, "
-                            f"the same in every mode), or from a generator you seed per sample")
+                            f"the same in every mode), from a generator you seed per sample, or switch the draw off for "
+                            f"the check (transformers' SpecAugment in wav2vec2, HuBERT: mask_time_prob=0, "
+                            f"mask_feature_prob=0)")
         if not self.moved:
             return
         names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
