@@ -13,7 +13,7 @@ import pytest
 from ddparity import check
 from ddparity.fixtures import models
 from ddparity.fixtures.faults import FAULTS, reported_ranks
-from ddparity.harness.ranks import spool
+from ddparity.harness import spool_files as spool
 from ddparity.harness.world.pool import WorldPool
 from tests.conftest import stray_processes
 
