@@ -96,6 +96,13 @@ class _Scope:
         self.drawn += 1
         return place
 
+    def next_step_place(self) -> int:
+        """The place of a new draw in the training step outside the forward (numbered apart
+        from the forward's, counted in the step's draws too)."""
+        self.step_draws += 1
+        self.drawn += 1
+        return STEP_PLACES + self.step_draws - 1
+
     def generators(self, place: int, rows: Any) -> Iterator[Any]:
         """Each sample's generator for the draw at ``place``: seeded by the case's seed, the
         step, the place and the sample's index in the global batch."""
@@ -332,9 +339,7 @@ def place_of_draw(samples: int) -> tuple[_Scope, Any, int] | None:
         return scope, rows, scope.next_place()
     if scope.rows is None or samples != len(scope.rows):
         return None
-    scope.drawn += 1
-    scope.step_draws += 1
-    return scope, scope.rows, STEP_PLACES + scope.step_draws - 1
+    return scope, scope.rows, scope.next_step_place()
 
 
 _DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d": (True, False),
