@@ -93,20 +93,29 @@ def own_error_site(traceback: str) -> str | None:
     under ddparity's step driver, is the user's."""
     frames = [(m.group("path"), m.group("line")) for line in traceback.splitlines()
               if (m := _TB_FRAME.match(line))]
-    for path, line in reversed(frames):
+    for depth, (path, line) in enumerate(reversed(frames)):
         if own_file(path):
             inside = path[len(PACKAGE):] if path.startswith(PACKAGE) else path
-            return f"{inside}:{line}" if inside.startswith(_OBSERVERS) else None
+            ours = inside.startswith(OBSERVERS) or (depth == 0 and inside.startswith(WRAPPERS))
+            return f"{inside}:{line}" if ours else None
         if not (_TORCH.search(path) or os.path.realpath(path).startswith(_STDLIB)):
             return None
     return None
 
 
-_OBSERVERS = tuple(os.path.join("harness", "ranks", f) for f in (
-    "spool.py", "ddp_buckets.py", "recorder.py", "calls.py", "fingerprint.py"))
+OBSERVERS = tuple(os.path.join(*f.split("/")) for f in (
+    "harness/ranks/spool.py", "harness/ranks/comparer.py", "harness/spool_files.py", "harness/shards.py",
+    "harness/recording/ddp_buckets.py", "harness/recording/calls.py", "harness/recording/fingerprint.py",
+    "distances.py"))
 """ddparity's files that only watch the training (record, compare, fingerprint): an error
-raised there is ddparity's. The step driver and the modes call the user's model through
-torch, where torch raises over the user's set-up (an unused parameter under DDP)."""
+raised there, by them or by torch under them, is ddparity's. The step driver and the modes
+call the user's model through torch, where torch raises over the user's set-up (an unused
+parameter under DDP)."""
+WRAPPERS = tuple(os.path.join(*f.split("/")) for f in (
+    "harness/recording/recorder.py", "harness/recording/timing.py", "harness/recording/replicas.py"))
+"""ddparity's files that wrap the user's own calls (a collective, DDP's constructor) and
+pass them on to torch: torch raising under them is the user's (bad arguments to a
+collective); only an error raised in their own lines is ddparity's."""
 
 
 _TEMPLATE_ARGS = re.compile(r"<[^<>]*>")

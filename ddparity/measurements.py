@@ -1,6 +1,6 @@
 """What ranks measure and send back, as plain data: the profile's step and bucket
 timings (:mod:`ddparity.harness.ranks.modes.timed`) and a rank's health measurements
-(:mod:`ddparity.harness.ranks.health_probe`). Judged by :mod:`ddparity.checks.comm` and
+(:mod:`ddparity.harness.health.probe`). Judged by :mod:`ddparity.checks.comm` and
 :mod:`ddparity.checks.health`. A leaf module.
 """
 
@@ -92,7 +92,7 @@ class RankHealth:
     # (bytes, seconds per all-reduce on this rank) for each size
     allreduce: list[tuple[int, float]] = field(default_factory=list)
     transfers: dict[str, Any] | str = "not measured"
-    """Copy bandwidths, GB/s (:mod:`ddparity.harness.ranks.transfer_probe`), or why not."""
+    """Copy bandwidths, GB/s (:mod:`ddparity.harness.health.transfer_probe`), or why not."""
     pairs: list[PairTiming] = field(default_factory=list)
     """The pairs this rank was one end of (``--pairwise``)."""
     training: dict[str, Any] | None = None
@@ -100,6 +100,6 @@ class RankHealth:
     and output tail, and on rank 0 the check's runs (:mod:`ddparity.harness.launch.gate_training`)."""
     stress: dict[str, Any] | None = None
     """``--long``'s stress pass: seconds, repeats, matmul repeats whose bits differed from the
-    first, all-reduces that were not exact (:mod:`ddparity.harness.ranks.stress_probe`)."""
+    first, all-reduces that were not exact (:mod:`ddparity.harness.health.stress_probe`)."""
     hardware: list[dict[str, Any]] | str = "not read"
-    """This rank's devices as NVML reports them (:mod:`ddparity.harness.ranks.nvml_probe`), or why not."""
+    """This rank's devices as NVML reports them (:mod:`ddparity.harness.health.nvml_probe`), or why not."""

@@ -35,3 +35,24 @@ def test_an_error_in_the_users_code_or_torch_under_it_is_the_users():
     # the fixtures stand for a user's model
     assert own_error_site(_tb(RANK, os.path.join(PACKAGE, "fixtures", "faults.py"))) is None
     assert own_error_site("no traceback at all") is None
+
+
+def test_the_observers_named_are_files_that_exist():
+    """A file moved to another room must not silently turn its errors into the user's."""
+    from ddparity.frames import OBSERVERS, WRAPPERS
+
+    missing = [f for f in OBSERVERS + WRAPPERS if not os.path.isfile(os.path.join(PACKAGE, f))]
+    assert not missing, f"frames names files that are not in the package: {missing}"
+
+
+def test_torch_raising_under_a_collective_the_recorder_passes_on_is_the_users():
+    user = "/home/me/project/train.py"
+    recorder = os.path.join(PACKAGE, "harness", "recording", "recorder.py")
+    c10d = os.path.join(TORCH, "distributed", "distributed_c10d.py")
+    assert own_error_site(_tb(RANK, user, recorder, c10d)) is None
+    # the recorder's own line raising is ddparity's
+    assert own_error_site(_tb(RANK, user, recorder)) == "harness/recording/recorder.py:12"
+    # torch raising inside the comparison (distances, the comparer) is ddparity's
+    comparer = os.path.join(PACKAGE, "harness", "ranks", "comparer.py")
+    distances = os.path.join(PACKAGE, "distances.py")
+    assert own_error_site(_tb(RANK, comparer, distances, os.path.join(TORCH, "_tensor.py"))) == "distances.py:12"

@@ -71,7 +71,7 @@ def test_value_types_are_leaves(name):
     assert not bad, f"{name} is a value type; it may import only other value types, not {bad}"
 
 
-HARNESS_ROOMS = ("recording", "world", "ranks", "launch")
+HARNESS_ROOMS = ("recording", "world", "ranks", "health", "launch")
 """``harness/``'s folders by process role; its files directly inside (what all three
 share) count as one room."""
 LAYERS = (
@@ -84,10 +84,12 @@ LAYERS = (
 )
 """From the bottom up: a module imports from its own layer or below, never above (value
 types flow down, verdicts flow up)."""
-HARNESS_LAYERS = ("ddparity.harness", "ddparity.harness.recording", "ddparity.harness.ranks", "ddparity.harness.world",
+HARNESS_LAYERS = ("ddparity.harness", "ddparity.harness.recording",
+                  ("ddparity.harness.ranks", "ddparity.harness.health"), "ddparity.harness.world",
                   "ddparity.harness.launch")
 """Inside the harness, from the bottom up: what all share, the recorders (installed in
-every process that trains), the rank side, the controller (which starts ranks), the launch
+every process that trains), the rank side (training; health's probes beside it, neither
+importing the other), the controller (which starts ranks), the launch
 (whose processes are ranks and watch each other)."""
 MAX_ROOM_SHARE = 0.30
 
@@ -182,6 +184,15 @@ def test_no_arrow_runs_back_up(name):
         up = sorted(m for m in ddparity_imports(MODULES[name])
                     if within(m, ("ddparity.harness",)) and layer(m, HARNESS_LAYERS) > mine)
         assert not up, f"{name} ({HARNESS_LAYERS[mine]}) imports a harness room above it: {up}"
+
+
+def test_the_rooms_side_by_side_import_nothing_of_each_other():
+    """Rooms on one harness layer (the training ranks, health's probes) stay apart."""
+    for rooms in (r for r in HARNESS_LAYERS if isinstance(r, tuple)):
+        for name in (m for m in MODULES if within(m, rooms)):
+            mine = next(r for r in rooms if within(name, (r,)))
+            beside = sorted(m for m in ddparity_imports(MODULES[name]) if within(m, tuple(r for r in rooms if r != mine)))
+            assert not beside, f"{name} imports {beside}, a room beside it on its layer"
 
 
 def test_no_room_holds_more_than_a_share_of_the_package():

@@ -95,14 +95,13 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
               for name in dict.fromkeys(d.name.rsplit(".", 1)[0] for d in found if d.kind == "buffer"
                                         and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS)]
     if first.kind == "loss" and first.step == 0 and abs(first.max_rel - off_by) <= max(SIGNATURE_REL_TOL, 2 * eps):
-        also = (f"; BatchNorm statistics differ too ({', '.join(layers)}): BatchNorm on shards may remain once "
+        also = (f"; BatchNorm statistics differ too ({_first_few(layers)}): BatchNorm on shards may remain once "
                 f"the loss is fixed, check again" if layers else "")
         return _loss_one_over_w(world_size, mode, loss_scaling() if loss_scaling else None) + also
     statistics = [d for d in found if d.step == first.step and d.kind == "buffer"
                   and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS]
     if statistics:
-        layer = ", ".join(layers)
-        return (f"likely cause: BatchNorm on shards ({layer}): each rank normalises its shard with its own "
+        return (f"likely cause: BatchNorm on shards ({_first_few(layers)}): each rank normalises its shard with its own "
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
                 f"or BatchNorm in eval mode")
     if first.kind == "grad" and len(names) >= 2 and (not params or len(names) >= MISSED_SYNC_SHARE * params):
@@ -244,6 +243,13 @@ def _nothing_reduced(differing: int, params: int, step0: list[tuple[int, int]] |
     return (f"candidate causes: {head} although DDP's forward ran with gradient sync on ({synced} of {calls} "
             f"forward(s) at step 0 over the ranks): a comm hook that returns its bucket without all-reducing it, "
             f"or gradients replaced after backward on each rank (set or recomputed outside DDP)")
+
+
+def _first_few(names: list[str], limit: int = 3) -> str:
+    """The first layers named, the rest counted (the JSON report's divergences list every
+    tensor)."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def _sharded_cause(first: Divergence, grads: list[Divergence], names: set[str], params: int, mode: str,

@@ -1,7 +1,7 @@
 """Judging a GPU's hardware readings (``ddparity health``): NVML's counters and states, one
 device at a time, against thresholds a site can set (``--thresholds FILE``).
 
-A reading is plain data (what :mod:`ddparity.harness.ranks.nvml_probe` reads, or a
+A reading is plain data (what :mod:`ddparity.harness.health.nvml_probe` reads, or a
 recorded one): a dict per device with the fields of :data:`FIELDS`, any of them absent where
 the device or driver does not report it (then that check says so and passes nothing).
 

@@ -2,7 +2,7 @@
 device and device to host (pinned memory, each device in turn) and device to device between
 every local pair, against floors per device model.
 
-A reading is plain data (what :mod:`ddparity.harness.ranks.transfer_probe` measures, or a
+A reading is plain data (what :mod:`ddparity.harness.health.transfer_probe` measures, or a
 recorded one): per rank ``{"name": "NVIDIA H200", "h2d_gbps": 55.1, "d2h_gbps": 55.4,
 "peers": [{"src": 0, "dst": 1, "access": true, "gbps": 371.0}, ...]}`` (``peers`` on each
 host's first rank only), or a string saying why nothing was measured.

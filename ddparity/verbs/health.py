@@ -2,7 +2,7 @@
 
 Locally it starts a World of real ranks (one per GPU under nccl, else 2 CPU ranks on
 gloo); under torchrun each launched process is a rank (:mod:`ddparity.harness.launch.torchrun`).
-The ranks measure (:mod:`ddparity.harness.ranks.health_probe`), rank 0 or the controller judges
+The ranks measure (:mod:`ddparity.harness.health.probe`), rank 0 or the controller judges
 (:mod:`ddparity.checks.health`).
 """
 
@@ -17,9 +17,9 @@ from ddparity.case import Case
 from ddparity.checks.hardware import load_thresholds
 from ddparity.checks.health import Check, judge, judge_pairs
 from ddparity.errors import UsageError, WorldFailure
+from ddparity.harness.health.allreduce_timing import NETWORK_ONLY, network_only
+from ddparity.harness.health.probe import FAULT_ENV, HealthOptions, health_task, pairwise_task, parse_fault
 from ddparity.harness.launch.gate_training import Training, health_then_training
-from ddparity.harness.ranks.allreduce_timing import NETWORK_ONLY, network_only
-from ddparity.harness.ranks.health_probe import FAULT_ENV, HealthOptions, health_task, pairwise_task, parse_fault
 from ddparity.harness.world import rendezvous
 from ddparity.measurements import RankHealth
 from ddparity.render import render_failure

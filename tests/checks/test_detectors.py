@@ -406,3 +406,16 @@ def test_a_summed_loss_with_batchnorm_on_shards_says_the_second_may_remain():
     assert bn.startswith("likely cause: BatchNorm on shards (1, 5):"), bn
     typed = likely_cause(found, 2, layer_types={"1": "BatchNorm2d", "5": "BatchNorm1d"})
     assert "BatchNorm statistics differ too (1 (BatchNorm2d), 5 (BatchNorm1d))" in typed, typed
+
+
+def test_batchnorm_on_shards_names_the_first_layers_and_counts_the_rest():
+    """A model with BatchNorm everywhere (transformers' LeViT has 20) is named in one line."""
+    from ddparity.checks.causes import likely_cause
+    from ddparity.verdicts import Divergence
+
+    found = [Divergence(step=0, kind="grad", name="w", rank=0, max_abs=1.0, max_rel=0.01, tolerance=1e-6)]
+    found += [Divergence(step=0, kind="buffer", name=f"b{i}.running_mean", rank=0, max_abs=1.0, max_rel=0.1,
+                         tolerance=1e-6) for i in range(20)]
+    cause = likely_cause(found, 2)
+    assert cause.startswith("likely cause: BatchNorm on shards (b0, b1, b2 and 17 more): each rank"), cause
+    assert "b3" not in cause

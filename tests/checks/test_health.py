@@ -8,7 +8,7 @@ import pytest
 
 from ddparity.checks.health import MATMUL_REL_TOL, judge, judge_pairs
 from ddparity.errors import UsageError
-from ddparity.harness.ranks.health_probe import parse_fault
+from ddparity.harness.health.probe import parse_fault
 from ddparity.measurements import PairTiming, RankHealth
 from ddparity.render import render_health as render
 

@@ -221,7 +221,7 @@ def test_a_hang_under_torchrun_ends_every_rank_with_its_stack(tmp_path):
     failure = json.loads((tmp_path / "hang.json").read_text())["failure"]
     assert failure["status"] == "hang" and failure["hang"]["suspect_ranks"] == [1]
     assert "all_reduce" in failure["hang"]["ranks"]["0"]["collective"]  # where the other one waits
-    assert "health_probe.py" in result.stdout  # every rank's stack in rank 0's report
+    assert "health/probe.py" in result.stdout  # every rank's stack in rank 0's report
     assert result.stderr.count("exitcode  : 3") == 2  # every rank exits with the verdict
     assert _our_processes(str(tmp_path)) == []
 

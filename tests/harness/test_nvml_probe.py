@@ -11,7 +11,7 @@ import types
 import pytest
 
 from ddparity.checks.hardware import FIELDS, judge_device
-from ddparity.harness.ranks import nvml_probe
+from ddparity.harness.health import nvml_probe
 
 
 class NotSupported(Exception):
@@ -105,7 +105,7 @@ def test_a_health_rank_reads_its_own_gpu_by_uuid_and_watches_its_xids(monkeypatc
     ``GPU-`` prefix) finds NVML's device; the XIDs raised meanwhile join its reading."""
     import torch
 
-    from ddparity.harness.ranks import health_probe
+    from ddparity.harness.health import probe as health_probe
 
     nv = fake_nvml(xids=(94,))
     asked = []

@@ -114,8 +114,9 @@ def test_every_implementation_has_what_its_protocol_declares(proto, impl):
 def test_every_rank_task_declares_how_it_is_shown_while_it_runs():
     """The live line names a run by what its task declares (``names_run``), never by the
     task function's name: a renamed task would otherwise show as ``ddp_task``."""
+    from ddparity.harness.health import probe as health_probe
     from ddparity.harness.protocol import RunName, run_name
-    from ddparity.harness.ranks import health_probe, tasks, threaded
+    from ddparity.harness.ranks import tasks, threaded
 
     found = {name: run_name(fn) for module in (tasks, threaded, health_probe) for name, fn in vars(module).items()
              if name.endswith("_task") and callable(fn) and fn.__module__ == module.__name__}

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ddparity.harness.health.probe import HealthOptions, health_task
 from ddparity.harness.protocol import RankContext
-from ddparity.harness.ranks.health_probe import HealthOptions, health_task
 from ddparity.harness.ranks.rank import die_with_parent
 from ddparity.harness.recording.recorder import active
 from ddparity.measurements import RankHealth

@@ -12,8 +12,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from ddparity.harness.health.allreduce_timing import every_host
 from ddparity.harness.protocol import RankContext
-from ddparity.harness.ranks.allreduce_timing import every_host
 
 COPY_BYTES = 256 << 20
 COPIES = 5

@@ -14,7 +14,7 @@ nodes do, so a deployment pipeline can prove its gate catches them — ``wrong_a
 :mod:`ddparity.verbs.health`),
 ``slow_compute`` (a throttled device), ``hang`` (a rank that never reaches the
 collective), and ``slow_link@A-B`` (the link between ranks A and B at a quarter of its
-speed: ``--pairwise`` names that pair, :mod:`ddparity.harness.ranks.allreduce_timing`).
+speed: ``--pairwise`` names that pair, :mod:`ddparity.harness.health.allreduce_timing`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ddparity.errors import UsageError
+from ddparity.harness.health.allreduce_timing import measure_pairs, sync, time_allreduce
+from ddparity.harness.health.stress_probe import digest, stress
+from ddparity.harness.health.transfer_probe import measure_transfers
 from ddparity.harness.protocol import RankContext, names_run
-from ddparity.harness.ranks.allreduce_timing import measure_pairs, sync, time_allreduce
-from ddparity.harness.ranks.stress_probe import digest, stress
-from ddparity.harness.ranks.transfer_probe import measure_transfers
 from ddparity.harness.recording.recorder import active
 from ddparity.measurements import PairTiming, RankHealth
 from ddparity.settings import HEALTH_SIZES_MIB
@@ -50,7 +50,7 @@ class HealthOptions:
     pairwise: bool = False
     """Also time an all-reduce pair by pair of nodes (of ranks on one node): which link is slow."""
     long_s: float = 0.0
-    """``--long``: seconds of the stress pass (:mod:`ddparity.harness.ranks.stress_probe`); 0: none."""
+    """``--long``: seconds of the stress pass (:mod:`ddparity.harness.health.stress_probe`); 0: none."""
 
 
 class Fault(NamedTuple):
@@ -176,7 +176,7 @@ def health_task(ctx: RankContext, options: HealthOptions) -> RankHealth:
 @names_run("health --pairwise (network only)")
 def pairwise_task(ctx: RankContext, options: HealthOptions) -> list[PairTiming]:
     """The pairwise pass alone, for a world of fresh ranks that set
-    :data:`~ddparity.harness.ranks.allreduce_timing.NETWORK_ONLY`."""
+    :data:`~ddparity.harness.health.allreduce_timing.NETWORK_ONLY`."""
     if ctx.device.startswith("cuda"):
         import torch
 
@@ -191,7 +191,7 @@ def _slow_link(fault: Fault | None) -> frozenset[int]:
 
 def _hardware(device: str) -> tuple[list[dict[str, Any]] | str, Any]:
     """This rank's GPU read through NVML, and a watch of its XID events, or why there is no reading."""
-    from ddparity.harness.ranks import nvml_probe
+    from ddparity.harness.health import nvml_probe
 
     if not device.startswith("cuda"):
         return f"no CUDA device (the ranks run on {device})", None
