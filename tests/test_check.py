@@ -400,6 +400,18 @@ def test_a_mean_over_each_shards_class_weights_is_a_candidate_cause_and_its_fix_
                  world_sizes=(2, 4)).ok
 
 
+def test_the_hardest_samples_of_each_shard_are_a_candidate_cause_and_the_global_selection_passes():
+    """Online hard example mining picks each shard's hardest half under DDP and FSDP (the batch's in
+    DataParallel, whose loss sees the gathered output)."""
+    report = check(bugs.hardest_half(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs] == ["pass"] * 3 + ["diverged"] * 4, report.render()
+    for run in report.runs[3:]:
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith("candidate causes: every module's forward agrees and the loss differs"), cause
+        assert "the top-k of the losses" in cause and "all-gather the per-sample losses" in cause, cause
+    assert check(bugs.hardest_half(whole_batch=True), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4)).ok
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_learning_rate_scaled_by_the_world_size_is_named_by_how_far_every_parameter_moved(optimizer):
     """Gradients match, parameters differ at the optimizer step: the update differs. Which

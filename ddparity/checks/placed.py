@@ -4,8 +4,8 @@ fit more than one story or none:
 
 * every gradient off by one factor: scaled before ``backward()`` (the gradient backward starts
   from differs already) or after it (every rank's forward and backward agree: a comm hook);
-* a loss that differs at the loss itself and is a mean: a denominator taken from each shard
-  (class-weighted cross-entropy);
+* a loss that differs at the loss itself and is a mean: a denominator or a selection taken from
+  each shard (class-weighted cross-entropy, the hardest samples' losses);
 * the parameters differing first, every gradient agreeing: the update (lr x W, a hand-written
   nudge on some ranks);
 * the loss's own gradient agreeing and a module inside the model adding what differs: a loss
@@ -38,8 +38,8 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
         notes = [inside if n.startswith(OWN_VALID_ENTRIES) else n for n in notes]
     if any(n.startswith(("likely cause", "candidate causes")) for n in notes):
         return notes
-    if best.phase == "loss" and first.step == 0 and first.kind == "loss" and replicated:
-        cause = per_shard_denominator(loss_scaling(), best.factor, world_size, mode)
+    if best.phase == "loss" and first.kind == "loss" and replicated:
+        cause = per_shard_denominator(loss_scaling(), best.factor, world_size, mode, first.step)
         return notes + ([cause] if cause else [])
     if not best.found and first.kind == "param":
         ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
@@ -102,22 +102,27 @@ def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, 
             f"do not")
 
 
-def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str) -> str | None:
-    """The loss first differs at step 0, at the loss itself (every module's forward agrees; the
-    gradient backward starts from is ``factor`` x the reference's, not 1/W), and it is a mean
-    (the probe's ``ratio``: 1x for the batch given twice): a mean whose denominator each rank
-    takes from its own shard. None where the probe says otherwise or nothing."""
+def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str,
+                          step: int = 0) -> str | None:
+    """The loss first differs (at ``step``, every step before it agreeing) at the loss itself
+    (every module's forward agrees; the gradient backward starts from is ``factor`` x the
+    reference's, not 1/W), and it is a mean (the probe's ``ratio``: 1x for step 0's batch given
+    twice): a mean whose denominator, or a selection whose threshold, each rank takes from its
+    own shard. None where the probe says otherwise or nothing."""
     if ratio is None or abs(ratio - 1) > PROBE_REL_TOL:
         return None
     if factor is not None and abs(factor * world_size - 1) <= SIGNATURE_REL_TOL:
         return None  # 1/W: named by the loss's own signatures
     by = f" (the gradient backward starts from is {factor:.3g}x the reference's)" if factor is not None else ""
-    return (f"candidate causes: every module's forward agrees and the loss differs{by}, and the loss is a mean (on one "
-            f"device the first batch given twice gives {ratio:.3g}x its loss): a mean whose denominator each rank "
-            f"takes from its own shard — cross_entropy with class weights (weight=...: it divides by the sum of the "
-            f"shard's labels' weights), valid entries counted per rank, a normalisation by a statistic of the "
-            f"shard; {mode.upper()} averages the ranks' means, which is not the mean over the batch: sum the loss "
-            f"(reduction='sum'), divide by the whole batch's denominator (all-reduced) and multiply by the world size")
+    at = f" at step {step}, every step before it agreeing," if step else ""
+    return (f"candidate causes:{at} every module's forward agrees and the loss differs{by}, and the loss is a mean "
+            f"(on one device the first batch given twice gives {ratio:.3g}x its loss): a mean whose denominator each "
+            f"rank takes from its own shard — cross_entropy with class weights (weight=...: it divides by the sum of "
+            f"the shard's labels' weights), valid entries counted per rank, a normalisation by a statistic of the "
+            f"shard — or a selection made within the shard (the hardest samples: the top-k of the losses, online hard "
+            f"example mining; in-batch negatives); {mode.upper()} averages the ranks' means, which is not the mean "
+            f"over the batch: sum the loss (reduction='sum'), divide by the whole batch's denominator (all-reduced) "
+            f"and multiply by the world size; select over the whole batch (all-gather the per-sample losses)")
 
 
 FACTOR_TOL = 1e-3

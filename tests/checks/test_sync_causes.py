@@ -134,3 +134,17 @@ def test_where_a_step_first_differs_decides_a_uniform_gradient_scale():
     assert reduced is not None and "after every rank's backward, by a comm hook" in reduced
     assert scale_placed(cause, "forward", None, 2, "ddp") is None  # another place: the numbers' line stands
     assert scale_placed("likely cause: BatchNorm on shards (bn)", "loss", 0.5, 2, "ddp") is None
+
+
+def test_a_loss_first_differing_at_a_later_step_at_the_loss_itself_names_a_per_shard_mean():
+    """Step 0 can agree by chance (each shard held exactly its share of the batch's hardest
+    samples): the first differing step says at which step, and what the earlier steps did."""
+    from ddparity.checks.placed import per_shard_denominator
+
+    at_0 = per_shard_denominator(1.0, 0.8, 2, "ddp")
+    assert at_0 is not None and at_0.startswith("candidate causes: every module's forward agrees and the loss differs")
+    later = per_shard_denominator(1.0, 0.8, 2, "ddp", step=2)
+    assert later is not None and later.startswith("candidate causes: at step 2, every step before it agreeing, every")
+    assert per_shard_denominator(2.0, 0.8, 2, "ddp", step=2) is None  # a summed loss: not a mean
+    assert per_shard_denominator(1.0, 0.5, 2, "ddp", step=2) is None  # 1/W: the loss's own signatures
+    assert per_shard_denominator(None, 0.8, 2, "ddp") is None
