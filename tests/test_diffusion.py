@@ -15,6 +15,33 @@ from tests.conftest import older_torch
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
+def test_noise_and_timesteps_drawn_per_micro_batch_in_the_step_are_aligned_per_sample():
+    """Accumulation: the noise is shaped like the micro-batch (a slice of the share), which
+    names its samples; the timesteps drawn next, with no template, take the same rows. A
+    sample is drawn for in a micro-batch of 2 at world size 2 and of 4 on one device alike."""
+    report = check(diffusion.ddpm("micro_batches"), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+    assert report.ok, report.render()
+    assert "(4 draw(s) a step" in report.runs[0].notes[0], report.runs[0].notes
+    from ddparity.harness.ranks.randomness import AlignedDropout
+
+    rows = torch.arange(4, 8)
+    x = torch.randn(4, 3)
+    aligned = AlignedDropout(nn.Linear(3, 3), seed=7)
+    try:
+        aligned.begin(0, rows, x)
+        parts = [(torch.randn_like(p), torch.randint(0, 100, (len(p),))) for p in x.chunk(2)]
+    finally:
+        aligned.close()
+    whole = AlignedDropout(nn.Linear(3, 3), seed=7)
+    try:  # the same samples (global 4..7) drawn for as one micro-batch of a larger share
+        whole.begin(0, torch.arange(8), torch.randn(8, 3))
+        share = whole.scope.sources[0]
+        noise, t = torch.randn_like(share[4:8]), torch.randint(0, 100, (4,))
+    finally:
+        whole.close()
+    assert torch.equal(torch.cat([p[0] for p in parts]), noise) and torch.equal(torch.cat([p[1] for p in parts]), t)
+
+
 def test_ddpm_passes_in_every_mode_with_noise_and_timesteps_drawn_per_sample():
     """Before, every such step was an error (aten.randint, aten.randn_like: no verdict)."""
     report = check(diffusion.ddpm(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
@@ -38,7 +65,7 @@ def test_ddpm_bugs_are_named_at_step_0_by_orders_of_magnitude(bug, cause):
 
 @pytest.mark.parametrize("bug, op, hint", [
     ("one_timestep", "aten.randint", "not a draw for the whole batch (one timestep for every sample"),
-    ("micro_batch_noise", "aten.randint x2, aten.randn_like x2", "a micro-batch's drawn in the step outside the model")])
+    ("timesteps_first", "aten.randint", "a micro-batch's drawn in the step before a draw shaped like its slice")])
 def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, op, hint):
     report = check(diffusion.ddpm(bug), modes=("single", "ddp"), world_sizes=(2,))
     assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()

@@ -24,17 +24,31 @@ def rows_of(rows: Any, sources: list[Any], dims: list[int], inputs: list[Any]) -
         if not t.dim():
             continue
         first = first if first is not None else t
-        for src in sources:
-            if (t.layout == src.layout == torch.strided and t.dim() == src.dim() and t.stride(0) == src.stride(0)
-                    and src.stride(0) and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
-                offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
-                if rest == 0 and 0 <= offset and offset + t.shape[0] <= len(rows):
-                    return rows[offset: offset + t.shape[0]]
+        part = slice_of(len(rows), sources, t)
+        if part is not None:
+            return rows[part]
     if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(rows)
                                                for d in dims):
         return rows
     if _holds_sample_list(inputs, len(rows)):  # ddparity.samples(...): one item per row
         return rows
+    return None
+
+
+def slice_of(size: int, sources: list[Any], t: Any) -> slice | None:
+    """The rows of the share (``size`` rows; ``sources``: its batched tensors) that ``t``
+    views along dim 0 (a micro-batch: ``x[a:b]``, ``x.chunk(k)``), matched by storage; None
+    where it views none of them so."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.dim() or t.layout != torch.strided:
+        return None
+    for src in sources:
+        if (src.layout == torch.strided and t.dim() == src.dim() and t.stride(0) == src.stride(0) and src.stride(0)
+                and t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()):
+            offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
+            if rest == 0 and 0 <= offset and offset + t.shape[0] <= size:
+                return slice(offset, offset + t.shape[0])
     return None
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
-from ddparity.harness.ranks.forward_rows import rows_of
+from ddparity.harness.ranks.forward_rows import rows_of, slice_of
 from ddparity.harness.ranks.replays import digest, in_backward, may_be_recomputed, replayed
 from ddparity.harness.ranks.sample_draws import STEP_PLACES, replacements
 
@@ -78,8 +78,12 @@ class _Scope:
     forward_calls: int = 0
     in_forward: bool = False
     """Inside the model's forward (else in the training step around it)."""
-    step_draws: int = 0
-    """Draws in the training step outside the forward (the place of the next one)."""
+    step_counts: Any = None
+    """Draws in the training step outside the forward, so far, of each row of the share (a
+    LongTensor): a row's next such draw is at place ``STEP_PLACES +`` its count, whichever
+    micro-batch it is drawn in."""
+    micro: slice | None = None
+    """The rows of the share a step's draw last named by its template (a micro-batch)."""
     calls: int = 0
     """Dropout calls in this forward (the place of the next one)."""
     drawn: int = 0
@@ -96,20 +100,25 @@ class _Scope:
         self.drawn += 1
         return place
 
-    def next_step_place(self) -> int:
-        """The place of a new draw in the training step outside the forward (numbered apart
-        from the forward's, counted in the step's draws too)."""
-        self.step_draws += 1
+    def next_step_places(self, part: slice) -> list[int]:
+        """The place of a new draw in the training step outside the forward for each row of
+        ``part`` of the share (numbered apart from the forward's, each row's draws counted on
+        their own: a sample drawn for in a micro-batch of 2 here and of 4 on one device has
+        the same places), counted in the step's draws too."""
         self.drawn += 1
-        return STEP_PLACES + self.step_draws - 1
+        places = (STEP_PLACES + self.step_counts[part]).tolist()
+        self.step_counts[part] += 1
+        return places
 
-    def generators(self, place: int, rows: Any) -> Iterator[Any]:
-        """Each sample's generator for the draw at ``place``: seeded by the case's seed, the
-        step, the place and the sample's index in the global batch."""
+    def generators(self, place: int | list[int], rows: Any) -> Iterator[Any]:
+        """Each sample's generator for the draw at ``place`` (one for all rows, or each
+        row's): seeded by the case's seed, the step, the place and the sample's index in the
+        global batch."""
         import torch
 
-        for g in rows.tolist():
-            yield torch.Generator().manual_seed(_mix(self.seed, self.step, place, g))
+        places = place if isinstance(place, list) else [place] * len(rows)
+        for g, p in zip(rows.tolist(), places):
+            yield torch.Generator().manual_seed(_mix(self.seed, self.step, p, g))
 
 
 class AlignedDropout:
@@ -142,6 +151,8 @@ class AlignedDropout:
     def begin(self, step: int, rows: Any, batch: Any, dims: set[int] | None = None) -> None:
         """A new step, on the samples ``rows`` (global indices of the share's rows; ``dims``:
         the dimensions the batch is batched along, 0 and any ``ddparity.batched``'s)."""
+        import torch
+
         from ddparity.harness.ranks.batches import named_tensors
 
         if not self.enabled:
@@ -149,8 +160,9 @@ class AlignedDropout:
         scope = self.scope
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
-        scope.in_forward, scope.step_draws = False, 0
         size = len(rows) if rows is not None else -1
+        scope.in_forward, scope.micro = False, None
+        scope.step_counts = torch.zeros(max(size, 0), dtype=torch.int64)
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
         scope.dims = sorted(dims or {0})
@@ -323,10 +335,13 @@ def _aligned_attention() -> Any:
     return attention
 
 
-def place_of_draw(samples: int) -> tuple[_Scope, Any, int] | None:
+def place_of_draw(samples: int, template: Any = None) -> tuple[_Scope, Any, int | list[int]] | None:
     """Where a draw of ``samples`` parts along dim 0 is aligned: this thread's scope, the
-    samples' global indices and the draw's place (counted); None where it is not (see
-    :mod:`ddparity.harness.ranks.sample_draws`)."""
+    samples' global indices and the draw's place (counted; in the step outside the forward,
+    each row's); None where it is not (see :mod:`ddparity.harness.ranks.sample_draws`). In
+    the step, a draw is for the whole share, or for a micro-batch: the rows its ``template``
+    views (``torch.randn_like(x[a:b])``), or, a draw with no such template (``torch.randint(0,
+    T, (b - a,))``), the rows the last one named where it has as many."""
     scope = getattr(_local, "scope", None)
     if scope is None or in_backward():
         return None
@@ -337,9 +352,18 @@ def place_of_draw(samples: int) -> tuple[_Scope, Any, int] | None:
         if rows is None or samples != len(rows):
             return None
         return scope, rows, scope.next_place()
-    if scope.rows is None or samples != len(scope.rows):
+    if scope.rows is None:
         return None
-    return scope, scope.rows, scope.next_step_place()
+    part = slice_of(len(scope.rows), scope.sources, template) if template is not None else None
+    if part is not None and part != slice(0, len(scope.rows)):
+        scope.micro = part
+    elif samples == len(scope.rows):
+        part = slice(0, samples)
+    elif scope.micro is not None and samples == scope.micro.stop - scope.micro.start:
+        part = scope.micro
+    if part is None or part.stop - part.start != samples:
+        return None
+    return scope, scope.rows[part], scope.next_step_places(part)
 
 
 _DROPOUTS = {"dropout": (False, False), "dropout1d": (True, False), "dropout2d": (True, False),

@@ -4,9 +4,13 @@ draw given no generator whose dim 0 is the samples at hand (inside the model's f
 forward's, in the step around it the replica's whole share) is drawn sample by sample from
 each sample's generator — a diffusion step's noise (``torch.randn_like(x)``) and timesteps
 (``torch.randint(0, T, (n,))``), stochastic depth, a router's jitter. Each part has torch's
-distribution. Any other draw (for the whole batch, a micro-batch's in the step, inside a
-``batch_first=False`` module, checkpointing or backward) is left to torch's generator, where
-it is found and named.
+distribution. In the step, a micro-batch's draw is aligned too: one shaped like (or filling)
+a slice of the share names its rows, and a draw with no such template and as many rows takes
+the rows the last one named (each sample's step draws are counted on their own, so a sample
+drawn for in a micro-batch of 2 under DDP gets what it gets in a micro-batch of 4 on one
+device). Any other draw (for the whole batch, a micro-batch's before any draw names its rows,
+inside a ``batch_first=False`` module, checkpointing or backward) is left to torch's
+generator, where it is found and named.
 """
 
 from __future__ import annotations
@@ -19,17 +23,18 @@ STEP_PLACES = 1 << 40
 _PLAIN = {"dtype", "device", "requires_grad", "layout", "pin_memory"}
 """Keyword arguments an aligned draw may be given (no ``out=``, no ``generator=``)."""
 
-Place = Callable[[int], "tuple[Any, Any, int] | None"]
-"""(samples along dim 0) -> (scope, the samples' global indices, the draw's place), or None."""
+Place = Callable[[int, Any], "tuple[Any, Any, int | list[int]] | None"]
+"""(samples along dim 0, the tensor the draw is shaped like or fills, or None) -> (scope, the
+samples' global indices, the draw's place: one, or each sample's), or None."""
 Part = Callable[[tuple, Any, tuple], Any]
 """(one sample's shape, its generator, the draw's parameters) -> that sample's part."""
 
 
-def _per_sample(place_of: Place, shape: tuple, one: Part, params: tuple = ()) -> Any:
+def _per_sample(place_of: Place, shape: tuple, one: Part, params: tuple = (), template: Any = None) -> Any:
     """The draw of ``shape`` sample by sample, or None where it is not aligned."""
     import torch
 
-    found = place_of(shape[0]) if shape and all(isinstance(s, int) for s in shape) else None
+    found = place_of(shape[0], template) if shape and all(isinstance(s, int) for s in shape) else None
     if found is None:
         return None
     scope, rows, place = found
@@ -78,7 +83,7 @@ def _like(place_of: Place, original: Any, one: Part, integer: bool = False) -> A
         values = None
         if (isinstance(input, torch.Tensor) and _plain(kwargs) and len(params) == (2 if integer else 0)
                 and all(isinstance(p, int) for p in params)):
-            values = _per_sample(place_of, tuple(input.shape), one, params)
+            values = _per_sample(place_of, tuple(input.shape), one, params, input)
         if values is None:
             return original(input, *args, **kwargs)
         return _done(values, kwargs, input.dtype, input.device)
@@ -97,7 +102,7 @@ def _in_place(place_of: Place, original: Any, one: Part, defaults: tuple) -> Any
         values = None
         if (generator is None and not kwargs and len(args) <= len(defaults) and not isinstance(self, torch.nn.Parameter)
                 and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in params)):  # (init: torch's)
-            values = _per_sample(place_of, tuple(self.shape), one, params)
+            values = _per_sample(place_of, tuple(self.shape), one, params, self)
         if values is None:
             return original(self, *args, generator=generator, **kwargs)
         with torch.no_grad():
@@ -117,7 +122,8 @@ def _bernoulli(place_of: Place, original: Any) -> Any:
         if generator is None and not args and not kwargs and isinstance(input, torch.Tensor) \
                 and input.is_floating_point() and input.dim():
             rows = iter(input.detach().to("cpu", torch.float32))
-            values = _per_sample(place_of, tuple(input.shape), lambda _, g, __: torch.bernoulli(next(rows), generator=g))
+            values = _per_sample(place_of, tuple(input.shape), lambda _, g, __: torch.bernoulli(next(rows), generator=g),
+                                 template=input)
         if values is None:
             return original(input, *args, generator=generator, **kwargs)
         return values.to(device=input.device, dtype=input.dtype)
