@@ -213,6 +213,9 @@ class Checking:
             run.notes.append(f"first differing module: not found ({answers})")
             return run
         best = earliest([finding for finding, _ in answers])
+        if best.phase == "none" and best.note:  # nothing of the step compared: no module agrees either
+            run.notes.append(f"first differing module: not found ({best.note})")
+            return run
         if best.phase == "forward" and kind(run.mode).replicated:  # (DataParallel's replicas: no op pass)
             best = self._inside(run, best, sizes[d.step] if d.step < len(sizes) else -1)
         if not best.found:

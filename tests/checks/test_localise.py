@@ -279,6 +279,59 @@ def test_dataparallels_replicas_name_the_module_on_their_chunks(ws):
     assert m.agrees_ok and m.error > m.tolerance
 
 
+def test_micro_batches_are_compared_with_the_references_calls_on_the_same_samples():
+    """Accumulation: a rank's micro-batch holds other samples than the reference's of the same
+    number; each call is read against the reference's forward that holds its samples. Before,
+    no call was comparable and the report claimed every activation agreed ("the reduction")."""
+    report = check(loops.accumulation_summed(), modes=("single", "ddp"), world_sizes=(2, 4))
+    for ws in (2, 4):
+        status, m, notes = found(report)[ws]
+        assert status == "diverged" and m.phase == "loss" and m.factor == pytest.approx(1 / ws, rel=1e-3), \
+            module_line(m)
+        assert any(n.startswith("likely cause: a loss summed over the batch") for n in notes), notes
+    # micro-batches copied from the batch: their samples cannot be told, and the report says so
+    copied = check(loops.accumulation_summed(copies=True), modes=("single", "ddp"), world_sizes=(2,))
+    status, m, notes = found(copied)[2]
+    assert status == "diverged" and m is None, module_line(m)
+    assert any("first differing module: not found (no module call of the step could be matched" in n
+               for n in notes), notes
+
+
+def test_a_traced_forward_on_a_micro_batch_knows_its_samples():
+    """The tracer tells each forward's samples by the storage its input views (as aligned
+    dropout does), and numbers each call within its forward."""
+    from ddparity.harness.ranks.differing import same_samples
+
+    model = nn.Sequential(nn.Linear(3, 2))
+
+    def record(rows, size, batch, parts):
+        trace = ModuleTrace(0, size=size)
+        trace.attach(model)
+        trace.arm(lambda t, n: t[rows], batch)
+        try:
+            for part in parts(batch):
+                model(part).sum().backward()
+        finally:
+            trace.close()
+        return trace.record()
+
+    batch = torch.randn(8, 3)
+    ref = record(torch.arange(8), 8, batch, lambda b: b.chunk(2))
+    assert [f.tolist() for f in ref["forwards"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    share = batch[4:8].clone()
+    mine = record(torch.arange(4, 8), 8, share, lambda b: b.chunk(2))
+    assert [f.tolist() for f in mine["forwards"]] == [[4, 5], [6, 7]]
+    match = same_samples(ref, mine, torch.arange(4, 8), 8)
+    second = [c for c in mine["calls"] if c["name"] == "0"][1]
+    key, at, size = match(second)
+    assert key == ("0", 1) and at.tolist() == [2, 3] and size == 4  # the reference's second forward, its rows 2, 3
+    assert rel(second["outputs"][0], ref["calls"][2]["outputs"][0][at]) < 1e-6
+    untold = record(torch.arange(4, 8), 8, share, lambda b: [p.clone() for p in b.chunk(2)])
+    assert untold["forwards"] == [None, None]
+    key, at, size = same_samples(ref, untold, torch.arange(4, 8), 8)(untold["calls"][0])
+    assert key == ("0", 0) and at.tolist() == [4, 5, 6, 7] and size == 8  # the whole share's rows: nothing matches
+
+
 @pytest.mark.breadth
 @pytest.mark.parametrize("fixture, phase", [
     (lambda: loops.late_sync(), "reduction"),  # no_sync() left on for the last micro-batch: a missed sync

@@ -112,65 +112,102 @@ def _grads(call: dict[str, Any], which: str) -> list[Any]:
     return [got[j] for j in sorted(got)]
 
 
+Match = Callable[[dict[str, Any]], "tuple[tuple[str, int], Any, int]"]
+"""A call of a run's record -> (the reference's call it is compared with, the rows of that
+call's batch its samples are, that batch's size)."""
+
+
 def noise_of(ref: dict[str, Any], twin: dict[str, Any], rows: Any, size: int) -> dict[str, float]:
     """The reference's own rounding noise per tensor group: a run on the same batch in
-    reversed sample order (``rows``) against it."""
+    reversed sample order (``rows``) against it (a micro-batch's call against the reference's
+    call on the same samples)."""
     out: dict[str, float] = {}
     calls = _by_key(ref)
+    match = same_samples(ref, twin, rows, size)
     for c in twin["calls"]:
-        r = calls.get((c["name"], c["index"]))
+        key, at, n = match(c)
+        r = calls.get(key)
         if r is None:
             continue
-        for what, key in (("outputs", "out"), ("inputs", "in"), ("out_grads", "gout"), ("in_grads", "gin")):
+        for what, name in (("outputs", "out"), ("inputs", "in"), ("out_grads", "gout"), ("in_grads", "gin")):
             mine = c[what] if what in ("outputs", "inputs") else _grads(c, what)
             theirs = r[what] if what in ("outputs", "inputs") else _grads(r, what)
-            e = errors(mine, theirs, rows, size)
+            e = errors(mine, theirs, at, n)
             if e is not None and math.isfinite(e):
-                out[f"{key} {c['name']}#{c['index']}"] = e
+                out[f"{name} {key[0]}#{key[1]}"] = e
     return out
 
 
-def same_rows(rows: Any) -> Callable[[dict[str, Any]], tuple[tuple[str, int], Any]]:
-    """A data-parallel rank's calls: each the reference's call of the same module and number,
-    on this rank's samples (``rows``)."""
-    return lambda c: ((c["name"], c["index"]), rows)
+def same_samples(ref: dict[str, Any], mine: dict[str, Any], rows: Any, size: int) -> Match:
+    """A data-parallel rank's calls (``rows``: its share's samples of a global batch of
+    ``size``): each the reference's call of the same module and number, on this rank's
+    samples; where the step's forwards are micro-batches (each a slice of the share, told by
+    the tracer), the reference's call of the same module, at the same place in its forward,
+    in the forward that holds the same samples."""
+    import torch
+
+    where: dict[int, tuple[int, int]] = {}
+    for f, ids in enumerate(ref.get("forwards", [])):
+        for p, g in enumerate(ids.tolist() if ids is not None else []):
+            where.setdefault(g, (f, p))
+    keys = {(c["name"], c.get("forward", -1), c.get("within", 0)): (c["name"], c["index"]) for c in ref["calls"]}
+    forwards = mine.get("forwards", [])
+
+    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any, int]:
+        fallback = ((c["name"], c["index"]), rows, size)
+        f = c.get("forward", -1)
+        ids = forwards[f] if 0 <= f < len(forwards) else None
+        found = [where.get(g) for g in ids.tolist()] if ids is not None else []
+        if not found or any(x is None for x in found) or len({x[0] for x in found if x is not None}) != 1:
+            return fallback
+        at = [x for x in found if x is not None]
+        key = keys.get((c["name"], at[0][0], c.get("within", 0)))
+        if key is None:
+            return fallback
+        return key, torch.tensor([p for _, p in at]), len(ref["forwards"][at[0][0]])
+
+    return match
 
 
-def replica_rows(ref: dict[str, Any], chunks: list[Any]) -> Callable[[dict[str, Any]], tuple[tuple[str, int], Any]]:
+def replica_rows(ref: dict[str, Any], chunks: list[Any], size: int) -> Match:
     """DataParallel's calls in one process: replica ``i``'s calls of a module (its ``k`` calls
     a forward, as the reference's) come ``i``-th, on chunk ``i`` of the batch."""
     per_forward: dict[str, int] = {}
     for c in ref["calls"]:
         per_forward[c["name"]] = per_forward.get(c["name"], 0) + 1
 
-    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any]:
+    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any, int]:
         k = per_forward.get(c["name"], 1)
         replica = c["index"] // k
-        return (c["name"], c["index"] % k), chunks[replica] if replica < len(chunks) else None
+        return (c["name"], c["index"] % k), chunks[replica] if replica < len(chunks) else None, size
 
     return match
 
 
-def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[str, Any],
-                     match: Callable[[dict[str, Any]], tuple[tuple[str, int], Any]], size: int,
+def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[str, Any], match: Match,
                      scale: float, rank: int, step: int) -> ModuleFinding:
     """The first module call of the rank's step whose inputs agree with the reference's and
     whose output differs (forward, in the order calls finish); else, from the loss back, the
     first whose output gradient agrees and whose input or parameter gradient differs.
-    ``match``: a call's reference call and its rows (:func:`same_rows`, :func:`replica_rows`);
+    ``match``: a call's reference call and its rows (:func:`same_samples`, :func:`replica_rows`);
     ``scale``: what the rank's activation gradients are multiplied by (1/W under DDP, whose
-    ranks' losses are each over their own samples; 1 for DataParallel's gathered loss)."""
+    ranks' losses are each over their own samples; 1 for DataParallel's gathered loss).
+    Where no tensor of the step could be compared (its calls matched to none of the
+    reference's samples), phase ``none`` says so in its ``note``: not that every module agrees."""
     calls = _by_key(ref)
+    compared = 0
 
     def judge(key: str, got: float | None, dtype: Any) -> tuple[float, float, bool] | None:
         """(error, tolerance, beyond it) of one tensor group (None: nothing comparable)."""
+        nonlocal compared
         if got is None:
             return None
+        compared += 1
         tol = tolerance(noise.get(key, 0.0), dtype)
         return got, tol, got > tol
 
     for position, c in enumerate(mine["calls"]):
-        key, rows = match(c)
+        key, rows, size = match(c)
         r = calls.get(key)
         if r is None or not c["outputs"]:
             continue
@@ -186,7 +223,7 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                              agrees_ok=None if inp is None else not inp[2], position=position, call=c["index"])
     for n, position in enumerate(mine["backward"]):
         c = mine["calls"][position]
-        key, rows = match(c)
+        key, rows, size = match(c)
         r = calls.get(key)
         if r is None:
             continue
@@ -212,7 +249,11 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                                  differs="input gradient", error=gin[0], tolerance=gin[1], agrees="output gradient",
                                  agrees_error=got_out[0] if got_out is not None else None,
                                  agrees_ok=None if got_out is None else True, position=n)
-    return ModuleFinding(step=step, rank=rank, phase="none")
+    return ModuleFinding(step=step, rank=rank, phase="none", note="" if compared else NOTHING_COMPARED)
+
+
+NOTHING_COMPARED = ("no module call of the step could be matched to the reference's samples (a forward on a "
+                    "micro-batch that is no slice of the batch the step was given)")
 
 
 def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
@@ -227,5 +268,5 @@ def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-__all__ = ["FLOOR_EPS", "NOISE_FACTOR", "aligned", "backward_order", "errors", "factor", "first_difference", "first_op",
-           "noise_of", "rel", "replica_rows", "same_rows", "tolerance"]
+__all__ = ["FLOOR_EPS", "NOISE_FACTOR", "NOTHING_COMPARED", "Match", "aligned", "backward_order", "errors", "factor",
+           "first_difference", "first_op", "noise_of", "rel", "replica_rows", "same_samples", "tolerance"]

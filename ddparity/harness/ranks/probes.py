@@ -25,7 +25,7 @@ from ddparity.harness.ranks.differing import (
     first_op,
     noise_of,
     replica_rows,
-    same_rows,
+    same_samples,
 )
 from ddparity.harness.ranks.modes.dp import DataParallelMode
 from ddparity.harness.ranks.modes.single import SingleMode
@@ -111,10 +111,10 @@ def _reference_record(spool: str, step: int, inside: tuple[str, int] | None, lim
 
 
 def _traced(case: Case, spool: str, device: str, mode: Any, step: int,
-            inside: tuple[str, int] | None = None) -> dict[str, Any]:
+            inside: tuple[str, int] | None = None, size: int = 0) -> dict[str, Any]:
     """Train ``mode`` (``step + 1`` steps) with step ``step`` recorded module by module (and
-    the aten ops of module call ``inside``)."""
-    trace = ModuleTrace(step, inside)
+    the aten ops of module call ``inside``; ``size``: the step's global batch size)."""
+    trace = ModuleTrace(step, inside, size)
     try:
         train(case, spool, device, Traced(mode, trace), trace)
     finally:
@@ -146,13 +146,13 @@ def _record_reference(ctx: RankContext, case: Case, spool: str, step: int, size:
                       inside: tuple[str, int] | None, path: str) -> None:
     import torch
 
-    ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step, inside)
+    ref = _traced(case, spool, ctx.device, SingleMode(step + 1, watch_draws=False), step, inside, size)
     released()
     if inside is not None:
         torch.save({"record": ref}, path + ".tmp")
         os.replace(path + ".tmp", path)
         return
-    twin = _traced(case, spool, ctx.device, ReversedMode(step + 1, watch_draws=False), step)
+    twin = _traced(case, spool, ctx.device, ReversedMode(step + 1, watch_draws=False), step, size=size)
     released()
     rows = torch.arange(size).flip(0) if size > 0 else None
     torch.save({"record": ref, "noise": noise_of(ref, twin, rows, size)}, path + ".tmp")
@@ -173,14 +173,14 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
 
     trains = replica_mode(ctx, case, mode, shard_size, step + 1, settle)
     call = (inside[0], inside[1]) if inside is not None else None
-    mine = _traced(case, spool, ctx.device, trains, step, call)
+    mine = _traced(case, spool, ctx.device, trains, step, call, size)
     rows = trains.share(torch.arange(size), size) if size > 0 else None
     ref = _reference_record(spool, step, call, WAIT_LIMIT_S)
     released()
     if inside is not None:
         return first_op(ref["record"]["ops"], mine["ops"], rows, size, inside[2])
-    found = first_difference(ref["record"], ref["noise"], mine, same_rows(rows), size, 1.0 / ctx.world_size,
-                             ctx.rank, step)
+    found = first_difference(ref["record"], ref["noise"], mine, same_samples(ref["record"], mine, rows, size),
+                             1.0 / ctx.world_size, ctx.rank, step)
     return found, backward_order(mine)
 
 
@@ -198,6 +198,6 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
     ref = _reference_record(spool, step, None, WAIT_LIMIT_S)
     released()
     chunks = list(torch.arange(size).chunk(world_size)) if size > 0 else []
-    found = first_difference(ref["record"], ref["noise"], mine, replica_rows(ref["record"], chunks), size, 1.0, 0,
+    found = first_difference(ref["record"], ref["noise"], mine, replica_rows(ref["record"], chunks, size), 1.0, 0,
                              step)
     return found, backward_order(mine)

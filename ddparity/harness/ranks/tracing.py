@@ -36,14 +36,28 @@ class Call:
     outputs: list[Any] = field(default_factory=list)
     in_grads: dict[int, Any] = field(default_factory=dict)
     out_grads: dict[int, Any] = field(default_factory=dict)
+    forward: int = -1
+    """The forward of the model (a micro-batch's: the step's first, second, ...) the call was
+    made in; -1: outside any."""
+    within: int = 0
+    """The module's call number in that forward."""
 
 
 class ModuleTrace:
     """Every module call of one step of a model (``target``), recorded on the CPU; also the
     run's sink (:class:`~ddparity.harness.ranks.training.Sink`), which records nothing more."""
 
-    def __init__(self, target: int, inside: tuple[str, int] | None = None) -> None:
+    def __init__(self, target: int, inside: tuple[str, int] | None = None, size: int = 0) -> None:
         self.target = target
+        self.size = size
+        """The step's global batch size (0: not known)."""
+        self.rows: Any = None
+        """The global index of every row of the replica's share (set when the step starts)."""
+        self._sources: list[Any] = []
+        self.forwards: list[Any] = []
+        """Each forward's samples (their global indices, or None where its input is no slice
+        of the share), in the order the forwards started."""
+        self._within: dict[str, int] = {}
         self.inside = inside
         """(module, call): that call's aten ops recorded too (their outputs), in order."""
         self.ops: list[tuple[str, list[Any]]] = []
@@ -62,9 +76,33 @@ class ModuleTrace:
             self._handles.append(module.register_forward_hook(
                 lambda m, args, kwargs, out, _n=name, _o=own: self._called(m, _n, _o, args, kwargs, out),
                 with_kwargs=True))
+            if not name:
+                self._handles.append(module.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
             if self.inside is not None and name == self.inside[0]:
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._leave))
+
+    def arm(self, share: Any, batch: Any) -> None:
+        """Record the next step: ``share`` the replica's way of taking its rows of a global
+        batch (the mode's), ``batch`` its share of the step's batch."""
+        import torch
+
+        from ddparity.harness.ranks.batches import named_tensors
+
+        self.armed = True
+        if self.size > 0:
+            self.rows = share(torch.arange(self.size), self.size)
+            self._sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == len(self.rows)]
+
+    def _forward_starts(self, module: Any, args: Any, kwargs: Any) -> None:
+        """A forward of the model: which samples it holds (a micro-batch's slice of the share
+        is matched by storage, as aligned dropout matches it)."""
+        from ddparity.harness.ranks.forward_rows import rows_of
+
+        if self.armed:
+            self._within = {}
+            self.forwards.append(rows_of(self.rows, self._sources, [0], list(args) + list(kwargs.values())))
+        return None
 
     def _enter(self, module: Any, args: Any) -> None:
         if self.armed:
@@ -86,7 +124,9 @@ class ModuleTrace:
             return None
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
-        call = Call(name, type_name(module), index, own)
+        within = self._within.get(name, 0)
+        self._within[name] = within + 1
+        call = Call(name, type_name(module), index, own, forward=len(self.forwards) - 1, within=within)
         position = len(self.calls)
         self.calls.append(call)
         for j, t in enumerate(floats((args, kwargs))):
@@ -121,7 +161,8 @@ class ModuleTrace:
 
     def record(self) -> dict[str, Any]:
         """What the comparison needs, plain (``torch.save``-able)."""
-        return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "ops": self.ops}
+        return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "ops": self.ops,
+                "forwards": self.forwards}
 
 
 @dataclass
@@ -140,7 +181,8 @@ class Traced:
         return self.inner.wrap(model)
 
     def step(self, step: int, replica: Any, batch: Any) -> None:
-        self.trace.armed = step == self.trace.target
+        if step == self.trace.target:
+            self.trace.arm(self.inner.share, batch)
         try:
             self.inner.step(step, replica, batch)
         finally:
