@@ -87,6 +87,9 @@ class ModuleFinding(_ReadsAsJson):
     position: int = 0
     """The call's place in its phase (forward: calls in the order they finished; backward:
     in the order their output gradients arrived)."""
+    forwards: tuple[int, int] | None = None
+    """(the rank's forwards of the model in the step, one device's), where they differ: a step
+    that made fewer micro-batches of a smaller share."""
 
     @property
     def found(self) -> bool:
@@ -99,6 +102,7 @@ class ModuleFinding(_ReadsAsJson):
                 "agrees_error": _finite(self.agrees_error) if self.agrees_error is not None else None,
                 "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {}),
                 **({"note": self.note} if self.note else {}),
+                **({"forwards": list(self.forwards)} if self.forwards else {}),
                 **({"op": self.op, "op_error": _finite(self.op_error or 0.0)} if self.op else {})}
 
 

@@ -8,6 +8,9 @@ fit more than one story or none:
   each shard (class-weighted cross-entropy, the hardest samples' losses);
 * the parameters differing first, every gradient agreeing: the update (lr x W, a hand-written
   nudge on some ranks);
+* the loss differing first at the loss on a rank that ran another number of forwards than one
+  device: micro-batches whose count changes with the share, each loss divided by a fixed count
+  (direct evidence: what the numbers alone guessed, a loss divided by W, yields to it);
 * the loss's own gradient agreeing and a module inside the model adding what differs: a loss
   term computed there from each rank's shard (a mixture-of-experts load-balancing loss), which
   contradicts a per-rank token mean read from the padding.
@@ -32,6 +35,9 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
     contradicts replaced, and, where nothing named a cause, the one the place names
     (``update``: :func:`ddparity.distances.update_ratio` of step 0)."""
+    if best.phase == "loss" and best.forwards is not None and replicated:  # what the numbers guessed yields to it
+        return [n for n in notes if not n.startswith(("likely cause", "candidate causes"))] + [
+            fewer_forwards(best, world_size, mode)]
     notes = [scale_placed(n, best.phase, best.factor, world_size, mode) or n for n in notes]
     inside = entered_inside(best, first, mode)
     if inside is not None:
@@ -100,6 +106,24 @@ def scale_placed(cause: str, phase: str, factor: float | None, world_size: int, 
             f"backward() and optimizer.step(); divide the sum by the world size once, and scale nothing else; "
             f"evidence: every rank's forward and backward agree with the reference's rows, the reduced gradients "
             f"do not")
+
+
+def fewer_forwards(best: ModuleFinding, world_size: int, mode: str) -> str:
+    """Every forward agrees and the loss's gradient differs (``best``), on a rank that ran
+    another number of forwards of the model in the step than one device (``best.forwards``):
+    a step that divides by a fixed number of micro-batches while a rank's smaller share makes
+    fewer (``x.chunk(k)`` of fewer than ``k`` samples). Likely where the gradient's factor is
+    the ratio of the counts."""
+    mine, one = best.forwards or (0, 0)
+    fits = best.factor is not None and one and abs(best.factor * one / mine - 1) <= SIGNATURE_REL_TOL
+    head = "likely cause" if fits else "candidate causes"
+    by = f" (the gradient backward starts from is {best.factor:.3g}x the reference's)" if best.factor is not None else ""
+    return (f"{head}: the step ran {mine} forward(s) of the model on rank {best.rank} and {one} on one device{by}: "
+            f"micro-batches made from each rank's share of the batch, whose count changes with the share's size "
+            f"(x.chunk(k) of fewer than k samples makes fewer, and so does a fixed micro-batch size), while each "
+            f"micro-batch's loss is divided by a fixed count; divide by the number of micro-batches the step "
+            f"actually made (and weight each by its samples), or give every {mode.upper()} rank at least as many "
+            f"samples as micro-batches (a global batch of at least {world_size} x the micro-batch count)")
 
 
 def per_shard_denominator(ratio: float | None, factor: float | None, world_size: int, mode: str,

@@ -7,6 +7,8 @@ re-runs anything."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -295,6 +297,35 @@ def test_micro_batches_are_compared_with_the_references_calls_on_the_same_sample
     assert status == "diverged" and m is None, module_line(m)
     assert any("first differing module: not found (no module call of the step could be matched" in n
                for n in notes), notes
+
+
+def test_a_rank_that_made_fewer_micro_batches_than_one_device_is_named_by_its_forwards():
+    """x.chunk(2) of a share of one sample makes one micro-batch, still divided by 2: the loss's
+    gradient is half one device's, and the trace's forward counts (1 against 2) say why."""
+    report = check(loops.accumulation_of_a_small_share(), modes=("single", "ddp"), world_sizes=(2, 4))
+    by_ws = found(report)
+    assert by_ws[2][0] == "pass", report.render()
+    status, m, notes = by_ws[4]
+    assert status == "diverged" and m.phase == "loss" and m.forwards == (1, 2), module_line(m)
+    [cause] = [n for n in notes if n.startswith(("likely cause", "candidate causes"))]
+    assert cause.startswith("likely cause: the step ran 1 forward(s) of the model on rank 0 and 2 on one device"), cause
+    assert m.to_json()["forwards"] == [1, 2]
+
+
+def test_forward_counts_that_differ_outrank_what_the_numbers_guessed():
+    """At 2 ranks a share of one sample halves the loss's gradient, which the numbers alone
+    read as a loss divided by W; the forward counts are direct evidence."""
+    from ddparity.checks.placed import reread
+    from ddparity.verdicts import Divergence, ModuleFinding
+
+    best = ModuleFinding(step=0, rank=1, phase="loss", module="net.4", factor=0.5, forwards=(1, 2))
+    first = Divergence(step=0, kind="loss", name="loss", rank=0, max_abs=1.0, max_rel=0.5, tolerance=1e-6)
+    guessed = ["likely cause: a mean loss divided by the world size on every rank ...", "traffic: ..."]
+    notes = reread(guessed, best, first, [first], 2, "ddp", True, lambda: 1.0)
+    assert notes[0] == "traffic: ..." and len(notes) == 2, notes
+    assert notes[1].startswith("likely cause: the step ran 1 forward(s) of the model on rank 1 and 2 on one device")
+    odd = reread([], dataclasses.replace(best, factor=0.3), first, [first], 2, "ddp", True, lambda: 1.0)
+    assert odd[0].startswith("candidate causes: the step ran 1 forward(s)"), odd
 
 
 def test_a_traced_forward_on_a_micro_batch_knows_its_samples():

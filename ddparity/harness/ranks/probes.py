@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -181,6 +182,9 @@ def replica_trace_task(ctx: RankContext, case: Case, spool: str, mode: str, shar
         return first_op(ref["record"]["ops"], mine["ops"], rows, size, inside[2])
     found = first_difference(ref["record"], ref["noise"], mine, same_samples(ref["record"], mine, rows, size),
                              1.0 / ctx.world_size, ctx.rank, step)
+    counts = (len(mine["forwards"]), len(ref["record"]["forwards"]))
+    if 0 not in counts and counts[0] != counts[1]:
+        found = dataclasses.replace(found, forwards=counts)
     return found, backward_order(mine)
 
 
