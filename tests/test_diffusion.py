@@ -73,6 +73,17 @@ def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, op,
     assert f"at step 0 ({op})" in reason and hint in reason, reason
 
 
+def test_micro_batch_draws_that_cannot_be_told_apart_are_an_error_not_a_divergence():
+    """Every micro-batch's noise, then every one's timesteps: the timesteps take the rows the
+    last noise named, so one micro-batch's samples would be drawn for twice and the other's
+    not at all; each sample's count of draws says so (before: a divergence, a false alarm)."""
+    report = check(diffusion.ddpm("drawn_apart"), modes=("single", "ddp"), world_sizes=(2,))
+    assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()
+    reason = report.runs[0].reason
+    assert "per-sample random draws at step 0 are not one per sample each" in reason, reason
+    assert "draw each micro-batch's numbers together" in reason, reason
+
+
 def test_draws_from_pythons_random_module_are_an_error_naming_it_not_a_divergence():
     """Every process draws from its own state there: before, the reference passed and the DDP
     runs were an error that guessed ("the step depends on the order of the samples in the

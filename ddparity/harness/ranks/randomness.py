@@ -35,99 +35,26 @@ import functools
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
+from ddparity.harness.ranks.draw_scope import Scope
 from ddparity.harness.ranks.forward_rows import rows_of, slice_of
 from ddparity.harness.ranks.replays import digest, in_backward, may_be_recomputed, replayed
-from ddparity.harness.ranks.sample_draws import STEP_PLACES, replacements
+from ddparity.harness.ranks.sample_draws import replacements
 
 _local = threading.local()
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
 _drawn: dict[tuple[Any, str], Any] = {}
 _users = 0
-_MASK = (1 << 63) - 1
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64 steps): nearby inputs, unrelated seeds."""
-    z = 0x9E3779B97F4A7C15
-    for v in values:
-        z = (z ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        z ^= z >> 31
-    return z & _MASK
-
-
-@dataclass(eq=False)
-class _Scope:
-    """One replica's step: its samples and where its forward is."""
-
-    seed: int
-    step: int = 0
-    rows: Any = None
-    """Global sample index of every row of the replica's share (a LongTensor)."""
-    sources: list[Any] = field(default_factory=list)
-    """The share's batched tensors, to match a forward's input slices against."""
-    dims: list[int] = field(default_factory=lambda: [0])
-    """The dimensions the share is batched along (0, and a ``ddparity.batched``'s)."""
-    forward_rows: Any = None
-    forward_inputs: Any = None
-    forward_calls: int = 0
-    in_forward: bool = False
-    """Inside the model's forward (else in the training step around it)."""
-    step_counts: Any = None
-    """Draws in the training step outside the forward, so far, of each row of the share (a
-    LongTensor): a row's next such draw is at place ``STEP_PLACES +`` its count, whichever
-    micro-batch it is drawn in."""
-    micro: slice | None = None
-    """The rows of the share a step's draw last named by its template (a micro-batch)."""
-    calls: int = 0
-    """Dropout calls in this forward (the place of the next one)."""
-    drawn: int = 0
-    batch_first: list[bool | None] = field(default_factory=list)
-    """``batch_first`` of the modules the forward is in, innermost last (None: attention)."""
-    replays: dict[tuple, list[tuple[Any, int]]] = field(default_factory=dict)
-    """The rows and place of each dropout call that activation checkpointing may run again
-    in backward, by a digest of its input (see :mod:`ddparity.harness.ranks.replays`)."""
-
-    def next_place(self) -> int:
-        """The place of a new draw in this forward (counted in the step's draws too)."""
-        place = self.calls
-        self.calls += 1
-        self.drawn += 1
-        return place
-
-    def next_step_places(self, part: slice) -> list[int]:
-        """The place of a new draw in the training step outside the forward for each row of
-        ``part`` of the share (numbered apart from the forward's, each row's draws counted on
-        their own: a sample drawn for in a micro-batch of 2 here and of 4 on one device has
-        the same places), counted in the step's draws too."""
-        self.drawn += 1
-        places = (STEP_PLACES + self.step_counts[part]).tolist()
-        self.step_counts[part] += 1
-        return places
-
-    def generators(self, place: int | list[int], rows: Any) -> Iterator[Any]:
-        """Each sample's generator for the draw at ``place`` (one for all rows, or each
-        row's): seeded by the case's seed, the step, the place and the sample's index in the
-        global batch."""
-        import torch
-
-        places = place if isinstance(place, list) else [place] * len(rows)
-        for g, p in zip(rows.tolist(), places):
-            yield torch.Generator().manual_seed(_mix(self.seed, self.step, p, g))
-
-
 class AlignedDropout:
     """Same-sample, same-mask dropout for one replica's training (see the module docstring)."""
 
     def __init__(self, model: Any, seed: int, enabled: bool = True) -> None:
         import torch
 
-        self.scope = _Scope(seed)
+        self.scope = Scope(seed)
         self.most_calls = 0
         self.enabled = enabled
         self._handles: list[Any] = []
@@ -167,6 +94,18 @@ class AlignedDropout:
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
         scope.dims = sorted(dims or {0})
         scope.replays = {}
+
+    def end_step(self, step: int) -> None:
+        """Raise a :class:`CaseError` where the step's own draws gave its samples unequal
+        numbers of draws: a sample's draws would depend on how the share was cut."""
+        uneven = self.scope.uneven_step_draws() if self.enabled else None
+        if uneven is not None:
+            raise CaseError(
+                f"the training step's per-sample random draws at step {step} are not one per sample each: some "
+                f"samples were drawn for {uneven[0]} time(s), others {uneven[1]}, so a draw with no tensor to shape "
+                f"it like (torch.randint(0, T, (n,)), torch.rand(n)) took the rows of another micro-batch than its "
+                f"own; draw each micro-batch's numbers together (torch.randn_like(part) first, then its timesteps), "
+                f"or draw for the whole share and slice")
 
     def close(self) -> int:
         """Stop aligning; the most dropout calls one step made."""
@@ -216,7 +155,7 @@ def suspended() -> Iterator[None]:
         _local.scope = scope
 
 
-def _forward_rows(scope: _Scope) -> Any:
+def _forward_rows(scope: Scope) -> Any:
     """The samples of this forward's rows (matched at its first draw, then kept)."""
     if scope.forward_rows is None and scope.forward_inputs is not None:
         scope.forward_rows = rows_of(scope.rows, scope.sources, scope.dims, scope.forward_inputs)
@@ -335,7 +274,7 @@ def _aligned_attention() -> Any:
     return attention
 
 
-def place_of_draw(samples: int, template: Any = None) -> tuple[_Scope, Any, int | list[int]] | None:
+def place_of_draw(samples: int, template: Any = None) -> tuple[Scope, Any, int | list[int]] | None:
     """Where a draw of ``samples`` parts along dim 0 is aligned: this thread's scope, the
     samples' global indices and the draw's place (counted; in the step outside the forward,
     each row's); None where it is not (see :mod:`ddparity.harness.ranks.sample_draws`). In

@@ -208,6 +208,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
                 draws.raise_if_any(step, replica.model)
             else:
                 mode.step(step, replica, batch)
+            dropout.end_step(step)
     finally:
         calls = dropout.close()
         ticks.close()
