@@ -299,6 +299,20 @@ def test_micro_batches_are_compared_with_the_references_calls_on_the_same_sample
                for n in notes), notes
 
 
+def test_dataparallel_on_micro_batches_names_the_module_on_each_replicas_samples():
+    """DataParallel's emulated replicas each forward a chunk of a micro-batch (a view of the
+    step's batch): read against the reference's micro-batch that holds those samples."""
+    from ddparity import Case
+
+    def model():
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    case = Case(model=model, data=loops.labelled, optimizer="sgd", lr=0.01, steps=2, train_step=loops.micro_batches,
+                name="bug: BatchNorm on DataParallel's chunks of micro-batches")
+    _, m, _ = found(check(case, modes=("single", "dp"), world_sizes=(2,)), "dp")[2]
+    assert (m.phase, m.module, m.agrees_ok) == ("forward", "1", True), module_line(m)
+
+
 def test_a_rank_that_made_fewer_micro_batches_than_one_device_is_named_by_its_forwards():
     """x.chunk(2) of a share of one sample makes one micro-batch, still divided by 2: the loss's
     gradient is half one device's, and the trace's forward counts (1 against 2) say why."""

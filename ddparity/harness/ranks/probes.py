@@ -193,15 +193,19 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
                   size: int) -> tuple[ModuleFinding, list[tuple[str, str, list[str]]]]:
     """DataParallel at ``world_size`` (emulated in this process, or real on enough GPUs) on
     step ``step``, module by module against the reference's record: each replica's calls on
-    its chunk of the batch (:func:`~ddparity.harness.ranks.differing.replica_rows`); the
+    the samples of its chunk (told by the storage the emulation's chunks view, micro-batches
+    of the step too: :func:`~ddparity.harness.ranks.differing.same_samples`; else by replica,
+    :func:`~ddparity.harness.ranks.differing.replica_rows`); the
     gathered output's loss is the reference's, so gradients are compared as they are."""
     import torch
 
     trains = DataParallelMode(step + 1, world_size, ctx.device)
-    mine = _traced(case, spool, ctx.device, trains, step)
+    mine = _traced(case, spool, ctx.device, trains, step, size=size)
     ref = _reference_record(spool, step, None, WAIT_LIMIT_S)
     released()
     chunks = list(torch.arange(size).chunk(world_size)) if size > 0 else []
-    found = first_difference(ref["record"], ref["noise"], mine, replica_rows(ref["record"], chunks, size), 1.0, 0,
-                             step)
+    told = bool(mine["forwards"]) and all(f is not None for f in mine["forwards"])  # each replica's chunk a view
+    match = (same_samples(ref["record"], mine, torch.arange(size), size) if told and size > 0
+             else replica_rows(ref["record"], chunks, size))
+    found = first_difference(ref["record"], ref["noise"], mine, match, 1.0, 0, step)
     return found, backward_order(mine)
