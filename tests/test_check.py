@@ -412,6 +412,19 @@ def test_the_hardest_samples_of_each_shard_are_a_candidate_cause_and_the_global_
     assert check(bugs.hardest_half(whole_batch=True), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4)).ok
 
 
+def test_a_running_statistic_of_the_shard_in_a_buffer_is_named_and_its_all_reduced_twin_passes():
+    """DINO's teacher center updated from each rank's outputs: the buffer differs first, the
+    loss, gradients and parameters matching (before: found, no cause named)."""
+    report = check(bugs.center_of_the_shard(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs] == ["pass"] * 3 + ["diverged"] * 4, report.render()
+    for run in report.runs[3:]:
+        assert run.first_divergence.kind == "buffer" and run.first_divergence.name == "center", report.render()
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith("likely cause: buffer 'center' differs first (step 0) while the loss"), cause
+        assert "all-reduce the statistic's sum and count" in cause, cause
+    assert check(bugs.center_of_the_shard(whole_batch=True), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4)).ok
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_learning_rate_scaled_by_the_world_size_is_named_by_how_far_every_parameter_moved(optimizer):
     """Gradients match, parameters differ at the optimizer step: the update differs. Which

@@ -100,6 +100,9 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
         return _loss_one_over_w(world_size, mode, loss_scaling() if loss_scaling else None) + also
     statistics = [d for d in found if d.step == first.step and d.kind == "buffer"
                   and d.name.rsplit(".", 1)[-1] in BATCHNORM_STATISTICS]
+    if first.kind == "buffer" and not statistics and not any(
+            d.step == first.step and d.kind in ("loss", "grad", "param") for d in found):
+        return _buffer_from_the_shard(first, mode)
     if statistics:
         return (f"likely cause: BatchNorm on shards ({_first_few(layers)}): each rank normalises its shard with its own "
                 f"statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm (GPUs), GroupNorm or LayerNorm, "
@@ -243,6 +246,20 @@ def _nothing_reduced(differing: int, params: int, step0: list[tuple[int, int]] |
     return (f"candidate causes: {head} although DDP's forward ran with gradient sync on ({synced} of {calls} "
             f"forward(s) at step 0 over the ranks): a comm hook that returns its bucket without all-reducing it, "
             f"or gradients replaced after backward on each rank (set or recomputed outside DDP)")
+
+
+def _buffer_from_the_shard(first: Divergence, mode: str) -> str:
+    """A buffer other than BatchNorm's differs first, the step's loss, gradients and parameters
+    matching: updated in the step from each rank's own shard and never combined."""
+    name = mode.upper()
+    broadcast = " (DDP broadcasts rank 0's buffers at each forward: the other ranks' updates are lost)" if (
+        mode == "ddp") else ""
+    return (f"likely cause: buffer '{first.name}' differs first (step {first.step}) while the loss, every gradient "
+            f"and every parameter match: it is updated from each rank's own shard (a running statistic of the "
+            f"batch: DINO's teacher center, an EMA of batch statistics; a queue of the batch's features, MoCo's), "
+            f"which {name} neither averages nor gathers{broadcast}; compute it over the whole batch as one "
+            f"device does: all-reduce the statistic's sum and count (all-gather the features a queue takes in) "
+            f"before updating the buffer")
 
 
 def _first_few(names: list[str], limit: int = 3) -> str:

@@ -419,3 +419,20 @@ def test_batchnorm_on_shards_names_the_first_layers_and_counts_the_rest():
     cause = likely_cause(found, 2)
     assert cause.startswith("likely cause: BatchNorm on shards (b0, b1, b2 and 17 more): each rank"), cause
     assert "b3" not in cause
+
+
+def test_a_buffer_differing_first_alone_is_a_statistic_of_the_shard_not_when_a_gradient_differs_too():
+    from ddparity.checks.causes import likely_cause
+    from ddparity.verdicts import Divergence
+
+    def at(kind, name, step=0):
+        return Divergence(step=step, kind=kind, name=name, rank=0, max_abs=1.0, max_rel=0.1, tolerance=1e-6)
+
+    alone = likely_cause([at("buffer", "center"), at("param", "w", step=1)], 2)
+    assert alone.startswith("likely cause: buffer 'center' differs first (step 0)"), alone
+    assert "DDP broadcasts rank 0's buffers" in alone
+    assert "broadcasts" not in likely_cause([at("buffer", "center")], 2, mode="fsdp")
+    with_grads = likely_cause([at("buffer", "center"), at("grad", "w")], 2)
+    assert with_grads is None or "buffer 'center'" not in with_grads, with_grads
+    bn = likely_cause([at("buffer", "bn.running_mean")], 2)
+    assert bn.startswith("likely cause: BatchNorm on shards"), bn
