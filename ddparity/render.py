@@ -194,7 +194,9 @@ def module_line(f: ModuleFinding) -> str:
         return (f"first to differ: the loss (step {f.step}, rank {f.rank}): every module's forward agrees; "
                 f"{f.differs} w.r.t. the output of {_label(f)}{by} (rel {f.error:.2g}, a rank's "
                 f"compared x 1/world_size)")
-    if f.agrees_ok is None:
+    if not f.agrees:  # the first place compared: nothing nearer the loss to agree
+        before = ""
+    elif f.agrees_ok is None:
         before = f"{f.agrees} not compared"
     else:
         err = f" (rel {f.agrees_error:.2g})" if f.agrees_error is not None else ""
@@ -202,8 +204,8 @@ def module_line(f: ModuleFinding) -> str:
     by = f.mismatch or f"{f.scale} {f.error:.2g}, tolerance {f.tolerance:.2g}"
     inside = (f"; inside it, the first op that differs: {f.op} (rel {f.op_error:.2g})" if f.op
               else f"; {f.note}" if f.note else "")
-    return (f"first differing module: {_label(f)}, step {f.step}, rank {f.rank}, {f.phase}: {before}, "
-            f"{f.differs} differs ({by}){inside}")
+    return (f"first differing module: {_label(f)}, step {f.step}, rank {f.rank}, {f.phase}: "
+            f"{before + ', ' if before else ''}{f.differs} differs ({by}){inside}")
 
 
 def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None = None) -> list[str]:

@@ -439,3 +439,18 @@ def test_ranks_waiting_beside_a_reference_whose_re_run_failed_stop_at_once(tmp_p
         probes.reference_trace_task(ctx, bugs.summed_loss(), str(tmp_path), 0, 8)
     with pytest.raises(ReferenceFailed, match="wrote no record of step 1 in 0.05 s"):
         probes._reference_record(str(tmp_path), 1, None, limit_s=0.05)
+
+
+def test_a_backward_finding_with_nothing_nearer_the_loss_reads_plainly():
+    """A loss computed in the model's own forward (CLIP's): the first module backward compares
+    is a projection whose output gradient differs; nothing nearer the loss to agree."""
+    from ddparity.verdicts import ModuleFinding
+
+    line = module_line(ModuleFinding(step=0, rank=0, phase="backward", module="text_projection", type="Linear",
+                                     differs="output gradient", error=0.26, tolerance=1.9e-6))
+    assert line == ("first differing module: text_projection (Linear), step 0, rank 0, backward: output gradient "
+                    "differs (rel 0.26, tolerance 1.9e-06)"), line
+    agreeing = module_line(ModuleFinding(step=0, rank=0, phase="backward", module="fc", type="Linear",
+                                         differs="input gradient", error=0.1, tolerance=1e-6,
+                                         agrees="output gradient", agrees_error=0.0, agrees_ok=True))
+    assert "backward: output gradient agrees (rel 0), input gradient differs" in agreeing, agreeing
