@@ -41,6 +41,8 @@ class RunKind:
     buckets: bool = False
     """Gradients all-reduced by DDP's reducer, bucket by bucket (its ``bucket_cap_mb``, its
     comm hook, torch.compile's DDP optimizer)."""
+    broadcasts_buffers: bool = False
+    """Rank 0's buffers broadcast to every rank at each forward (DDP's ``broadcast_buffers``)."""
 
     def shard_size(self, world_size: int, hsdp_shard: int) -> int:
         """S, the ranks each parameter is split across (0 where nothing is sharded)."""
@@ -73,7 +75,7 @@ class RunKind:
 KINDS = (
     RunKind("single", "one device, the whole global batch (the reference)", reference=True),
     RunKind("dp", "torch.nn.DataParallel (replicas in one process; emulated without GPUs)", one_process=True),
-    RunKind("ddp", "DistributedDataParallel", replicated=True, buckets=True),
+    RunKind("ddp", "DistributedDataParallel", replicated=True, buckets=True, broadcasts_buffers=True),
     RunKind("fsdp", "FSDP2 (fully_shard) on a 1-D mesh of every rank", replicated=True, sharded=True),
     RunKind("hsdp", "FSDP2 on a (replicate, shard) mesh", replicated=True, sharded=True,
             mesh=True),

@@ -252,8 +252,8 @@ def _buffer_from_the_shard(first: Divergence, mode: str) -> str:
     """A buffer other than BatchNorm's differs first, the step's loss, gradients and parameters
     matching: updated in the step from each rank's own shard and never combined."""
     name = mode.upper()
-    broadcast = " (DDP broadcasts rank 0's buffers at each forward: the other ranks' updates are lost)" if (
-        mode == "ddp") else ""
+    broadcast = (f" ({name} broadcasts rank 0's buffers at each forward: the other ranks' updates are lost)"
+                 if kind(mode).broadcasts_buffers else "")
     return (f"likely cause: buffer '{first.name}' differs first (step {first.step}) while the loss, every gradient "
             f"and every parameter match: it is updated from each rank's own shard (a running statistic of the "
             f"batch: DINO's teacher center, an EMA of batch statistics; a queue of the batch's features, MoCo's), "
