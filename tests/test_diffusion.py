@@ -9,19 +9,25 @@ import torch
 from torch import nn
 
 from ddparity import Case, check
+from ddparity.errors import CaseError
 from ddparity.fixtures import diffusion, models
 from tests.conftest import older_torch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
-def test_noise_and_timesteps_drawn_per_micro_batch_in_the_step_are_aligned_per_sample():
-    """Accumulation: the noise is shaped like the micro-batch (a slice of the share), which
-    names its samples; the timesteps drawn next, with no template, take the same rows. A
-    sample is drawn for in a micro-batch of 2 at world size 2 and of 4 on one device alike."""
-    report = check(diffusion.ddpm("micro_batches"), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+@pytest.mark.parametrize("order", ["micro_batches", "timesteps_first", "drawn_apart", "sized_noise"])
+def test_noise_and_timesteps_drawn_per_micro_batch_in_the_step_are_aligned_per_sample(order):
+    """Accumulation: a draw shaped like the micro-batch (a slice of the share) takes its rows;
+    one with no template (the timesteps, diffusers' torch.randn(x.shape)) the next rows at its
+    source line. A sample is drawn for in a micro-batch of 2 at world size 2 and of 4 on one
+    device alike."""
+    report = check(diffusion.ddpm(order), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
     assert report.ok, report.render()
     assert "(4 draw(s) a step" in report.runs[0].notes[0], report.runs[0].notes
+
+
+def test_the_same_sample_gets_the_same_draws_in_a_micro_batch_of_any_size():
     from ddparity.harness.ranks.randomness import AlignedDropout
 
     rows = torch.arange(4, 8)
@@ -33,10 +39,11 @@ def test_noise_and_timesteps_drawn_per_micro_batch_in_the_step_are_aligned_per_s
     finally:
         aligned.close()
     whole = AlignedDropout(nn.Linear(3, 3), seed=7)
-    try:  # the same samples (global 4..7) drawn for as one micro-batch of a larger share
+    try:  # the same samples (global 4..7) drawn for as the second micro-batch of 4 of a larger share
         whole.begin(0, torch.arange(8), torch.randn(8, 3))
         share = whole.scope.sources[0]
-        noise, t = torch.randn_like(share[4:8]), torch.randint(0, 100, (4,))
+        drawn = [(torch.randn_like(p), torch.randint(0, 100, (len(p),))) for p in share.chunk(2)]
+        noise, t = drawn[1]
     finally:
         whole.close()
     assert torch.equal(torch.cat([p[0] for p in parts]), noise) and torch.equal(torch.cat([p[1] for p in parts]), t)
@@ -63,25 +70,17 @@ def test_ddpm_bugs_are_named_at_step_0_by_orders_of_magnitude(bug, cause):
         assert cause in named, named
 
 
-@pytest.mark.parametrize("bug, op, hint", [
-    ("one_timestep", "aten.randint", "not a draw for the whole batch (one timestep for every sample"),
-    ("timesteps_first", "aten.randint", "a micro-batch's drawn in the step before a draw shaped like its slice")])
-def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, op, hint):
+@pytest.mark.parametrize("bug, said", [
+    ("one_timestep", ["for fewer rows than the samples at hand (torch.randint at diffusion.py:",
+                      "for 1 of its 8 samples", "a draw for the whole batch (one timestep for every sample"]),
+    ("first_only", ["(torch.rand at diffusion.py:", "for 4 of its 8 samples", "or for some micro-batches only"])])
+def test_draws_no_mode_can_make_alike_per_sample_are_errors_naming_them(bug, said):
+    """One timestep for the whole batch, a draw for the first micro-batch's samples alone: the
+    line and how few of the samples it drew for. Errors, never a verdict."""
     report = check(diffusion.ddpm(bug), modes=("single", "ddp"), world_sizes=(2,))
     assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()
     reason = report.runs[0].reason
-    assert f"at step 0 ({op})" in reason and hint in reason, reason
-
-
-def test_micro_batch_draws_that_cannot_be_told_apart_are_an_error_not_a_divergence():
-    """Every micro-batch's noise, then every one's timesteps: the timesteps take the rows the
-    last noise named, so one micro-batch's samples would be drawn for twice and the other's
-    not at all; each sample's count of draws says so (before: a divergence, a false alarm)."""
-    report = check(diffusion.ddpm("drawn_apart"), modes=("single", "ddp"), world_sizes=(2,))
-    assert report.exit_code == 2 and all(r.status == "error" for r in report.runs), report.render()
-    reason = report.runs[0].reason
-    assert "per-sample random draws at step 0 are not one per sample each" in reason, reason
-    assert "draw each micro-batch's numbers together" in reason, reason
+    assert all(s in reason for s in said), reason
 
 
 def test_draws_from_pythons_random_module_are_an_error_naming_it_not_a_divergence():
@@ -147,9 +146,12 @@ def test_aligned_draws_have_torchs_distribution_and_leave_other_draws_to_torch()
         assert torch.equal(torch.randn(4096, generator=torch.Generator().manual_seed(1)),
                            original(4096, generator=torch.Generator().manual_seed(1)))  # a generator of its own
         assert torch.equal(torch.random.get_rng_state(), state)
-        torch.randn(3)  # dim 0 not the samples: torch's generator
+        torch.randn(5000, 2)  # dim 0 more than the samples: torch's generator
         assert not torch.equal(torch.random.get_rng_state(), state)
         state = torch.random.get_rng_state()
+        torch.randn(3)  # fewer: taken as a micro-batch's, and the step's end says it drew for 3 of 4096
+        with pytest.raises(CaseError, match=r"torch.randn at test_diffusion.py:\d+ for 3 of its 4096 samples"):
+            aligned.end_step(0)
         nn.init.uniform_(nn.Parameter(torch.empty(4096, 2)))  # a parameter (re)initialised: torch's draw
         assert not torch.equal(torch.random.get_rng_state(), state)
     finally:

@@ -48,6 +48,8 @@ class Scope:
     micro-batch it is drawn in."""
     micro: slice | None = None
     """The rows of the share a step's draw last named by its template (a micro-batch)."""
+    cursors: dict[Any, int] = field(default_factory=dict)
+    """By source line, the next row of the share a draw there without a template takes."""
     calls: int = 0
     """Dropout calls in this forward (the place of the next one)."""
     drawn: int = 0
@@ -74,6 +76,18 @@ class Scope:
         self.step_counts[part] += 1
         return places
 
+    def next_rows(self, site: Any, samples: int) -> slice | None:
+        """The rows of a micro-batch's draw with no template: the next ``samples`` rows of the
+        share at the draw's source line (``site``: a loop's draws, micro-batch after
+        micro-batch), else (past the share's end, or no line) the rows a template last named."""
+        start = self.cursors.get(site, 0)
+        if site is not None and self.rows is not None and start + samples <= len(self.rows):
+            self.cursors[site] = start + samples
+            return slice(start, start + samples)
+        if self.micro is not None and samples == self.micro.stop - self.micro.start:
+            return self.micro
+        return None
+
     def generators(self, place: int | list[int], rows: Any) -> Iterator[Any]:
         """Each sample's generator for the draw at ``place`` (one for all rows, or each
         row's): seeded by the case's seed, the step, the place and the sample's index in the
@@ -83,6 +97,13 @@ class Scope:
         places = place if isinstance(place, list) else [place] * len(rows)
         for g, p in zip(rows.tolist(), places):
             yield torch.Generator().manual_seed(mix(self.seed, self.step, p, g))
+
+    def partial_sites(self) -> list[tuple[Any, int]]:
+        """The source lines whose draws without a template covered only part of the share
+        this step (a draw for the whole batch: one timestep for every sample), with how many
+        rows they took."""
+        size = len(self.rows) if self.rows is not None else 0
+        return [(site, taken) for site, taken in self.cursors.items() if 0 < taken < size]
 
     def uneven_step_draws(self) -> tuple[int, int] | None:
         """(fewest, most) of the step's own draws a sample of the share had, where they

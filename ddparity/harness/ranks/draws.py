@@ -87,9 +87,7 @@ class RandomDraws:
                "or in the step outside the model the whole share or a micro-batch — a diffusion step's "
                "torch.randn_like(x) and torch.randint(0, T, (n,)), stochastic depth's (n, 1, ..., 1) draws: timm's "
                "DropPath, torchvision's stochastic_depth with mode='row'), but not a draw for the whole batch (one "
-               "timestep for every sample, mode='batch'), a micro-batch's drawn in the step before a draw shaped "
-               "like its slice of the share says which samples it holds (draw torch.randn_like(x[a:b]) first, or "
-               "draw for the whole share, then slice), nor one inside an activation-checkpointed region "
+               "timestep for every sample, mode='batch'), nor one inside an activation-checkpointed region "
                "(drop_path_rate=0 for the check there)" if ALIGNED_OPS & set(self.found) else "")
         )
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -88,7 +89,7 @@ class AlignedDropout:
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
         size = len(rows) if rows is not None else -1
-        scope.in_forward, scope.micro = False, None
+        scope.in_forward, scope.micro, scope.cursors = False, None, {}
         scope.step_counts = torch.zeros(max(size, 0), dtype=torch.int64)
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
@@ -98,7 +99,20 @@ class AlignedDropout:
     def end_step(self, step: int) -> None:
         """Raise a :class:`CaseError` where the step's own draws gave its samples unequal
         numbers of draws: a sample's draws would depend on how the share was cut."""
-        uneven = self.scope.uneven_step_draws() if self.enabled else None
+        if not self.enabled:
+            return
+        partial = self.scope.partial_sites()
+        if partial:
+            size = len(self.scope.rows)
+            where = ", ".join(f"torch.{name} at {os.path.basename(file)}:{line} for {taken} of its {size} samples"
+                              for (file, line, name), taken in partial)
+            raise CaseError(
+                f"the training step draws random numbers at step {step} for fewer rows than the samples at hand "
+                f"({where}): not one part per sample of the share — a draw for the whole batch (one timestep for "
+                f"every sample, a random vector of features), or for some micro-batches only — which no mode can "
+                f"draw alike for every sample; draw one part per sample of every micro-batch (torch.randint(0, T, "
+                f"(n,)) for n samples), draw from a torch.Generator you seed, or switch the draw off for the check")
+        uneven = self.scope.uneven_step_draws()
         if uneven is not None:
             raise CaseError(
                 f"the training step's per-sample random draws at step {step} are not one per sample each: some "
@@ -274,13 +288,13 @@ def _aligned_attention() -> Any:
     return attention
 
 
-def place_of_draw(samples: int, template: Any = None) -> tuple[Scope, Any, int | list[int]] | None:
+def place_of_draw(samples: int, template: Any = None, site: Any = None) -> tuple[Scope, Any, int | list[int]] | None:
     """Where a draw of ``samples`` parts along dim 0 is aligned: this thread's scope, the
     samples' global indices and the draw's place (counted; in the step outside the forward,
     each row's); None where it is not (see :mod:`ddparity.harness.ranks.sample_draws`). In
-    the step, a draw is for the whole share, or for a micro-batch: the rows its ``template``
-    views (``torch.randn_like(x[a:b])``), or, a draw with no such template (``torch.randint(0,
-    T, (b - a,))``), the rows the last one named where it has as many."""
+    the step, a draw is for the rows its ``template`` views (``torch.randn_like(x[a:b])``),
+    the whole share, or a micro-batch: the next rows of the share at its source line
+    (``site``), else the rows a template last named."""
     scope = getattr(_local, "scope", None)
     if scope is None or in_backward():
         return None
@@ -298,8 +312,8 @@ def place_of_draw(samples: int, template: Any = None) -> tuple[Scope, Any, int |
         scope.micro = part
     elif samples == len(scope.rows):
         part = slice(0, samples)
-    elif scope.micro is not None and samples == scope.micro.stop - scope.micro.start:
-        part = scope.micro
+    else:
+        part = scope.next_rows(site, samples)
     if part is None or part.stop - part.start != samples:
         return None
     return scope, scope.rows[part], scope.next_step_places(part)

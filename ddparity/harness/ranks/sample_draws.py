@@ -5,16 +5,20 @@ forward's, in the step around it the replica's whole share) is drawn sample by s
 each sample's generator — a diffusion step's noise (``torch.randn_like(x)``) and timesteps
 (``torch.randint(0, T, (n,))``), stochastic depth, a router's jitter. Each part has torch's
 distribution. In the step, a micro-batch's draw is aligned too: one shaped like (or filling)
-a slice of the share names its rows, and a draw with no such template and as many rows takes
-the rows the last one named (each sample's step draws are counted on their own, so a sample
-drawn for in a micro-batch of 2 under DDP gets what it gets in a micro-batch of 4 on one
-device). Any other draw (for the whole batch, a micro-batch's before any draw names its rows,
-inside a ``batch_first=False`` module, checkpointing or backward) is left to torch's
-generator, where it is found and named.
+a slice of the share takes that slice's rows; a draw with no such template takes the next rows
+of the share at its source line (the micro-batches of a loop, in order: diffusers'
+``torch.randn(x.shape)`` then ``torch.randint(0, T, (n,))`` each micro-batch), and past the
+share's end the rows the last slice named. Each sample's step draws are counted on their own,
+so a sample drawn for in a micro-batch of 2 under DDP gets what it gets in a micro-batch of 4
+on one device, and samples drawn for unequally in a step are an error. Any other draw (for the
+whole batch, inside a ``batch_first=False`` module, checkpointing or backward) is left to
+torch's generator, where it is found and named; micro-batches taken out of order with draws
+that have no template would pair other samples' numbers (a divergence, never a pass).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,18 +27,27 @@ STEP_PLACES = 1 << 40
 _PLAIN = {"dtype", "device", "requires_grad", "layout", "pin_memory"}
 """Keyword arguments an aligned draw may be given (no ``out=``, no ``generator=``)."""
 
-Place = Callable[[int, Any], "tuple[Any, Any, int | list[int]] | None"]
-"""(samples along dim 0, the tensor the draw is shaped like or fills, or None) -> (scope, the
-samples' global indices, the draw's place: one, or each sample's), or None."""
+Place = Callable[[int, Any, Any], "tuple[Any, Any, int | list[int]] | None"]
+"""(samples along dim 0, the tensor the draw is shaped like or fills, or None, the source line
+that drew) -> (scope, the samples' global indices, the draw's place: one, or each sample's),
+or None."""
 Part = Callable[[tuple, Any, tuple], Any]
 """(one sample's shape, its generator, the draw's parameters) -> that sample's part."""
 
 
-def _per_sample(place_of: Place, shape: tuple, one: Part, params: tuple = (), template: Any = None) -> Any:
+def _site(original: Any) -> tuple[str, int, str]:
+    """The source line that called the draw (the caller of the replacement that calls this),
+    and the draw's name."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename, frame.f_lineno, getattr(original, "__name__", "a draw")
+
+
+def _per_sample(place_of: Place, shape: tuple, one: Part, params: tuple = (), template: Any = None,
+                site: Any = None) -> Any:
     """The draw of ``shape`` sample by sample, or None where it is not aligned."""
     import torch
 
-    found = place_of(shape[0], template) if shape and all(isinstance(s, int) for s in shape) else None
+    found = place_of(shape[0], template, site) if shape and all(isinstance(s, int) for s in shape) else None
     if found is None:
         return None
     scope, rows, place = found
@@ -64,7 +77,7 @@ def _factory(place_of: Place, original: Any, one: Part, integer: bool = False) -
             params, size = (), args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
         values = None
         if generator is None and _plain(kwargs) and size is not None and all(isinstance(p, int) for p in params):
-            values = _per_sample(place_of, tuple(size), one, params)
+            values = _per_sample(place_of, tuple(size), one, params, site=_site(original))
         if values is None:
             return original(*args, generator=generator, **kwargs)
         return _done(values, kwargs, torch.int64 if integer else torch.get_default_dtype())
@@ -83,7 +96,7 @@ def _like(place_of: Place, original: Any, one: Part, integer: bool = False) -> A
         values = None
         if (isinstance(input, torch.Tensor) and _plain(kwargs) and len(params) == (2 if integer else 0)
                 and all(isinstance(p, int) for p in params)):
-            values = _per_sample(place_of, tuple(input.shape), one, params, input)
+            values = _per_sample(place_of, tuple(input.shape), one, params, input, _site(original))
         if values is None:
             return original(input, *args, **kwargs)
         return _done(values, kwargs, input.dtype, input.device)
@@ -102,7 +115,7 @@ def _in_place(place_of: Place, original: Any, one: Part, defaults: tuple) -> Any
         values = None
         if (generator is None and not kwargs and len(args) <= len(defaults) and not isinstance(self, torch.nn.Parameter)
                 and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in params)):  # (init: torch's)
-            values = _per_sample(place_of, tuple(self.shape), one, params, self)
+            values = _per_sample(place_of, tuple(self.shape), one, params, self, _site(original))
         if values is None:
             return original(self, *args, generator=generator, **kwargs)
         with torch.no_grad():
@@ -123,7 +136,7 @@ def _bernoulli(place_of: Place, original: Any) -> Any:
                 and input.is_floating_point() and input.dim():
             rows = iter(input.detach().to("cpu", torch.float32))
             values = _per_sample(place_of, tuple(input.shape), lambda _, g, __: torch.bernoulli(next(rows), generator=g),
-                                 template=input)
+                                 template=input, site=_site(original))
         if values is None:
             return original(input, *args, generator=generator, **kwargs)
         return values.to(device=input.device, dtype=input.dtype)
