@@ -293,3 +293,48 @@ def test_wav2vec2s_spec_augment_and_its_summed_ctc_loss_are_named():
     assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
     assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
     assert check(case(0.0, "mean"), modes=("single", "ddp"), world_sizes=(2, 4)).ok
+
+
+def _ddpm_in_micro_batches(model, batch, optimizer, ctx, reduction="mean"):
+    """diffusers' DDPM step with accumulation: two micro-batches, each drawing its noise by shape
+    (diffusers' torch.randn(clean_images.shape)) and its timesteps, with no template."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler(num_train_timesteps=100)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for part in batch.chunk(2):
+        noise = torch.randn(part.shape, dtype=part.dtype, device=part.device)
+        t = torch.randint(0, 100, (part.shape[0],), device=part.device).long()
+        pred = model(scheduler.add_noise(part, noise, t), t, return_dict=False)[0]
+        loss = F.mse_loss(pred.float(), noise.float(), reduction=reduction) / 2
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_diffusers_ddpm_in_micro_batches_draws_each_sample_alike_and_its_summed_loss_is_named(reduction):
+    """Each micro-batch's noise and timesteps drawn with no template take the next samples of
+    the share at their line: clean in every mode at 2 and 4, the summed loss named (measured
+    2026-12-05: both)."""
+    import functools
+
+    from ddparity import Case
+    from ddparity.fixtures import diffusion
+
+    if importlib.util.find_spec("diffusers") is None:
+        pytest.skip("needs diffusers (pip install diffusers; .ci/run installs it)")
+    case = Case(model=real_models.unet, data=diffusion.images, optimizer="adamw", lr=1e-3, steps=2,
+                train_step=functools.partial(_ddpm_in_micro_batches, reduction=reduction), name=reduction)
+    report = check(case, modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    if reduction == "mean":
+        assert report.ok, report.render()
+        return
+    assert [r.status for r in report.runs] == ["pass"] * 3 + ["diverged"] * 4, report.render()
+    for run in report.runs[3:]:
+        assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
