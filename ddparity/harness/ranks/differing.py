@@ -16,6 +16,7 @@ the parameters' gradients from the run's own distances in that order).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -153,18 +154,23 @@ def same_samples(ref: dict[str, Any], mine: dict[str, Any], rows: Any, size: int
     keys = {(c["name"], c.get("forward", -1), c.get("within", 0)): (c["name"], c["index"]) for c in ref["calls"]}
     forwards = mine.get("forwards", [])
 
-    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any, int]:
-        fallback = ((c["name"], c["index"]), rows, size)
-        f = c.get("forward", -1)
+    @functools.cache
+    def held(f: int) -> tuple[int, Any, int] | None:
+        """The reference's forward that holds all of forward ``f``'s samples, their rows in it,
+        its size (None: the samples are untold or split over several)."""
         ids = forwards[f] if 0 <= f < len(forwards) else None
         found = [where.get(g) for g in ids.tolist()] if ids is not None else []
-        if not found or any(x is None for x in found) or len({x[0] for x in found if x is not None}) != 1:
-            return fallback
         at = [x for x in found if x is not None]
-        key = keys.get((c["name"], at[0][0], c.get("within", 0)))
-        if key is None:
-            return fallback
-        return key, torch.tensor([p for _, p in at]), len(ref["forwards"][at[0][0]])
+        if not found or len(at) < len(found) or len({x[0] for x in at}) != 1:
+            return None
+        return at[0][0], torch.tensor([p for _, p in at]), len(ref["forwards"][at[0][0]])
+
+    def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any, int]:
+        there = held(c.get("forward", -1))
+        key = keys.get((c["name"], there[0], c.get("within", 0))) if there is not None else None
+        if there is None or key is None:
+            return (c["name"], c["index"]), rows, size
+        return key, there[1], there[2]
 
     return match
 
