@@ -13,7 +13,10 @@ fit more than one story or none:
   (direct evidence: what the numbers alone guessed, a loss divided by W, yields to it);
 * the loss's own gradient agreeing and a module inside the model adding what differs: a loss
   term computed there from each rank's shard (a mixture-of-experts load-balancing loss), which
-  contradicts a per-rank token mean read from the padding.
+  contradicts a per-rank token mean read from the padding;
+* a BatchNorm layer whose input agrees and whose output differs, where its running statistics
+  could not tell (micro-batches, whose order the calibration twin's statistics depend on):
+  BatchNorm on shards.
 """
 
 from __future__ import annotations
@@ -50,7 +53,24 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     if not best.found and first.kind == "param":
         ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
         return notes + [after_the_gradients(first.step, world_size, mode, ranks, update)]
+    if inside is None:
+        inside = normalised_apart(best, mode)
     return notes + ([inside] if inside is not None else [])
+
+
+def normalised_apart(best: ModuleFinding, mode: str) -> str | None:
+    """The step first differs in a BatchNorm layer's forward (``best``), its input agreeing with
+    the reference's rows for the same samples: each rank (replica) normalised its part of the
+    batch with that part's own statistics. None elsewhere (SyncBatchNorm's statistics are the
+    whole batch's)."""
+    if (best.phase != "forward" or "BatchNorm" not in best.type or best.type.startswith("Sync")
+            or best.agrees_ok is not True):
+        return None
+    part = "each replica normalises its chunk" if kind(mode).one_process else "each rank normalises its shard"
+    return (f"likely cause: BatchNorm on shards ({best.module} ({best.type})): {part} (each micro-batch of it, "
+            f"where the step makes them) with its own statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm "
+            f"(GPUs), GroupNorm or LayerNorm, or BatchNorm in eval mode; evidence: its input agrees with the "
+            f"reference's rows for the same samples, its output differs")
 
 
 def entered_inside(best: ModuleFinding, first: Divergence, mode: str) -> str | None:

@@ -291,26 +291,54 @@ def test_micro_batches_are_compared_with_the_references_calls_on_the_same_sample
         assert status == "diverged" and m.phase == "loss" and m.factor == pytest.approx(1 / ws, rel=1e-3), \
             module_line(m)
         assert any(n.startswith("likely cause: a loss summed over the batch") for n in notes), notes
-    # micro-batches copied from the batch: their samples cannot be told, and the report says so
-    copied = check(loops.accumulation_summed(copies=True), modes=("single", "ddp"), world_sizes=(2,))
-    status, m, notes = found(copied)[2]
+
+
+@pytest.mark.parametrize("inputs", ["copies", "noised"])
+def test_micro_batches_computed_from_the_share_are_found_in_the_reference_by_their_content(inputs):
+    """A forward on a copy of a micro-batch, or on one noised as a diffusion model's input is
+    (aligned draws: each sample's noise is one device's), views nothing of the batch: its
+    samples are found among the reference's forwards' rows by content. Before, nothing was
+    compared and the report said "not found"."""
+    report = check(loops.accumulation_summed(inputs), modes=("single", "ddp"), world_sizes=(2, 4))
+    for ws in (2, 4):
+        status, m, notes = found(report)[ws]
+        assert status == "diverged" and m.phase == "loss" and m.factor == pytest.approx(1 / ws, rel=1e-3), \
+            module_line(m)
+        assert any(n.startswith("likely cause: a loss summed over the batch") for n in notes), notes
+
+
+def test_micro_batches_no_row_of_the_reference_holds_are_not_found_and_said_so():
+    """Each micro-batch centred by its own mean: no row of a rank's forward is a row of one
+    device's, so no call can be compared, and the report says so rather than that every module
+    agrees."""
+    centred = check(loops.accumulation_summed("centred"), modes=("single", "ddp"), world_sizes=(2,))
+    status, m, notes = found(centred)[2]
     assert status == "diverged" and m is None, module_line(m)
     assert any("first differing module: not found (no module call of the step could be matched" in n
                for n in notes), notes
 
 
-def test_dataparallel_on_micro_batches_names_the_module_on_each_replicas_samples():
-    """DataParallel's emulated replicas each forward a chunk of a micro-batch (a view of the
-    step's batch): read against the reference's micro-batch that holds those samples."""
+@pytest.mark.parametrize("mode", ["dp", "ddp"])
+@pytest.mark.parametrize("inputs", ["slices", "noised"])
+def test_batchnorm_on_micro_batches_is_named_in_forward_and_as_the_cause(mode, inputs):
+    """BatchNorm on micro-batches of each rank's share (of each DataParallel replica's chunk of
+    a micro-batch): the layer is named in forward on the samples it holds, told by the view
+    its input is or found by content (noised). Its running statistics cannot tell (their
+    calibrated noise, run in reversed sample order, is as large: micro-batches of other
+    samples), so the place names the cause: input agrees, output differs."""
+    import functools
+
     from ddparity import Case
 
     def model():
         return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
 
-    case = Case(model=model, data=loops.labelled, optimizer="sgd", lr=0.01, steps=2, train_step=loops.micro_batches,
-                name="bug: BatchNorm on DataParallel's chunks of micro-batches")
-    _, m, _ = found(check(case, modes=("single", "dp"), world_sizes=(2,)), "dp")[2]
+    case = Case(model=model, data=loops.labelled, optimizer="sgd", lr=0.01, steps=2,
+                train_step=functools.partial(loops.micro_batches, inputs=inputs),
+                name="bug: BatchNorm on each rank's micro-batches")
+    _, m, notes = found(check(case, modes=("single", mode), world_sizes=(2,)), mode)[2]
     assert (m.phase, m.module, m.agrees_ok) == ("forward", "1", True), module_line(m)
+    assert any(n.startswith("likely cause: BatchNorm on shards (1 (BatchNorm1d))") for n in notes), notes
 
 
 def test_a_rank_that_made_fewer_micro_batches_than_one_device_is_named_by_its_forwards():
@@ -374,6 +402,9 @@ def test_a_traced_forward_on_a_micro_batch_knows_its_samples():
     untold = record(torch.arange(4, 8), 8, share, lambda b: [p.clone() for p in b.chunk(2)])
     assert untold["forwards"] == [None, None]
     key, at, size = same_samples(ref, untold, torch.arange(4, 8), 8)(untold["calls"][0])
+    assert key == ("0", 1) and at.tolist() == [0, 1] and size == 4  # found by content: samples 4, 5
+    centred = record(torch.arange(4, 8), 8, share, lambda b: [p - p.mean(0) for p in b.chunk(2)])
+    key, at, size = same_samples(ref, centred, torch.arange(4, 8), 8)(centred["calls"][0])
     assert key == ("0", 0) and at.tolist() == [4, 5, 6, 7] and size == 8  # the whole share's rows: nothing matches
 
 
@@ -454,3 +485,21 @@ def test_a_backward_finding_with_nothing_nearer_the_loss_reads_plainly():
                                          differs="input gradient", error=0.1, tolerance=1e-6,
                                          agrees="output gradient", agrees_error=0.0, agrees_ok=True))
     assert "backward: output gradient agrees (rel 0), input gradient differs" in agreeing, agreeing
+
+
+def test_a_forwards_rows_are_found_by_content_in_one_forward_of_the_reference_or_not_at_all():
+    """Every row of the forward must be (to 1e-6 of its size) a row of one reference forward;
+    integer inputs (token ids) count with the floats batched like them."""
+    from ddparity.harness.ranks.forward_rows import content, rows_by_content
+
+    x, ids = torch.randn(8, 3), torch.arange(16).reshape(8, 2)
+    theirs = [content([x[:4], ids[:4]]), content([x[4:], {"ids": ids[4:]}]), None]
+    assert theirs[0].shape == (4, 5)
+    g, at = rows_by_content(content([x[[6, 5]] * 1.0, ids[[6, 5]]]), theirs)
+    assert g == 1 and at.tolist() == [2, 1]
+    assert rows_by_content(content([x[[1, 5]], ids[[1, 5]]]), theirs) is None  # split over two forwards
+    assert rows_by_content(content([x[[6]] + 1e-3, ids[[6]]]), theirs) is None  # no such row
+    assert rows_by_content(content([x[[6]], ids[[6]] + 1]), theirs) is None  # another sample's tokens
+    assert rows_by_content(content([x[[6]].fill_(float("nan")), ids[[6]]]), theirs) is None
+    assert rows_by_content(content([x[[6]]]), theirs) is None  # other columns
+    assert content([torch.tensor(1.0)]) is None and rows_by_content(None, theirs) is None

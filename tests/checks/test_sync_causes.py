@@ -148,3 +148,24 @@ def test_a_loss_first_differing_at_a_later_step_at_the_loss_itself_names_a_per_s
     assert per_shard_denominator(2.0, 0.8, 2, "ddp", step=2) is None  # a summed loss: not a mean
     assert per_shard_denominator(1.0, 0.5, 2, "ddp", step=2) is None  # 1/W: the loss's own signatures
     assert per_shard_denominator(None, 0.8, 2, "ddp") is None
+
+
+def test_a_batchnorm_layer_first_differing_in_forward_names_batchnorm_on_shards():
+    """Where running statistics cannot tell (micro-batches): the place does. Only a BatchNorm
+    layer (not SyncBatchNorm) whose input agrees."""
+    from ddparity.checks.placed import normalised_apart
+    from ddparity.verdicts import ModuleFinding
+
+    def at(type_: str, agrees_ok: bool | None = True, phase: str = "forward") -> ModuleFinding:
+        return ModuleFinding(step=0, rank=1, phase=phase, module="net.bn", type=type_, differs="output",
+                             error=0.3, tolerance=1e-6, agrees="input", agrees_ok=agrees_ok)
+
+    ddp = normalised_apart(at("BatchNorm2d"), "ddp")
+    assert ddp is not None and ddp.startswith("likely cause: BatchNorm on shards (net.bn (BatchNorm2d)): each rank")
+    dp = normalised_apart(at("BatchNorm1d"), "dp")
+    assert dp is not None and "each replica normalises its chunk" in dp
+    assert normalised_apart(at("SyncBatchNorm"), "ddp") is None
+    assert normalised_apart(at("BatchNorm1d", agrees_ok=False), "ddp") is None  # its input differs already
+    assert normalised_apart(at("BatchNorm1d", agrees_ok=None), "ddp") is None
+    assert normalised_apart(at("LayerNorm"), "ddp") is None
+    assert normalised_apart(at("BatchNorm1d", phase="backward"), "ddp") is None

@@ -321,7 +321,8 @@ def _ddpm_in_micro_batches(model, batch, optimizer, ctx, reduction="mean"):
 def test_diffusers_ddpm_in_micro_batches_draws_each_sample_alike_and_its_summed_loss_is_named(reduction):
     """Each micro-batch's noise and timesteps drawn with no template take the next samples of
     the share at their line: clean in every mode at 2 and 4, the summed loss named (measured
-    2026-12-05: both)."""
+    2026-12-05: both) and placed at the loss, each forward's noised images found in one device's
+    forwards by their content (2026-12-07)."""
     import functools
 
     from ddparity import Case
@@ -338,3 +339,6 @@ def test_diffusers_ddpm_in_micro_batches_draws_each_sample_alike_and_its_summed_
     assert [r.status for r in report.runs] == ["pass"] * 3 + ["diverged"] * 4, report.render()
     for run in report.runs[3:]:
         assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
+        m = run.first_divergence.module  # each forward's noised images found among one device's by content
+        assert m is not None and (m.phase, m.module) == ("loss", "conv_out"), run.notes
+        assert m.factor == pytest.approx(1 / run.world_size, rel=1e-3)

@@ -16,11 +16,11 @@ the parameters' gradients from the run's own distances in that order).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
+from ddparity.harness.ranks.forward_rows import rows_by_content
 from ddparity.verdicts import ModuleFinding
 
 NOISE_FACTOR = 10.0
@@ -143,36 +143,44 @@ def same_samples(ref: dict[str, Any], mine: dict[str, Any], rows: Any, size: int
     """A data-parallel rank's calls (``rows``: its share's samples of a global batch of
     ``size``): each the reference's call of the same module and number, on this rank's
     samples; where the step's forwards are micro-batches (each a slice of the share, told by
-    the tracer), the reference's call of the same module, at the same place in its forward,
-    in the forward that holds the same samples."""
-    import torch
-
-    where: dict[int, tuple[int, int]] = {}
-    for f, ids in enumerate(ref.get("forwards", [])):
-        for p, g in enumerate(ids.tolist() if ids is not None else []):
-            where.setdefault(g, (f, p))
+    the tracer, or computed from it, found by content), the reference's call of the same
+    module, at the same place in its forward, in the forward that holds the same samples."""
     keys = {(c["name"], c.get("forward", -1), c.get("within", 0)): (c["name"], c["index"]) for c in ref["calls"]}
-    forwards = mine.get("forwards", [])
-
-    @functools.cache
-    def held(f: int) -> tuple[int, Any, int] | None:
-        """The reference's forward that holds all of forward ``f``'s samples, their rows in it,
-        its size (None: the samples are untold or split over several)."""
-        ids = forwards[f] if 0 <= f < len(forwards) else None
-        found = [where.get(g) for g in ids.tolist()] if ids is not None else []
-        at = [x for x in found if x is not None]
-        if not found or len(at) < len(found) or len({x[0] for x in at}) != 1:
-            return None
-        return at[0][0], torch.tensor([p for _, p in at]), len(ref["forwards"][at[0][0]])
+    places = forward_places(ref, mine)
 
     def match(c: dict[str, Any]) -> tuple[tuple[str, int], Any, int]:
-        there = held(c.get("forward", -1))
+        f = c.get("forward", -1)
+        there = places[f] if 0 <= f < len(places) else None
         key = keys.get((c["name"], there[0], c.get("within", 0))) if there is not None else None
         if there is None or key is None:
             return (c["name"], c["index"]), rows, size
         return key, there[1], there[2]
 
     return match
+
+
+def forward_places(ref: dict[str, Any], mine: dict[str, Any]) -> list[tuple[int, Any, int] | None]:
+    """Each of ``mine``'s forwards: the reference's forward that holds all of its samples,
+    their rows in it and its size; None where its samples are split over several or found in
+    none. Samples told by the tracer are looked up by their global index; untold ones (a
+    forward on a micro-batch computed from the share: noised, copied) by their content."""
+    import torch
+
+    where: dict[int, tuple[int, int]] = {}
+    for f, ids in enumerate(ref.get("forwards", [])):
+        for p, g in enumerate(ids.tolist() if ids is not None else []):
+            where.setdefault(g, (f, p))
+    theirs, contents = ref.get("contents", []), mine.get("contents", [])
+    out: list[tuple[int, Any, int] | None] = []
+    for f, ids in enumerate(mine.get("forwards", [])):
+        found = [where.get(g) for g in ids.tolist()] if ids is not None else []
+        at = [x for x in found if x is not None]
+        if found and len(at) == len(found) and len({x[0] for x in at}) == 1:
+            out.append((at[0][0], torch.tensor([p for _, p in at]), len(ref["forwards"][at[0][0]])))
+            continue
+        by = rows_by_content(contents[f] if f < len(contents) else None, theirs)
+        out.append(None if by is None else (by[0], by[1], len(theirs[by[0]])))
+    return out
 
 
 def replica_rows(ref: dict[str, Any], chunks: list[Any], size: int) -> Match:
@@ -275,4 +283,4 @@ def backward_order(record: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
 
 
 __all__ = ["FLOOR_EPS", "NOISE_FACTOR", "NOTHING_COMPARED", "Match", "aligned", "backward_order", "errors", "factor",
-           "first_difference", "first_op", "noise_of", "rel", "replica_rows", "same_samples", "tolerance"]
+           "first_difference", "first_op", "forward_places", "noise_of", "rel", "replica_rows", "same_samples", "tolerance"]

@@ -1,7 +1,9 @@
 """Which samples a forward's rows are: what aligned dropout and stochastic depth draw for
 (:mod:`ddparity.harness.ranks.randomness`). A forward called on a slice of the replica's
 share (a micro-batch, DataParallel's chunks) is matched to its rows through the storage the
-slice views; a forward on the whole share, or on a ``ddparity.samples`` list, has them all."""
+slice views; a forward on the whole share, or on a ``ddparity.samples`` list, has them all.
+A forward whose input is computed from the share (a noised micro-batch, a copy) is told by
+its content instead: :func:`content` and :func:`rows_by_content`, read after the run."""
 
 from __future__ import annotations
 
@@ -49,6 +51,45 @@ def slice_of(size: int, sources: list[Any], t: Any) -> slice | None:
             offset, rest = divmod(t.storage_offset() - src.storage_offset(), src.stride(0))
             if rest == 0 and 0 <= offset and offset + t.shape[0] <= size:
                 return slice(offset, offset + t.shape[0])
+    return None
+
+
+def content(inputs: list[Any]) -> Any:
+    """A forward's rows as one float64 matrix (row ``i``: every tensor of its arguments
+    batched like the first, its row ``i``, flattened), on the CPU; None where it has no
+    tensor with rows."""
+    import torch
+
+    from ddparity.harness.ranks.batches import named_tensors
+
+    batched = [t for _, t in named_tensors(inputs) if t.dim() and t.layout == torch.strided]
+    if not batched:
+        return None
+    n = batched[0].shape[0]
+    parts = [t.detach().reshape(n, -1).to("cpu", torch.float64) for t in batched if t.shape[0] == n]
+    return torch.cat(parts, dim=1) if n else None
+
+
+SAME_ROW = 1e-6
+"""Two rows are the same sample's where they differ by at most this, relative to their size
+(computed alike from the same sample, they are equal to the bit; rounding aside)."""
+
+
+def rows_by_content(mine: Any, theirs: list[Any]) -> tuple[int, Any] | None:
+    """Which of the forwards ``theirs`` (each's :func:`content`, or None) holds every row of
+    ``mine``, and where each row is in it (the nearest row, within :data:`SAME_ROW`); None
+    where none holds all of them."""
+    import torch
+
+    if mine is None or not len(mine):
+        return None
+    for g, ref in enumerate(theirs):
+        if ref is None or ref.dim() != 2 or ref.shape[1] != mine.shape[1] or not len(ref):
+            continue
+        gap, at = torch.cdist(mine, ref).min(dim=1)
+        scale = mine.norm(dim=1).clamp_min(1.0)
+        if bool((gap <= SAME_ROW * scale).all()):
+            return g, at
     return None
 
 

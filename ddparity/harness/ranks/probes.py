@@ -24,6 +24,7 @@ from ddparity.harness.ranks.differing import (
     backward_order,
     first_difference,
     first_op,
+    forward_places,
     noise_of,
     replica_rows,
     same_samples,
@@ -194,7 +195,8 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
     """DataParallel at ``world_size`` (emulated in this process, or real on enough GPUs) on
     step ``step``, module by module against the reference's record: each replica's calls on
     the samples of its chunk (told by the storage the emulation's chunks view, micro-batches
-    of the step too: :func:`~ddparity.harness.ranks.differing.same_samples`; else by replica,
+    of the step too, or found by content: :func:`~ddparity.harness.ranks.differing.same_samples`;
+    else by replica,
     :func:`~ddparity.harness.ranks.differing.replica_rows`); the
     gathered output's loss is the reference's, so gradients are compared as they are."""
     import torch
@@ -204,7 +206,8 @@ def dp_trace_task(ctx: RankContext, case: Case, spool: str, world_size: int, ste
     ref = _reference_record(spool, step, None, WAIT_LIMIT_S)
     released()
     chunks = list(torch.arange(size).chunk(world_size)) if size > 0 else []
-    told = bool(mine["forwards"]) and all(f is not None for f in mine["forwards"])  # each replica's chunk a view
+    places = forward_places(ref["record"], mine)  # each replica's chunk a view, or found by content
+    told = bool(places) and all(p is not None for p in places)
     match = (same_samples(ref["record"], mine, torch.arange(size), size) if told and size > 0
              else replica_rows(ref["record"], chunks, size))
     found = first_difference(ref["record"], ref["noise"], mine, match, 1.0, 0, step)

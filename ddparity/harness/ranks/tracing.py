@@ -57,6 +57,9 @@ class ModuleTrace:
         self.forwards: list[Any] = []
         """Each forward's samples (their global indices, or None where its input is no slice
         of the share), in the order the forwards started."""
+        self.contents: list[Any] = []
+        """Each forward's rows, by content (:func:`~ddparity.harness.ranks.forward_rows.content`):
+        where its samples are untold, they are found by it in the reference's forwards."""
         self._within: dict[str, int] = {}
         self.inside = inside
         """(module, call): that call's aten ops recorded too (their outputs), in order."""
@@ -97,11 +100,13 @@ class ModuleTrace:
     def _forward_starts(self, module: Any, args: Any, kwargs: Any) -> None:
         """A forward of the model: which samples it holds (a micro-batch's slice of the share
         is matched by storage, as aligned dropout matches it)."""
-        from ddparity.harness.ranks.forward_rows import rows_of
+        from ddparity.harness.ranks.forward_rows import content, rows_of
 
         if self.armed:
             self._within = {}
-            self.forwards.append(rows_of(self.rows, self._sources, [0], list(args) + list(kwargs.values())))
+            inputs = list(args) + list(kwargs.values())
+            self.forwards.append(rows_of(self.rows, self._sources, [0], inputs))
+            self.contents.append(content(inputs))
         return None
 
     def _enter(self, module: Any, args: Any) -> None:
@@ -162,7 +167,7 @@ class ModuleTrace:
     def record(self) -> dict[str, Any]:
         """What the comparison needs, plain (``torch.save``-able)."""
         return {"calls": [vars(c) for c in self.calls], "backward": self.backward, "ops": self.ops,
-                "forwards": self.forwards}
+                "forwards": self.forwards, "contents": self.contents}
 
 
 @dataclass
