@@ -18,6 +18,7 @@ Also the two measures of a tensor every comparison uses, :func:`max_abs` and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,17 +92,25 @@ def moved(start: Any, expected: Any, got: Any) -> tuple[float, float, float]:
     """How a parameter moved from ``start`` in a run (``got``) and in the reference
     (``expected``): (d_run . d_ref, d_ref . d_ref, d_run . d_run), each chunk's dot product
     in float32 (float64 parameters in float64) summed in float64: 1 - cos^2 of two moves of
-    31 M float32 elements reads to ~4e-9, in a third of a second."""
+    31 M float32 elements reads to ~4e-9, in a third of a second. ``start`` None: the
+    tensors themselves (a gradient against the reference's)."""
     import torch
 
     sums = [0.0, 0.0, 0.0]
-    for a, b, c in zip(_chunks(start), _chunks(expected), _chunks(got)):
+    for a, b, c in zip(_chunks(start) if start is not None else _nothing(), _chunks(expected), _chunks(got)):
         dtype = torch.promote_types(_wide(c).dtype, torch.float32)
-        a = a.to(c.device, dtype)
-        ref, run = b.to(c.device, dtype) - a, c.to(dtype) - a
+        ref, run = b.to(c.device, dtype), c.to(dtype)
+        if a is not None:
+            a = a.to(c.device, dtype)
+            ref, run = ref - a, run - a
         for i, (x, y) in enumerate(((run, ref), (ref, ref), (run, run))):
             sums[i] += float(torch.dot(x, y))
     return sums[0], sums[1], sums[2]
+
+
+def _nothing() -> Iterator[None]:
+    while True:
+        yield None
 
 
 def update_ratio(sums: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -212,6 +221,9 @@ class Distances:
     moved: tuple[float, float, float] | None = None
     """How this rank's parameters moved in step 0 against the reference's (:func:`moved`,
     summed over them): what an update that differs with the same gradients is scaled by."""
+    grad_dots: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    """By step, this rank's gradients (its shards under FSDP) against the reference's
+    (:func:`moved` from nothing, summed over them): the one factor they are of it, if any."""
 
     def not_held(self, step: int, key: tuple[str, str]) -> None:
         """Optimizer state this rank does not hold (a ``ZeroRedundancyOptimizer``'s other

@@ -188,7 +188,8 @@ def module_line(f: ModuleFinding) -> str:
               else "some present on one side only")
         return (f"first to differ: the reduction (step {f.step}, rank {f.rank}): every module's output "
                 f"and activation gradient agrees with the reference; every parameter's gradient differs "
-                f"({by}): the gradients were not reduced across ranks as data parallelism does")
+                f"({by}): what differs comes after backward, in the reduction across ranks or in what the step did "
+                f"to the gradients before the optimizer step")
     if f.phase == "loss":
         by = f" is {f.factor:.3g}x the reference's" if f.factor is not None else " differs"
         return (f"first to differ: the loss (step {f.step}, rank {f.rank}): every module's forward agrees; "

@@ -14,6 +14,9 @@ fit more than one story or none:
 * the loss's own gradient agreeing and a module inside the model adding what differs: a loss
   term computed there from each rank's shard (a mixture-of-experts load-balancing loss), which
   contradicts a per-rank token mean read from the padding;
+* every activation agreeing and each rank's gradients one factor of the reference's, a factor
+  of each rank's own: a scale computed from what the rank holds after the reduction (a clipping
+  norm over FSDP's local shards);
 * a BatchNorm layer whose input agrees and whose output differs, where its running statistics
   could not tell (micro-batches, whose order the calibration twin's statistics depend on):
   BatchNorm on shards.
@@ -33,11 +36,13 @@ INPUT_GRADIENT = "input gradient"
 
 def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list[Divergence], world_size: int,
            mode: str, replicated: bool, loss_scaling: Callable[[], float | None],
-           update: tuple[float, float] | None = None) -> list[str]:
+           update: tuple[float, float] | None = None,
+           per_rank: dict[int, tuple[float, float]] | None = None) -> list[str]:
     """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
     contradicts replaced, and, where nothing named a cause, the one the place names
-    (``update``: :func:`ddparity.distances.update_ratio` of step 0)."""
+    (``update``: :func:`ddparity.distances.update_ratio` of step 0; ``per_rank``: of each
+    rank's gradients at the first divergence's step)."""
     if best.phase == "loss" and best.forwards is not None and replicated:  # what the numbers guessed yields to it
         return [n for n in notes if not n.startswith(("likely cause", "candidate causes"))] + [
             fewer_forwards(best, world_size, mode)]
@@ -50,6 +55,10 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     if best.phase == "loss" and first.kind == "loss" and replicated:
         cause = per_shard_denominator(loss_scaling(), best.factor, world_size, mode, first.step)
         return notes + ([cause] if cause else [])
+    if best.phase == "reduction" and per_rank:
+        cause = scaled_per_rank(best.step, per_rank, mode)
+        if cause:
+            return notes + [cause]
     if not best.found and first.kind == "param":
         ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
         return notes + [after_the_gradients(first.step, world_size, mode, ranks, update)]
@@ -71,6 +80,36 @@ def normalised_apart(best: ModuleFinding, mode: str) -> str | None:
             f"where the step makes them) with its own statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm "
             f"(GPUs), GroupNorm or LayerNorm, or BatchNorm in eval mode; evidence: its input agrees with the "
             f"reference's rows for the same samples, its output differs")
+
+
+def scaled_per_rank(step: int, per_rank: dict[int, tuple[float, float]], mode: str) -> str | None:
+    """Every module agreed and each rank's gradients at ``step`` are one factor of the
+    reference's (``per_rank``: rank -> (factor, 1 - cos^2), from
+    :func:`~ddparity.distances.update_ratio`), a factor that differs between ranks: each rank
+    scaled what it holds after the reduction by a number of its own. None where some rank's
+    gradients are no one factor of the reference's, or every rank's is the same one (the
+    uniform scale's causes)."""
+    if len(per_rank) < 2 or any(off >= ONE_FACTOR for _, off in per_rank.values()):
+        return None
+    factors = [f for f, _ in per_rank.values()]
+    if max(factors) - min(factors) <= FACTOR_TOL * max(abs(f) for f in factors):
+        return None
+    ranks = sorted(per_rank.items())
+    listed = ", ".join(f"rank {r} {f:.3g}x" for r, (f, _) in ranks[:4]) + (
+        f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+    worst = max(off for _, off in per_rank.values())
+    if kind(mode).sharded:
+        what = (f"a number computed from the rank's own shards — a gradient norm for clipping taken over the local "
+                f"shards (p.grad.to_local(), a hand-written clip that reads FSDP1's flat parameters or each rank's "
+                f"slice), a scale read from the rank's own gradients; compute it over the whole model: "
+                f"torch.nn.utils.clip_grad_norm_ on {mode.upper()}'s DTensor gradients reduces the norm across the "
+                f"mesh (or all-reduce the squared norms first)")
+    else:
+        what = ("a number that depends on the rank (a scale, a clip or a learning rate computed per rank); every "
+                "replica must apply one device's")
+    return (f"likely cause: at step {step} each rank's gradients were scaled after the reduction by a factor of its "
+            f"own ({listed} the reference's): {what}; evidence: every module's output and activation gradient "
+            f"agrees, and each rank's gradients are one factor of the reference's (1 - cos^2 <= {worst:.1e})")
 
 
 def entered_inside(best: ModuleFinding, first: Divergence, mode: str) -> str | None:

@@ -194,14 +194,15 @@ class Checking:
         traffic = extra_syncs(runs)
         if traffic:
             judged.notes.append(traffic)
-        return self.localise(_compared_up_to(judged, stop), found, update_ratio([r.moved for r in runs if r.moved]))
+        return self.localise(_compared_up_to(judged, stop), found, runs)
 
-    def localise(self, run: RunResult, found: list[Divergence],
-                 update: tuple[float, float] | None = None) -> RunResult:
+    def localise(self, run: RunResult, found: list[Divergence], ranks: list[Distances]) -> RunResult:
         """A diverged (or drifted apart) eager run's first divergence, given where in the model
         that step first differs: the earliest place over the ranks' activations, else the
         parameters whose gradients the run's own comparison found off (``found``), by the
-        module backward reached first; a note where it could not be found."""
+        module backward reached first; a note where it could not be found. ``ranks``: the
+        run's distances, for the factors its update and each rank's gradients are of the
+        reference's."""
         d = run.first_divergence
         if (d is None or self.locator is None or self.reference is None or run.compile is not None
                 or run.status not in ("diverged", "desync") or kind(run.mode).reference):
@@ -222,8 +223,10 @@ class Checking:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
             best = by_gradients(d.step, found, answers[0][1], with_grads) or best
         run.first_divergence = dataclasses.replace(d, module=best)
+        per_rank = {r.rank: ratio for r in ranks if d.step in r.grad_dots
+                    for ratio in [update_ratio([r.grad_dots[d.step]])] if ratio is not None}
         run.notes = placed.reread(run.notes, best, d, found, run.world_size, run.mode, kind(run.mode).replicated,
-                                  self.loss_scaling, update)
+                                  self.loss_scaling, update_ratio([r.moved for r in ranks if r.moved]), per_rank)
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:
@@ -265,7 +268,7 @@ class Checking:
         cause = causes.replica_cause(found, ws, self.valid, self.loss_scaling)
         if cause:
             run.notes.append(cause)
-        return self.localise(_compared_up_to(run, stop), found, update_ratio([distances.moved] if distances.moved else []))
+        return self.localise(_compared_up_to(run, stop), found, [distances])
 
     def failed_one_process(self, mode: str, ws: int, backend: str, exc: BaseException, seconds: float) -> RunResult:
         """A run of DataParallel's replicas that ``exc`` ended, labelled as a finished one is

@@ -169,3 +169,34 @@ def test_a_batchnorm_layer_first_differing_in_forward_names_batchnorm_on_shards(
     assert normalised_apart(at("BatchNorm1d", agrees_ok=None), "ddp") is None
     assert normalised_apart(at("LayerNorm"), "ddp") is None
     assert normalised_apart(at("BatchNorm1d", phase="backward"), "ddp") is None
+
+
+def test_a_clip_by_each_ranks_own_shards_norm_is_named_with_each_ranks_factor():
+    """FSDP: gradients clipped by a norm taken over the local shards (``to_local()``) are each
+    rank's one factor of the reference's, a factor of its own; every module agrees. Its clean
+    twin (``clip_grad_norm_``, whose DTensor norm is the whole model's) passes, and the same
+    hand-written clip is right under DDP, whose ranks hold whole gradients."""
+    report = check(loops.clipped("shard"), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [(r.mode, r.world_size, r.status) for r in report.runs] == [
+        ("single", 1, "pass"), ("ddp", 2, "pass"), ("ddp", 4, "pass"), ("fsdp", 2, "diverged"),
+        ("fsdp", 4, "diverged")], report.render()
+    for run in report.runs[3:]:
+        assert run.first_divergence.module.phase == "reduction", run.notes
+        cause = next(n for n in run.notes if n.startswith("likely cause"))
+        assert cause.startswith("likely cause: at step 0 each rank's gradients were scaled after the reduction by a "
+                                "factor of its own (rank 0 "), cause
+        assert "p.grad.to_local()" in cause and "clip_grad_norm_ on FSDP's DTensor" in cause
+        assert all(f"rank {r} " in cause for r in range(run.world_size))
+    assert check(loops.clipped(), modes=("single", "fsdp"), world_sizes=(2, 4)).ok
+
+
+def test_each_ranks_own_gradient_factor_is_a_cause_only_where_the_factors_differ_and_fit():
+    from ddparity.checks.placed import scaled_per_rank
+
+    assert scaled_per_rank(0, {0: (1.4, 1e-9), 1: (1.6, 1e-9)}, "fsdp") is not None
+    assert "depends on the rank" in scaled_per_rank(1, {0: (1.0, 0.0), 1: (2.0, 0.0)}, "ddp")
+    assert scaled_per_rank(0, {0: (1.4, 1e-9), 1: (1.4, 1e-9)}, "fsdp") is None  # one factor: the uniform scale's
+    assert scaled_per_rank(0, {0: (1.4, 1e-9), 1: (1.6, 0.01)}, "fsdp") is None  # rank 1's is no one factor
+    assert scaled_per_rank(0, {0: (1.4, 1e-9)}, "fsdp") is None
+    many = scaled_per_rank(0, {r: (1 + r / 10, 0.0) for r in range(6)}, "hsdp")
+    assert many is not None and "rank 3 1.3x and 2 more the reference's" in many

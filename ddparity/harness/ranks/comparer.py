@@ -113,7 +113,7 @@ class Comparer:
         state, at step 0) also how far each parameter moved against the reference's move."""
         self.result.steps.extend({} for _ in range(step + 1 - len(self.result.steps)))
         ref = self._open(stem)
-        sums = [0.0, 0.0, 0.0]
+        sums, dots = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
         try:
             for key, whole in ref.items():
                 if key[0] == "optimizer" and key not in mine:
@@ -123,6 +123,8 @@ class Comparer:
                 self.result.compare(step, key, expected, got)
                 if self.own_values:
                     self.values[(step, key[0], key[1])] = max_abs(got)
+                if key[0] == "grad" and got is not None and expected is not None and expected.shape == got.shape:
+                    dots = [a + b for a, b in zip(dots, moved(None, expected, got))]
                 initial = start.get(key[1]) if start is not None and key[0] == "param" else None
                 if initial is not None and got is not None and expected is not None and expected.shape == got.shape:
                     begun, _ = local_part(initial, mine[key])
@@ -132,6 +134,8 @@ class Comparer:
             ref.close()
         if start is not None:
             self.result.moved = (sums[0], sums[1], sums[2])
+        if stem.startswith("g"):
+            self.result.grad_dots[step] = (dots[0], dots[1], dots[2])
 
     def _initial(self) -> dict[str, Any] | None:
         """The state every run started from (memory-mapped), where this rank can read the
