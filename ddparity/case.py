@@ -84,6 +84,8 @@ class Case:
         """Raise :class:`UsageError` naming the first bad field and its fix."""
         import torch
 
+        _keep_file_names()  # a script's own functions, pickled by value to the ranks
+
         if not (callable(self.model) or isinstance(self.model, str)):
             raise UsageError(f"Case.model must be a callable returning an nn.Module, got {self.model!r}")
         if not (callable(self.data) or isinstance(self.data, str)):
@@ -308,9 +310,10 @@ _BY_VALUE_FILES: set[str] = set()
 
 def _keep_file_names() -> None:
     """cloudpickle (3.x) names the code of the functions it pickles by value
-    ``<dynamic-code>``: a rank's traceback and a collective's call site in a target file
-    would not say which file. Its code reducer, wrapped once, keeps the names of those
-    files (anyone else's code is pickled as cloudpickle makes it)."""
+    ``<dynamic-code>``: a rank's traceback and a collective's call site in a target file, or
+    in the script that called ``ddparity.check`` (``__main__``), would not say which file. Its
+    code reducer, wrapped once, keeps the names of those files (anyone else's code is pickled
+    as cloudpickle makes it)."""
     import types
 
     import cloudpickle
@@ -324,13 +327,19 @@ def _keep_file_names() -> None:
 
     def reduce(code: types.CodeType) -> Any:
         reduced = original(code)
-        if code.co_filename in _BY_VALUE_FILES and isinstance(reduced, tuple) and len(reduced) == 2:
+        if (code.co_filename in _BY_VALUE_FILES or code.co_filename == _main_file()) and isinstance(
+                reduced, tuple) and len(reduced) == 2:
             rebuild, args = reduced
             return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
         return reduced
 
     reduce.keeps_file_names = True  # type: ignore[attr-defined]
     table[types.CodeType] = reduce
+
+
+def _main_file() -> str | None:
+    """The file of the script Python runs (``__main__``), None where there is none (a REPL)."""
+    return getattr(sys.modules.get("__main__"), "__file__", None)
 
 
 class _HardExit(BaseException):

@@ -375,3 +375,16 @@ def test_a_ddp_comm_hook_is_said_to_have_no_part_in_a_sharded_run():
     assert by["ddp"].status == "desync" and by["fsdp"].status == "pass", report.render()
     assert "Case.comm_hook is DDP's: this fsdp run trained without it" in " ".join(by["fsdp"].notes)
     assert not any("DDP's:" in n for n in by["ddp"].notes)
+
+
+def test_a_penalty_over_the_parameters_outside_the_forward_is_a_crash_with_its_cause():
+    """Under FSDP2 the parameters are DTensor shards between forwards: an L2 penalty summed
+    over ``model.parameters()`` in the step makes torch refuse to mix them with the loss. The
+    crash says why and what to do; DDP and DataParallel, whose parameters are whole, pass."""
+    report = check(loops.penalty_outside_forward(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["pass", "pass", "pass", "crash"], report.render()
+    sharded = report.runs[3]
+    assert "got mixed torch.Tensor and DTensor" in sharded.crash.error
+    assert any(n.startswith("likely cause: the step computed with the model's parameters outside its forward")
+               and "weight_decay" in n for n in sharded.notes), sharded.notes
+    assert not any(n.startswith("likely cause") for r in report.runs[:3] for n in r.notes)

@@ -26,6 +26,7 @@ from ddparity.errors import (
 )
 from ddparity.frames import hide_own_frames, tidy_faulthandler_dump
 from ddparity.records import SHARD_TAG, Entry, parse_fingerprints, parse_ledger, parse_progress
+from ddparity.run_kinds import kind
 from ddparity.verdicts import Crash, Desync, Divergence, Failure, IssuedCollective, MismatchedSlot, RunResult
 
 DECISIVE = 10.0
@@ -135,6 +136,23 @@ def judge_failure(exc: WorldFailure) -> Failure:
         reason = f"rank {head.rank}: {type(head.error).__name__}: {head.error}\n{shown}".rstrip()
         return Failure("crash", reason, crash=crash)
     return Failure("error")
+
+
+MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+"""What DTensor raises where an op is given a DTensor and a plain tensor."""
+
+
+def crash_cause(crash: Crash | None, mode: str) -> str | None:
+    """The likely cause of a sharded run's crash where torch's DTensor refused to mix with a
+    plain tensor: the step computed with the model's parameters outside its forward, where
+    FSDP2 holds them as DTensor shards. None for any other crash."""
+    if crash is None or not kind(mode).sharded or MIXED_DTENSOR not in crash.error:
+        return None
+    return (f"likely cause: the step computed with the model's parameters outside its forward (a penalty summed "
+            f"over model.parameters(), a weight read by hand): between forwards {mode.upper()} holds each parameter "
+            f"as a DTensor shard, which torch will not mix with the step's plain tensors; compute the term inside a "
+            f"module's forward (where the parameters are gathered), or, for an L2 penalty, use the optimizer's "
+            f"weight_decay")
 
 
 def _first_line(exc: BaseException) -> str:

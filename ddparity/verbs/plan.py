@@ -11,7 +11,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.checks.causes import likely_cause
-from ddparity.checks.judge import judge_failure
+from ddparity.checks.judge import crash_cause, judge_failure
 from ddparity.errors import CaseError, StillRunning, TaskFailed, UsageError, WorldFailure, WorldStartError
 from ddparity.frames import own_error_site, without_package_frames
 from ddparity.harness.world import rendezvous
@@ -143,7 +143,7 @@ def ended(run: RunResult, exc: BaseException) -> RunResult:
     """``run``, ended by ``exc`` (see :func:`failure`), with the likely cause of its desync."""
     run = run.failed(failure(exc))
     cause = likely_cause([], run.world_size, run.desync) if run.desync is not None else None
-    run.notes += [cause] if cause else []
+    run.notes += [c for c in (cause, crash_cause(run.crash, run.mode)) if c]
     return run
 
 

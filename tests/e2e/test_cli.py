@@ -509,3 +509,44 @@ def test_simulated_ranks_start_from_a_temporary_folder_too_deep_for_a_socket(tmp
                             capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(deep)})
     assert result.returncode == 1 and "ddp world_size=4 (threaded, simulated): DIVERGED" in result.stdout, \
         result.stdout + result.stderr
+
+
+SCRIPT_STEP_RAISES = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import ddparity
+
+
+    def data(step, generator):
+        return torch.randn(8, 4, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+
+
+    def step(model, batch, optimizer, ctx):
+        if ctx.world_size > 1 and ctx.rank == ctx.world_size - 1:
+            raise RuntimeError("the last rank's shard")
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+
+    if __name__ == "__main__":
+        case = ddparity.Case(model=lambda: nn.Linear(4, 2), data=data, train_step=step, steps=1)
+        print(ddparity.check(case, modes=("single", "ddp"), world_sizes=(2,)).render())
+    """
+)
+
+
+def test_a_scripts_own_functions_are_named_by_its_file_in_a_ranks_traceback(tmp_path):
+    """A script that calls ``ddparity.check`` with its own functions: cloudpickle sends them by
+    value (``__main__``) and named their code ``<dynamic-code>``; the crash names the file."""
+    path = tmp_path / "train_check.py"
+    path.write_text(SCRIPT_STEP_RAISES)
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 raised: RuntimeError: the last rank's shard" in result.stdout, result.stdout
+    assert f'File "{path}", line 15, in step' in result.stdout, result.stdout
+    assert "dynamic-code" not in result.stdout
