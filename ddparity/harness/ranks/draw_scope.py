@@ -15,6 +15,10 @@ from ddparity.harness.ranks.sample_draws import STEP_PLACES
 _MASK = (1 << 63) - 1
 
 
+def _start(part: slice) -> int:
+    return int(part.start or 0)
+
+
 def mix(*values: int) -> int:
     """A 63-bit seed from integers (splitmix64 steps): nearby inputs, unrelated seeds."""
     z = 0x9E3779B97F4A7C15
@@ -50,6 +54,12 @@ class Scope:
     """The rows of the share a step's draw last named by its template (a micro-batch)."""
     cursors: dict[Any, int] = field(default_factory=dict)
     """By source line, the next row of the share a draw there without a template takes."""
+    taken: dict[Any, list[slice]] = field(default_factory=dict)
+    """By source line, the rows each of its draws without a template took, in order."""
+    fed: list[slice | None] = field(default_factory=list)
+    """The rows of the share each forward of the step was given (None: no slice of it)."""
+    named: list[slice] = field(default_factory=list)
+    """The micro-batches the step's draws with a template named, in order (each once in a row)."""
     calls: int = 0
     """Dropout calls in this forward (the place of the next one)."""
     drawn: int = 0
@@ -83,6 +93,7 @@ class Scope:
         start = self.cursors.get(site, 0)
         if site is not None and self.rows is not None and start + samples <= len(self.rows):
             self.cursors[site] = start + samples
+            self.taken.setdefault(site, []).append(slice(start, start + samples))
             return slice(start, start + samples)
         if self.micro is not None and samples == self.micro.stop - self.micro.start:
             return self.micro
@@ -104,6 +115,28 @@ class Scope:
         rows they took."""
         size = len(self.rows) if self.rows is not None else 0
         return [(site, taken) for site, taken in self.cursors.items() if 0 < taken < size]
+
+    def name_micro(self, part: slice) -> None:
+        """A draw with a template named this micro-batch of the share."""
+        self.micro = part
+        if not self.named or self.named[-1] != part:
+            self.named.append(part)
+
+    def out_of_order(self) -> tuple[Any, slice, slice] | None:
+        """A source line whose draws without a template took the share's micro-batches in
+        order while the step took the same micro-batches in another (a loop over them
+        reversed), as the forwards' inputs tell (each a slice of the share) or the draws
+        shaped like a micro-batch do: (the line, the rows its draw took, the rows of the
+        micro-batch it was drawn for), the first that differ; None where neither tells or
+        the orders agree."""
+        whole = slice(0, len(self.rows) if self.rows is not None else 0)
+        told = [f for f in self.fed if f is not None and f != whole]
+        orders = ([told] if told and len(told) == len(self.fed) else []) + [self.named]
+        for site, parts in self.taken.items():
+            for order in orders:
+                if len(parts) == len(order) and parts != order and sorted(parts, key=_start) == sorted(order, key=_start):
+                    return next((site, p, f) for p, f in zip(parts, order) if p != f)
+        return None
 
     def uneven_step_draws(self) -> tuple[int, int] | None:
         """(fewest, most) of the step's own draws a sample of the share had, where they

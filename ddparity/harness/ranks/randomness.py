@@ -89,7 +89,7 @@ class AlignedDropout:
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
         size = len(rows) if rows is not None else -1
-        scope.in_forward, scope.micro, scope.cursors = False, None, {}
+        scope.in_forward, scope.micro, scope.cursors, scope.taken, scope.fed, scope.named = False, None, {}, {}, [], []
         scope.step_counts = torch.zeros(max(size, 0), dtype=torch.int64)
         scope.sources = [t for _, t in named_tensors(batch) if t.dim() and t.shape[0] == size]
         scope.forward_rows, scope.forward_inputs, scope.batch_first = None, None, []
@@ -112,6 +112,16 @@ class AlignedDropout:
                 f"every sample, a random vector of features), or for some micro-batches only — which no mode can "
                 f"draw alike for every sample; draw one part per sample of every micro-batch (torch.randint(0, T, "
                 f"(n,)) for n samples), draw from a torch.Generator you seed, or switch the draw off for the check")
+        reordered = self.scope.out_of_order()
+        if reordered is not None:
+            (file, line, name), took, given = reordered
+            raise CaseError(
+                f"the training step's micro-batches at step {step} are not given to the model in the order its draws "
+                f"took them: torch.{name} at {os.path.basename(file)}:{line} has no tensor to shape it like, so it "
+                f"took the share's next rows ({took.start}:{took.stop}), while the micro-batch it was drawn for holds "
+                f"rows {given.start}:{given.stop}; no mode would draw alike for those samples. Draw for the whole share "
+                f"before the loop and slice it (t = torch.randint(0, T, (len(x),)); t[a:b] for the micro-batch x[a:b]), "
+                f"draw shaped like the micro-batch (torch.randn_like(x[a:b])), or take the micro-batches in order")
         uneven = self.scope.uneven_step_draws()
         if uneven is not None:
             raise CaseError(
@@ -152,6 +162,11 @@ class AlignedDropout:
         scope.forward_calls += 1
         scope.forward_inputs = list(args) + list(kwargs.values())  # matched to rows at the first dropout only
         scope.forward_rows = None
+        if scope.rows is not None:
+            from ddparity.harness.ranks.batches import named_tensors
+
+            first = next((t for _, t in named_tensors(scope.forward_inputs) if t.dim()), None)
+            scope.fed.append(slice_of(len(scope.rows), scope.sources, first) if first is not None else None)
 
     def _forward_ends(self, module: Any, args: tuple, output: Any) -> None:
         self.scope.in_forward = False
@@ -309,7 +324,7 @@ def place_of_draw(samples: int, template: Any = None, site: Any = None) -> tuple
         return None
     part = slice_of(len(scope.rows), scope.sources, template) if template is not None else None
     if part is not None and part != slice(0, len(scope.rows)):
-        scope.micro = part
+        scope.name_micro(part)
     elif samples == len(scope.rows):
         part = slice(0, samples)
     else:
