@@ -503,3 +503,7 @@ def test_a_forwards_rows_are_found_by_content_in_one_forward_of_the_reference_or
     assert rows_by_content(content([x[[6]].fill_(float("nan")), ids[[6]]]), theirs) is None
     assert rows_by_content(content([x[[6]]]), theirs) is None  # other columns
     assert content([torch.tensor(1.0)]) is None and rows_by_content(None, theirs) is None
+    mask = torch.ones(1, 2)  # batched like nothing: no sample's, and the same in every forward
+    g, at = rows_by_content(content([mask, x[[5, 4]]]), [content([mask, x[:4]]), content([mask, x[4:]])])
+    assert (g, at.tolist()) == (1, [1, 0])
+    assert rows_by_content(content([mask]), [content([mask]), content([mask])]) is None  # in both: no sample told

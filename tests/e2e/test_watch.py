@@ -121,7 +121,12 @@ def test_a_broadcast_of_another_size_on_the_last_rank_is_a_desync_with_its_sourc
     else:  # rank 0 was stopped before it issued its all-reduce: the analyser says it is missing
         assert f"Not all ranks joining collective, sequence number: {seq}" in shown, (issued, shown)
         assert "missing ranks: {0}" in shown, (issued, shown)
-    assert shown.count("has errors") == int(issued == {0, 1, 2}), shown  # those before it completed everywhere
+    errors = shown.count("has errors")
+    if issued == {0, 1, 2}:
+        assert errors == 1, shown  # those before it completed everywhere
+    else:  # rank 0 may be stopped before it saw its step's gradient all-reduce (DDP's bucket) complete
+        assert errors == 0 or (errors == 1 and f"Collective sequence number: {seq - 1} has errors" in shown
+                                and "COLLECTIVE_STATE_MISMATCH" in shown and "found state: 'started'" in shown), shown
     assert "planted.py:" in shown
 
 

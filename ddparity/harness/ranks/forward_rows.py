@@ -55,9 +55,10 @@ def slice_of(size: int, sources: list[Any], t: Any) -> slice | None:
 
 
 def content(inputs: list[Any]) -> Any:
-    """A forward's rows as one float64 matrix (row ``i``: every tensor of its arguments
-    batched like the first, its row ``i``, flattened), on the CPU; None where it has no
-    tensor with rows."""
+    """A forward's rows as one float64 matrix (row ``i``: every tensor of its arguments whose
+    dim 0 is the batch's, its row ``i``, flattened), on the CPU; None where it has no tensor
+    with rows. The batch's dim 0 is the one the most elements share (a mask of one row given
+    beside the images is no batch)."""
     import torch
 
     from ddparity.harness.ranks.batches import named_tensors
@@ -65,7 +66,10 @@ def content(inputs: list[Any]) -> Any:
     batched = [t for _, t in named_tensors(inputs) if t.dim() and t.layout == torch.strided]
     if not batched:
         return None
-    n = batched[0].shape[0]
+    sizes: dict[int, int] = {}
+    for t in batched:
+        sizes[t.shape[0]] = sizes.get(t.shape[0], 0) + t.numel()
+    n = max(sizes, key=lambda k: sizes[k])
     parts = [t.detach().reshape(n, -1).to("cpu", torch.float64) for t in batched if t.shape[0] == n]
     return torch.cat(parts, dim=1) if n else None
 
@@ -78,19 +82,21 @@ SAME_ROW = 1e-6
 def rows_by_content(mine: Any, theirs: list[Any]) -> tuple[int, Any] | None:
     """Which of the forwards ``theirs`` (each's :func:`content`, or None) holds every row of
     ``mine``, and where each row is in it (the nearest row, within :data:`SAME_ROW`); None
-    where none holds all of them."""
+    where none holds all of them, or more than one does (rows that tell no sample apart: a
+    mask shared by every forward)."""
     import torch
 
     if mine is None or not len(mine):
         return None
+    found = []
     for g, ref in enumerate(theirs):
         if ref is None or ref.dim() != 2 or ref.shape[1] != mine.shape[1] or not len(ref):
             continue
         gap, at = torch.cdist(mine, ref).min(dim=1)
         scale = mine.norm(dim=1).clamp_min(1.0)
         if bool((gap <= SAME_ROW * scale).all()):
-            return g, at
-    return None
+            found.append((g, at))
+    return found[0] if len(found) == 1 else None
 
 
 def _holds_sample_list(obj: Any, size: int) -> bool:
