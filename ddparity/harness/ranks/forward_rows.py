@@ -70,7 +70,8 @@ def content(inputs: list[Any]) -> Any:
     for t in batched:
         sizes[t.shape[0]] = sizes.get(t.shape[0], 0) + t.numel()
     n = max(sizes, key=lambda k: sizes[k])
-    parts = [t.detach().reshape(n, -1).to("cpu", torch.float64) for t in batched if t.shape[0] == n]
+    parts = [(torch.view_as_real(t.detach()) if t.is_complex() else t.detach()).reshape(n, -1).to("cpu", torch.float64)
+             for t in batched if t.shape[0] == n]
     return torch.cat(parts, dim=1) if n else None
 
 
