@@ -141,3 +141,23 @@ def test_stochastic_depth_per_sample_is_aligned_like_dropout():
     assert all(r.status == "error" for r in batch.runs), batch.render()
     assert "aten.bernoulli_ in the model (DeepResidual)" in batch.runs[0].reason
     assert "stochastic_depth with mode='row'), but not a draw for the whole batch" in batch.runs[0].reason
+
+
+def test_a_forwards_rows_are_told_by_view_by_copy_or_as_a_sample_list_and_never_by_how_many_arguments_it_has():
+    """Four keyword tensors are not a ``ddparity.samples`` list of four samples (before, a
+    micro-batch of 2 given as four arguments to a share of 4 read as all 4 samples); a copy's
+    rows are the rows it equals, each exactly one; duplicates tell no sample."""
+    import torch
+
+    from ddparity.harness.ranks.forward_rows import copied_rows, rows_of
+
+    rows, ids = torch.arange(4, 8), torch.arange(24).reshape(4, 6)
+    mask, labels = torch.ones(4, 6, dtype=torch.long), ids.clone()
+    idx = torch.tensor([3, 1])
+    given = [ids[idx], mask[idx], labels[idx], torch.tensor(9)]
+    assert rows_of(rows, [ids, mask, labels], [0], given).tolist() == [7, 5]
+    assert rows_of(rows, [ids], [0], [ids[2:4]]).tolist() == [6, 7]  # a view: by its storage
+    assert rows_of(rows, [ids], [0], [[ids[i] for i in range(4)]]).tolist() == [4, 5, 6, 7]  # a samples list
+    assert copied_rows(4, [mask], mask[idx]) is None  # every row alike: which sample is which cannot be told
+    assert copied_rows(4, [ids], ids[idx].float()) is None  # another dtype: computed, not copied
+    assert copied_rows(4, [ids], ids[idx] + 1) is None

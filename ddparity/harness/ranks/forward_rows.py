@@ -32,8 +32,29 @@ def rows_of(rows: Any, sources: list[Any], dims: list[int], inputs: list[Any]) -
     if isinstance(first, torch.Tensor) and any(first.dim() > d and first.shape[d] == len(rows)
                                                for d in dims):
         return rows
-    if _holds_sample_list(inputs, len(rows)):  # ddparity.samples(...): one item per row
-        return rows
+    if any(_holds_sample_list(given, len(rows)) for given in inputs):  # ddparity.samples(...): one item per row
+        return rows  # (an argument that is such a list, not the arguments themselves)
+    copied = copied_rows(len(rows), sources, first) if isinstance(first, torch.Tensor) else None
+    return rows[copied] if copied is not None else None
+
+
+def copied_rows(size: int, sources: list[Any], t: Any) -> Any:
+    """The rows of the share (``size`` rows; ``sources``: its batched tensors) that ``t``'s
+    rows are copies of (a micro-batch a collator indexed, ``v[idx]``), each equal to exactly
+    one row of one source; None where a row equals none, or several (duplicate samples,
+    which no copy can tell apart)."""
+    import torch
+
+    if not t.dim() or not t.shape[0] or t.shape[0] > size or t.layout != torch.strided:
+        return None
+    mine = t.detach().reshape(t.shape[0], -1).to("cpu", torch.float64)
+    for src in sources:
+        if src.dtype != t.dtype or src.shape[1:] != t.shape[1:] or src.layout != torch.strided:
+            continue
+        theirs = src.detach().reshape(size, -1).to("cpu", torch.float64)
+        same = torch.cdist(mine, theirs, compute_mode="donot_use_mm_for_euclid_dist") == 0
+        if bool((same.sum(dim=1) == 1).all()):
+            return same.int().argmax(dim=1)
     return None
 
 
