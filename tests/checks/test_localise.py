@@ -295,10 +295,10 @@ def test_micro_batches_are_compared_with_the_references_calls_on_the_same_sample
 
 @pytest.mark.parametrize("inputs", ["copies", "noised"])
 def test_micro_batches_computed_from_the_share_are_found_in_the_reference_by_their_content(inputs):
-    """A forward on a copy of a micro-batch, or on one noised as a diffusion model's input is
-    (aligned draws: each sample's noise is one device's), views nothing of the batch: its
-    samples are found among the reference's forwards' rows by content. Before, nothing was
-    compared and the report said "not found"."""
+    """A forward on a copy of a micro-batch (told by the rows of the share it equals), or on
+    one noised as a diffusion model's input is (aligned draws: each sample's noise is one
+    device's; found among the reference's forwards' rows by content), views nothing of the
+    batch. Before, nothing was compared and the report said "not found"."""
     report = check(loops.accumulation_summed(inputs), modes=("single", "ddp"), world_sizes=(2, 4))
     for ws in (2, 4):
         status, m, notes = found(report)[ws]
@@ -399,9 +399,12 @@ def test_a_traced_forward_on_a_micro_batch_knows_its_samples():
     key, at, size = match(second)
     assert key == ("0", 1) and at.tolist() == [2, 3] and size == 4  # the reference's second forward, its rows 2, 3
     assert rel(second["outputs"][0], ref["calls"][2]["outputs"][0][at]) < 1e-6
-    untold = record(torch.arange(4, 8), 8, share, lambda b: [p.clone() for p in b.chunk(2)])
+    copied = record(torch.arange(4, 8), 8, share, lambda b: [p.clone() for p in b.chunk(2)])
+    assert [f.tolist() for f in copied["forwards"]] == [[4, 5], [6, 7]]  # copies: told by their values
+    doubled = record(torch.arange(8), 8, batch, lambda b: [p * 2 for p in b.chunk(2)])
+    untold = record(torch.arange(4, 8), 8, share, lambda b: [p * 2 for p in b.chunk(2)])
     assert untold["forwards"] == [None, None]
-    key, at, size = same_samples(ref, untold, torch.arange(4, 8), 8)(untold["calls"][0])
+    key, at, size = same_samples(doubled, untold, torch.arange(4, 8), 8)(untold["calls"][0])
     assert key == ("0", 1) and at.tolist() == [0, 1] and size == 4  # found by content: samples 4, 5
     centred = record(torch.arange(4, 8), 8, share, lambda b: [p - p.mean(0) for p in b.chunk(2)])
     key, at, size = same_samples(ref, centred, torch.arange(4, 8), 8)(centred["calls"][0])
