@@ -6,7 +6,6 @@ its first step with a margin (error / tolerance) of 100 or more."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import pytest
@@ -345,33 +344,6 @@ def test_diffusers_ddpm_in_micro_batches_draws_each_sample_alike_and_its_summed_
         assert m.factor == pytest.approx(1 / run.world_size, rel=1e-3)
 
 
-def _lm_in_copied_micro_batches(model, batch, optimizer, ctx, count="global"):
-    """GPT-2 in two micro-batches made as a collator's indexing makes them (``v[idx]``: copies,
-    no view of the batch), each's token losses summed and divided by ``num_items_in_batch``:
-    the global batch's tokens x W ("global"), or the rank's own share's ("share", the bug)."""
-    import torch
-
-    optimizer.zero_grad(set_to_none=True)
-    tokens = (batch["labels"][:, 1:] != -100).sum()
-    scale = 1
-    if count == "global" and ctx.mode in ("ddp", "fsdp", "hsdp") and ctx.world_size > 1:
-        import torch.distributed as dist
-
-        tokens = tokens.clone()
-        dist.all_reduce(tokens)
-        scale = ctx.world_size
-    total = 0.0
-    for i, idx in enumerate(torch.arange(batch["input_ids"].shape[0]).chunk(2)):
-        part = {k: v[idx] for k, v in batch.items()}
-        with ctx.no_sync() if i == 0 else contextlib.nullcontext():
-            out = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"], labels=part["labels"],
-                        num_items_in_batch=tokens)
-            (out.loss * scale).backward()
-        total += out.loss.item() * scale
-    optimizer.step()
-    return total
-
-
 @pytest.mark.real_models
 def test_gpt2_in_micro_batches_copied_by_indexing_is_localised_and_a_per_share_token_count_named():
     """A collator's indexing copies each micro-batch: its dropout masks are drawn for the
@@ -383,13 +355,13 @@ def test_gpt2_in_micro_batches_copied_by_indexing_is_localised_and_a_per_share_t
 
     from ddparity import Case
 
-    def case(count):
+    def case(own_count):
         return Case(model=real_models.gpt2, data=real_models.text, optimizer="adamw", lr=1e-3, steps=2,
-                    train_step=functools.partial(_lm_in_copied_micro_batches, count=count), name=count)
+                    train_step=functools.partial(real_models.lm_step_accumulated, copied=True, own_count=own_count))
 
-    clean = check(case("global"), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    clean = check(case(False), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
     assert clean.ok, clean.render()
-    report = check(case("share"), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
+    report = check(case(True), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
     assert [r.status for r in report.runs] == ["pass"] + ["diverged"] * 4, report.render()
     for run in report.runs[1:]:
         assert any(n.startswith("likely cause: a loss averaged over each rank's own valid entries")
