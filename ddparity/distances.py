@@ -17,8 +17,8 @@ Also the two measures of a tensor every comparison uses, :func:`max_abs` and
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,7 @@ def moved(start: Any, expected: Any, got: Any) -> tuple[float, float, float]:
     import torch
 
     sums = [0.0, 0.0, 0.0]
-    for a, b, c in zip(_chunks(start) if start is not None else _nothing(), _chunks(expected), _chunks(got)):
+    for a, b, c in zip(_chunks(start) if start is not None else itertools.repeat(None), _chunks(expected), _chunks(got)):
         dtype = torch.promote_types(_wide(c).dtype, torch.float32)
         ref, run = b.to(c.device, dtype), c.to(dtype)
         if a is not None:
@@ -106,11 +106,6 @@ def moved(start: Any, expected: Any, got: Any) -> tuple[float, float, float]:
         for i, (x, y) in enumerate(((run, ref), (ref, ref), (run, run))):
             sums[i] += float(torch.dot(x, y))
     return sums[0], sums[1], sums[2]
-
-
-def _nothing() -> Iterator[None]:
-    while True:
-        yield None
 
 
 def update_ratio(sums: list[tuple[float, float, float]]) -> tuple[float, float] | None:

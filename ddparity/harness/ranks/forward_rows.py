@@ -2,8 +2,10 @@
 (:mod:`ddparity.harness.ranks.randomness`). A forward called on a slice of the replica's
 share (a micro-batch, DataParallel's chunks) is matched to its rows through the storage the
 slice views; a forward on the whole share, or on a ``ddparity.samples`` list, has them all.
-A forward whose input is computed from the share (a noised micro-batch, a copy) is told by
-its content instead: :func:`content` and :func:`rows_by_content`, read after the run."""
+A forward on copies of the share's rows (a collator's ``v[idx]``) is told by the rows they
+equal (:func:`copied_rows`); one whose input is computed from the share (a noised
+micro-batch) by its content among the reference's forwards, after the run (:func:`content`,
+:func:`rows_by_content`)."""
 
 from __future__ import annotations
 
