@@ -164,10 +164,10 @@ def slow_data(step, generator):
 
 
 def test_drawing_many_slow_batches_before_training_is_progress_not_a_hang():
-    """The set-up draws every step's global batch first (to check its shards): 12 x 0.5 s
+    """The set-up draws every step's global batch first (to check its shards): 10 x 0.5 s
     with a 4 s timeout (each batch 8x within it, even on a loaded machine) was a hang of the
     reference before."""
-    report = check(Case(model=models.MLP, data=slow_data, steps=12), world_sizes=(2,), timeout=4)
+    report = check(Case(model=models.MLP, data=slow_data, steps=10), world_sizes=(2,), timeout=4)
     assert report.ok, report.render()
 
 
