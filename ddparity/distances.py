@@ -179,6 +179,9 @@ class Reference:
     """The most dropout calls one step made (each given the same mask per sample in every mode)."""
     autocast_dtype: str | None = None
     """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""
+    optimizer_dtype: str | None = None
+    """A lower precision than the parameters' that the optimizer step computed in, if any
+    (Muon's bf16 Newton-Schulz iteration)."""
     non_finite: tuple[int, str, str, float] | None = None
     """The first NaN or inf in the loss, gradients or parameters: (step, kind, name, value)."""
     params: int = 0

@@ -140,3 +140,59 @@ def test_a_float64_case_is_judged_in_float64_clean_and_with_a_summed_loss(mode):
     summed = check(dataclasses.replace(bugs.summed_loss(), dtype=torch.float64), modes=("single", mode), world_sizes=(2,))
     d = summed.runs[1].first_divergence
     assert summed.runs[1].status == "diverged" and d.kind == "loss" and d.max_abs > 1e6 * d.tolerance, summed.render()
+
+
+needs_muon = pytest.mark.skipif(not hasattr(__import__("torch").optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+
+
+@needs_muon
+def test_an_optimizer_computing_in_bf16_passes_sharded_and_its_bugs_are_still_caught():
+    """torch's Muon orthogonalises each update in bf16: under FSDP2/HSDP its products run on
+    sharded DTensors and round otherwise (fsdp diverged 1.3e3 tolerances clean, at step 0, its
+    cause guessed as a learning rate x W). The twin's optimizer now gets an ulp of bf16: clean
+    passes in every mode, a summed loss is still caught at step 0 and lr x W from step 0 or 1."""
+    modes = ("single", "dp", "ddp", "fsdp", "hsdp")
+    report = check(calibration.muon_clean(), modes=modes, world_sizes=(2, 4))
+    assert report.ok, report.render()
+    assert all("an optimizer computing in bfloat16" in r.tolerance for r in report.runs[1:]), report.render()
+    summed = check(calibration.muon_summed(), modes=("ddp", "fsdp"), world_sizes=(2, 4))
+    for run in summed.runs[1:]:
+        assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
+        assert run.first_divergence.kind in ("loss", "grad"), summed.render()
+    scaled = check(calibration.muon_lr_scaled(), modes=("ddp", "fsdp"), world_sizes=(2, 4))
+    for run in scaled.runs[1:]:
+        assert run.status == "diverged" and run.first_divergence.step <= 1, scaled.render()
+        assert max(d.max_abs / d.tolerance for d in run.worst) > 3, scaled.render()
+
+
+def test_the_precision_an_optimizer_computes_in_is_seen_and_plain_optimizers_have_none():
+    import torch
+
+    from ddparity.harness.ranks.stepping import OptimizerPrecision, OptimizerWatch
+
+    def lowest(make, dtype=torch.float32):
+        p = torch.nn.Parameter(torch.randn(8, 4, dtype=dtype))
+        p.grad = torch.randn(8, 4, dtype=dtype)
+        optimizer = make([p])
+        watch = OptimizerWatch(optimizer, lambda: None, lambda: None, OptimizerPrecision(dtype))
+        optimizer.step()
+        optimizer.step()
+        watch.close()
+        return watch.precision.dtype
+
+    class Half(torch.optim.SGD):  # a hand-written one: its update rounded through fp16
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.sub_(group["lr"] * p.grad.half().float())
+
+    assert lowest(lambda ps: torch.optim.AdamW(ps, lr=0.1)) is None
+    assert lowest(lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False)) is None
+    assert lowest(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) is None
+    assert lowest(lambda ps: Half(ps, lr=0.1)) == torch.float16
+    assert lowest(lambda ps: Half(ps, lr=0.1), torch.float16) is None  # no lower than the parameters'
+    if hasattr(torch.optim, "Muon"):
+        assert lowest(lambda ps: torch.optim.Muon(ps, lr=0.1)) == torch.bfloat16
+    # no mode is left behind: a plain op after the watch is not seen
+    assert not torch._C._is_torch_function_mode_enabled()

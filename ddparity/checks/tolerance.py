@@ -26,7 +26,11 @@ ulp of the precision the ranks computed in or W ulps of the gradients' own dtype
 DDP sums them), whichever is larger, of the summands' size (losses, gradients) or of the tensor (params,
 buffers), and never less than that of the tensor itself (a batch-coupled loss has per-sample terms of
 size 0) nor than the dtype's smallest normal number: a tolerance is never 0. Ulps are of
-the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model).
+the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model). Where the
+optimizer step computes in a lower precision than the gradients (Muon's bf16 Newton-Schulz
+products), the twin's optimizer is given gradients moved by an ulp of that precision, after
+they are recorded: a sharded run rounds those products otherwise, which no reordering of
+the batch shows.
 
 Where the twin's first gradients differ from the reference's by more than rounding can
 (at least half the size of a gradient that is well above rounding), the step depends on something beside the
@@ -232,6 +236,8 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
     if imprecise is not None and (uncalibrated is None or imprecise.step < uncalibrated.step):
         uncalibrated = imprecise  # an order-dependent step says more than an imprecise one
     policy = f", the run's own {run_dtype} policy" if run_dtype else ""
+    if reference.optimizer_dtype and world_size > 1:
+        policy += f", an optimizer computing in {reference.optimizer_dtype}"
     loose = None
     if uncalibrated is None and _vacuous(reference, table, world_size, ("grad",)) is not None:
         loose = (f"gradients judged loosely: in {str(dtype).removeprefix('torch.')} at world size {world_size} the "

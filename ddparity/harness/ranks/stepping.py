@@ -47,11 +47,14 @@ class OptimizerWatch:
     given a closure, such as LBFGS, which computes them inside), when ``on_grads`` is
     called (the run's sink records or compares them there, in place)."""
 
-    def __init__(self, optimizer: Any, before_step: Callable[[], None], on_grads: Callable[[], None]) -> None:
+    def __init__(self, optimizer: Any, before_step: Callable[[], None], on_grads: Callable[[], None],
+                 precision: OptimizerPrecision | None = None) -> None:
         self.before_step = before_step
         self.on_grads = on_grads
         self.calls = 0
         self._closure = False
+        self.precision = precision
+        """Where set, watches the first ``optimizer.step()`` for the precision it computes in."""
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def begin(self) -> None:
@@ -65,14 +68,67 @@ class OptimizerWatch:
         self.before_step()
         if not self._closure:
             self.on_grads()
+        if self.precision is not None:
+            self.precision.enter()  # after ddparity's own recording: the optimizer's ops alone
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if self.precision is not None:
+            self.precision.exit()
         if self.calls == 1 and self._closure:
             self.on_grads()
 
     def close(self) -> None:
+        if self.precision is not None:
+            self.precision.exit()  # an optimizer step that raised: its watch ends here
         for handle in self._handles:
             handle.remove()
+
+
+class OptimizerPrecision:
+    """The lowest floating precision the first ``optimizer.step()`` computed in, where it is
+    lower than the parameters' (``dtype``, None otherwise). An optimizer may compute in bf16
+    what is not element-wise (Muon's Newton-Schulz iteration casts each update to bf16):
+    under FSDP its matrix products run on shards, summed in another order, and rounding
+    that no reordering of the batch shows moves the update. Seen through a
+    ``TorchFunctionMode`` over that one call (the first step only: its code is every step's)."""
+
+    def __init__(self, params_dtype: Any) -> None:
+        import torch
+
+        self.dtype: Any = None
+        self._eps = torch.finfo(params_dtype).eps if params_dtype is not None and params_dtype.is_floating_point else 0.0
+        self._mode: Any = None
+        self._done = False
+
+    def enter(self) -> None:
+        if self._done or self._mode is not None:
+            return
+        from torch.overrides import TorchFunctionMode
+
+        watch = self
+
+        class _Lowest(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                watch._seen(out)
+                return out
+
+        self._mode = _Lowest()
+        self._mode.__enter__()
+
+    def exit(self) -> None:
+        if self._mode is not None:
+            mode, self._mode, self._done = self._mode, None, True
+            mode.__exit__(None, None, None)
+
+    def _seen(self, out: Any) -> None:
+        import torch
+
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                eps = torch.finfo(t.dtype).eps
+                if eps > self._eps and (self.dtype is None or eps > torch.finfo(self.dtype).eps):
+                    self.dtype = t.dtype
 
 
 class AutocastWatch:

@@ -39,6 +39,7 @@ from ddparity.harness.ranks.randomness import AlignedDropout
 from ddparity.harness.ranks.stacked_rnn import stack_rnns
 from ddparity.harness.ranks.stepping import (
     AutocastWatch,
+    OptimizerPrecision,
     OptimizerWatch,
     StepContext,
     Ticks,
@@ -139,6 +140,8 @@ class Trained:
     """The lowest precision autocast computed in ("bfloat16", "float16"), if any."""
     layer_types: dict[str, str] = field(default_factory=dict)
     """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
+    optimizer_dtype: str | None = None
+    """A lower precision than the parameters' that the optimizer step computed in, if any."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
@@ -170,11 +173,13 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     called = run.wrap(wrapped)
     replica = Replica(case, model, called, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
                       device, ctx, sink=sink if sink is not None else NoSink())
+    reference = kind(mode.name).reference and own_hooks
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
-                                   lambda: replica.sink.grads(ctx.step, model))
+                                   lambda: replica.sink.grads(ctx.step, model),
+                                   OptimizerPrecision(case.torch_dtype) if reference else None)
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
-    replica.precision = AutocastWatch(model, device) if kind(mode.name).reference and own_hooks else None
+    replica.precision = AutocastWatch(model, device) if reference else None
     data = data_fn(case)
     generator = torch.Generator().manual_seed(case.seed)
     sizes: list[int] = []
@@ -220,7 +225,13 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec.set_phase(mode.steps, "done")
     stats = {name: type(m).__name__ for name, m in model.named_modules()
              if any(b in ("running_mean", "running_var") for b, _ in m.named_buffers(recurse=False))}
-    return Trained(sizes, calls, str(low).removeprefix("torch.") if low is not None else None, stats)
+    optimized = replica.watch.precision.dtype if replica.watch.precision is not None else None
+    return Trained(sizes, calls, _named(low), stats, _named(optimized))
+
+
+def _named(dtype: Any) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def finish_step(replica: Replica, step: int, loss: Any, stepped: bool) -> None:
