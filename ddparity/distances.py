@@ -182,6 +182,9 @@ class Reference:
     optimizer_dtype: str | None = None
     """A lower precision than the parameters' that the optimizer step computed in, if any
     (Muon's bf16 Newton-Schulz iteration)."""
+    changed_outside: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Per step, the parameters the step changed in place outside ``optimizer.step()`` (by
+    name, with what holds them: ``"Embedding(max_norm=1.0)"``)."""
     non_finite: tuple[int, str, str, float] | None = None
     """The first NaN or inf in the loss, gradients or parameters: (step, kind, name, value)."""
     params: int = 0

@@ -173,12 +173,12 @@ def test_the_precision_an_optimizer_computes_in_is_seen_and_plain_optimizers_hav
     def lowest(make, dtype=torch.float32):
         p = torch.nn.Parameter(torch.randn(8, 4, dtype=dtype))
         p.grad = torch.randn(8, 4, dtype=dtype)
-        optimizer = make([p])
-        watch = OptimizerWatch(optimizer, lambda: None, lambda: None, OptimizerPrecision(dtype))
+        optimizer, precision = make([p]), OptimizerPrecision(dtype)
+        watch = OptimizerWatch(optimizer, lambda: None, lambda: None, (precision,))
         optimizer.step()
         optimizer.step()
         watch.close()
-        return watch.precision.dtype
+        return precision.dtype
 
     class Half(torch.optim.SGD):  # a hand-written one: its update rounded through fp16
         @torch.no_grad()

@@ -37,12 +37,14 @@ INPUT_GRADIENT = "input gradient"
 def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list[Divergence], world_size: int,
            mode: str, replicated: bool, loss_scaling: Callable[[], float | None],
            update: tuple[float, float] | None = None,
-           per_rank: dict[int, tuple[float, float]] | None = None) -> list[str]:
+           per_rank: dict[int, tuple[float, float]] | None = None,
+           changed: dict[str, str] | None = None) -> list[str]:
     """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
     contradicts replaced, and, where nothing named a cause, the one the place names
     (``update``: :func:`ddparity.distances.update_ratio` of step 0; ``per_rank``: of each
-    rank's gradients at the first divergence's step)."""
+    rank's gradients at the first divergence's step; ``changed``: the parameters the
+    reference's step changed in place outside ``optimizer.step()``, with what holds them)."""
     if best.phase == "loss" and best.forwards is not None and replicated:  # what the numbers guessed yields to it
         return [n for n in notes if not n.startswith(("likely cause", "candidate causes"))] + [
             fewer_forwards(best, world_size, mode)]
@@ -61,9 +63,16 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
             return notes + [cause]
     if not best.found and first.kind == "param":
         ranks = sorted({x.rank for x in found if x.step == first.step and x.kind == "param"})
-        return notes + [after_the_gradients(first.step, world_size, mode, ranks, update)]
+        differing = [x.name for x in found if x.step == first.step and x.kind == "param"]
+        # only where every parameter that differs is one the step changed by hand (an EMA teacher
+        # follows a student that differs for another reason)
+        explained = changed is not None and set(differing) <= set(changed)
+        return notes + [(changed_in_the_step(differing, changed, mode) if changed and explained else None)
+                        or after_the_gradients(first.step, world_size, mode, ranks, update)]
     if inside is None:
         inside = normalised_apart(best, mode)
+    if inside is None and changed:  # nothing else named: what the step changed by hand is a candidate
+        inside = changed_in_the_step(list(changed), changed, mode, likely=False)
     return notes + ([inside] if inside is not None else [])
 
 
@@ -214,6 +223,40 @@ ONE_FACTOR = 1e-5
 """1 - cos^2 of the run's step-0 update against the reference's below which every parameter
 moved by one factor (the dot products' float32 rounding leaves ~1e-7; an angle of 0.2
 degrees)."""
+
+
+def changed_in_the_step(differing: list[str], changed: dict[str, str], mode: str, likely: bool = True) -> str | None:
+    """The step changed some of the parameters that differ in place outside
+    ``optimizer.step()`` (``changed``: by name, with what holds them): that change, made by
+    each rank from its own shard (or lost), is the cause — ``likely`` where the parameters
+    differ first with every module and gradient agreeing, a candidate where nothing else was
+    named."""
+    names = list(dict.fromkeys(n for n in differing if n in changed))
+    if not names:
+        return None
+    held = ", ".join(f"{n!r} ({changed[n]})" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    head = f"{'likely cause' if likely else 'candidate causes'}: the step changes {held} in place outside optimizer.step()"
+    name = "DataParallel" if kind(mode).one_process else mode.upper()
+    if any("max_norm=" in changed[n] for n in names):
+        where = (f"each {name} rank renormalises the weight it gathered from the shards, which it frees after the "
+                 f"forward: the shards stay as they were" if kind(mode).sharded else
+                 f"each {name} rank renormalises only the rows its own shard's samples look up, other rows than one "
+                 f"device does" if kind(mode).replicated else
+                 "DataParallel renormalises, on every device but the first, a copy of the weight (its broadcast "
+                 "replica, dropped after the forward): only the rows the first device's samples look up stay "
+                 "renormalised")
+        return (f"{head}: an embedding's max_norm renormalises, in its forward, the rows the batch looks up, and "
+                f"{where}; drop max_norm and bound the looked-up vectors instead (F.normalize, or a clamp of their "
+                f"norm: no in-place change to the weight), or renormalise the rows of the whole batch on every rank")
+    if kind(mode).sharded:
+        return (f"{head} (in its forward or in the step's own code): in the forward each {name} rank changes the "
+                f"parameter it gathered from the shards, which it frees after the forward, so the change is lost; keep "
+                f"such state in a buffer (register_buffer), made from the whole batch (all-reduce what it depends on), "
+                f"or leave the parameters to the optimizer")
+    return (f"{head} (in its forward or in the step's own code): where that change depends on the batch (a statistic, "
+            f"the rows or samples it saw), each {name} {'rank' if kind(mode).replicated else 'replica'} makes it "
+            f"from its own shard, not from the whole batch as one device does; make it from the whole batch "
+            f"(all-reduce what it depends on), or leave the parameters to the optimizer")
 
 
 def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int],

@@ -10,7 +10,8 @@ Reproduces what DataParallel does with a forward pass, step for step, from its s
 * with one device, DataParallel calls the module itself (no replicas);
 * replicas are ``Module._replicate_for_data_parallel()`` copies whose parameters are the
   original ones (DataParallel broadcasts them and its backward sums the replicas'
-  gradients into the originals: the same sum); replica 0's buffers are the module's own
+  gradients into the originals: the same sum), but for embeddings with ``max_norm`` on
+  replicas after the first, whose in-place renormalisation of a broadcast copy is lost; replica 0's buffers are the module's own
   (``broadcast_coalesced`` returns the source tensors for the source device), the other
   replicas get copies, so BatchNorm running statistics survive from replica 0 only;
   attributes a replica writes to ``self`` in forward are lost;
@@ -115,7 +116,11 @@ def _refuse_unrebuilt(out: Any, gathered: dict[Any, Any], rebuilt: Any) -> None:
 
 
 def replicate(module: Any, n: int) -> list[Any]:
-    """``n`` replicas sharing ``module``'s parameters; replica 0 shares its buffers too."""
+    """``n`` replicas sharing ``module``'s parameters; replica 0 shares its buffers too. The
+    other replicas' embeddings with ``max_norm`` get copies of their weights (gradients
+    flow back to the originals, as through DataParallel's broadcast): their forward
+    renormalises the rows it looks up in place, and on the devices after the first
+    DataParallel's broadcast copies take that change and are dropped."""
     modules = list(module.modules())
     index = {id(m): i for i, m in enumerate(modules)}
     replicas: list[Any] = []
@@ -124,8 +129,9 @@ def replicate(module: Any, n: int) -> list[Any]:
         for m, copy in zip(modules, copies):
             for name, child in m._modules.items():
                 copy._modules[name] = None if child is None else copies[index[id(child)]]
+            renormalises = r > 0 and getattr(m, "max_norm", None) is not None
             for name, param in m._parameters.items():
-                copy._parameters[name] = param
+                copy._parameters[name] = param.clone() if renormalises and param is not None else param
             for name, buf in m._buffers.items():
                 copy._buffers[name] = buf if r == 0 or buf is None else buf.detach().clone()
         replicas.append(copies[0])
@@ -145,7 +151,13 @@ def forward(module: Any, n: int, inputs: tuple, kwargs: dict | None = None) -> t
     scattered, scattered_kw = scatter_kwargs(inputs, kwargs, n)
     replicas = replicate(module, len(scattered))
     before = [_plain_state(r) for r in replicas]
-    outputs = [rep(*args, **kw) for rep, args, kw in zip(replicas, scattered, scattered_kw)]
+    params = list(module.named_parameters())
+    outputs = []
+    for r, (rep, args, kw) in enumerate(zip(replicas, scattered, scattered_kw)):
+        versions = [p._version for _, p in params]
+        outputs.append(rep(*args, **kw))
+        if r:
+            notes.inspect_params([name for (name, p), v in zip(params, versions) if p._version != v])
     for rep, state in zip(replicas, before):
         notes.inspect_state(state, _plain_state(rep))
     notes.inspect_module(module)
@@ -246,6 +258,16 @@ class DataParallelNotes:
             self.items["state on self"] = (
                 f"forward writes {', '.join('self.' + k for k in changed[:3])}: under DataParallel it is "
                 "written to a replica and lost after the step; keep it in a buffer or return it")
+
+    def inspect_params(self, changed: list[str]) -> None:
+        """``changed``: the parameters a replica after the first changed in place in its forward."""
+        if changed:
+            self.items["parameters changed in forward"] = (
+                f"forward changes {', '.join(changed[:3])} in place on replicas after the first: under DataParallel "
+                f"those changes land on their devices' broadcast copies and are lost after the forward (only the "
+                f"first device's stays); this emulation made them on the parameters themselves, so where the change "
+                f"depends on the batch a real DataParallel run differs from it; make the change from the whole batch, "
+                f"or in the optimizer step")
 
     def inspect_module(self, module: Any) -> None:
         from torch import nn

@@ -45,20 +45,27 @@ class OptimizerWatch:
     """Hooks on a replica's optimizer: how often ``step()`` was called in this training
     step, and the moment its gradients are final (at the call; after it for an optimizer
     given a closure, such as LBFGS, which computes them inside), when ``on_grads`` is
-    called (the run's sink records or compares them there, in place)."""
+    called (the run's sink records or compares them there, in place). ``watchers`` (the
+    reference's :class:`OptimizerPrecision` and :class:`ChangedOutside`) are told as each
+    step begins and ends and as its first ``optimizer.step()`` starts and returns."""
 
     def __init__(self, optimizer: Any, before_step: Callable[[], None], on_grads: Callable[[], None],
-                 precision: OptimizerPrecision | None = None) -> None:
+                 watchers: tuple[Any, ...] = ()) -> None:
         self.before_step = before_step
         self.on_grads = on_grads
         self.calls = 0
         self._closure = False
-        self.precision = precision
-        """Where set, watches the first ``optimizer.step()`` for the precision it computes in."""
+        self.watchers = watchers
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
-    def begin(self) -> None:
+    def begin(self, step: int = 0) -> None:
         self.calls, self._closure = 0, False
+        for w in self.watchers:
+            w.begin(step)
+
+    def end(self) -> None:
+        for w in self.watchers:
+            w.end()
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self.calls += 1
@@ -68,18 +75,20 @@ class OptimizerWatch:
         self.before_step()
         if not self._closure:
             self.on_grads()
-        if self.precision is not None:
-            self.precision.enter()  # after ddparity's own recording: the optimizer's ops alone
+        for w in self.watchers:
+            w.pre()  # after ddparity's own recording: the optimizer's own work alone
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if self.precision is not None:
-            self.precision.exit()
-        if self.calls == 1 and self._closure:
+        if self.calls != 1:
+            return
+        for w in self.watchers:
+            w.post()
+        if self._closure:
             self.on_grads()
 
     def close(self) -> None:
-        if self.precision is not None:
-            self.precision.exit()  # an optimizer step that raised: its watch ends here
+        for w in self.watchers:
+            w.close()  # an optimizer step that raised: its watch ends here
         for handle in self._handles:
             handle.remove()
 
@@ -100,7 +109,13 @@ class OptimizerPrecision:
         self._mode: Any = None
         self._done = False
 
-    def enter(self) -> None:
+    def begin(self, step: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def pre(self) -> None:
         if self._done or self._mode is not None:
             return
         from torch.overrides import TorchFunctionMode
@@ -116,10 +131,12 @@ class OptimizerPrecision:
         self._mode = _Lowest()
         self._mode.__enter__()
 
-    def exit(self) -> None:
+    def post(self) -> None:
         if self._mode is not None:
             mode, self._mode, self._done = self._mode, None, True
             mode.__exit__(None, None, None)
+
+    close = post
 
     def _seen(self, out: Any) -> None:
         import torch
@@ -129,6 +146,54 @@ class OptimizerPrecision:
                 eps = torch.finfo(t.dtype).eps
                 if eps > self._eps and (self.dtype is None or eps > torch.finfo(self.dtype).eps):
                     self.dtype = t.dtype
+
+
+class ChangedOutside:
+    """The parameters a step changed in place outside ``optimizer.step()`` (before it: in the
+    forward, as ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up; or after
+    it, in the step's own code), per step: by name, with what holds them (``"Embedding
+    (max_norm=1.0)"``). Told by each parameter's version counter, which every in-place op
+    bumps (a change through ``.data`` is not seen). Where such a change depends on the
+    batch, each rank makes it from its own shard only."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._params = list(model.named_parameters())
+        self.changed: dict[int, dict[str, str]] = {}
+        self._step = 0
+        self._versions: list[int] | None = None
+
+    def begin(self, step: int) -> None:
+        self._step, self._versions = step, self._now()
+
+    def pre(self) -> None:
+        self._note()
+        self._versions = None  # the optimizer's own changes are not counted
+
+    def post(self) -> None:
+        self._versions = self._now()
+
+    def end(self) -> None:
+        self._note()
+        self._versions = None
+
+    def close(self) -> None:
+        pass
+
+    def _now(self) -> list[int]:
+        return [p._version for _, p in self._params]
+
+    def _note(self) -> None:
+        if self._versions is None:
+            return
+        for (name, p), before in zip(self._params, self._versions):
+            if p._version != before:
+                self.changed.setdefault(self._step, {})[name] = self._holder(name)
+
+    def _holder(self, name: str) -> str:
+        module = self._model.get_submodule(name.rpartition(".")[0])
+        max_norm = getattr(module, "max_norm", None)
+        return f"{type(module).__name__}(max_norm={max_norm:g})" if max_norm is not None else type(module).__name__
 
 
 class AutocastWatch:
@@ -196,8 +261,9 @@ def record_step(step: int, replica: Any, batch: Any) -> tuple[Any, bool]:
     as the optimizer steps); the loss it returned (a CPU scalar) and whether it stepped."""
     ctx, watch = replica.ctx, replica.watch
     ctx.step = step
-    watch.begin()
+    watch.begin(step)
     loss = replica.step_fn(replica.wrapped, batch, replica.optimizer, ctx)
+    watch.end()
     if watch.calls > 1:
         raise CaseError(
             f"train_step called optimizer.step() {watch.calls} times at step {step}; ddparity compares one "

@@ -39,6 +39,7 @@ from ddparity.harness.ranks.randomness import AlignedDropout
 from ddparity.harness.ranks.stacked_rnn import stack_rnns
 from ddparity.harness.ranks.stepping import (
     AutocastWatch,
+    ChangedOutside,
     OptimizerPrecision,
     OptimizerWatch,
     StepContext,
@@ -142,6 +143,8 @@ class Trained:
     """The class of every layer that keeps running statistics (BatchNorm's), by its name."""
     optimizer_dtype: str | None = None
     """A lower precision than the parameters' that the optimizer step computed in, if any."""
+    changed_outside: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Per step, the parameters changed in place outside ``optimizer.step()``, with what holds them."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
@@ -174,9 +177,9 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     replica = Replica(case, model, called, make_optimizer(case, wrapped.parameters()), resolve_loss(case.loss),
                       device, ctx, sink=sink if sink is not None else NoSink())
     reference = kind(mode.name).reference and own_hooks
+    precision, outside = OptimizerPrecision(case.torch_dtype), ChangedOutside(model)
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
-                                   lambda: replica.sink.grads(ctx.step, model),
-                                   OptimizerPrecision(case.torch_dtype) if reference else None)
+                                   lambda: replica.sink.grads(ctx.step, model), (precision, outside) if reference else ())
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
     replica.precision = AutocastWatch(model, device) if reference else None
@@ -225,8 +228,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec.set_phase(mode.steps, "done")
     stats = {name: type(m).__name__ for name, m in model.named_modules()
              if any(b in ("running_mean", "running_var") for b, _ in m.named_buffers(recurse=False))}
-    optimized = replica.watch.precision.dtype if replica.watch.precision is not None else None
-    return Trained(sizes, calls, _named(low), stats, _named(optimized))
+    return Trained(sizes, calls, _named(low), stats, _named(precision.dtype), outside.changed)
 
 
 def _named(dtype: Any) -> str | None:
