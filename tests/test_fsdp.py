@@ -6,8 +6,9 @@ meshes (S = 1, S = W) included."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from ddparity import check
+from ddparity import Case, check
 from ddparity.fixtures import bugs, loops, models, sharded
 
 CLEAN = [models.mlp_sgd, loops.accumulation, sharded.ignored_param_reduced, sharded.token_mean_of_the_batch]
@@ -388,3 +389,16 @@ def test_a_penalty_over_the_parameters_outside_the_forward_is_a_crash_with_its_c
     assert any(n.startswith("likely cause: the step computed with the model's parameters outside its forward")
                and "weight_decay" in n for n in sharded.notes), sharded.notes
     assert not any(n.startswith("likely cause") for r in report.runs[:3] for n in r.notes)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9),
+                    reason="measured on torch 2.13, whose DTensor refuses Rprop's masked write")
+def test_an_optimizer_dtensor_cannot_run_is_a_crash_naming_the_optimizer_and_the_op():
+    """torch's Rprop writes its step sizes through a boolean mask (``index_put_``), which
+    DTensor refuses on FSDP2's shards (Adafactor's row norms likewise): the crash names the
+    optimizer's file and the op, and what to use; DDP passes."""
+    case = Case(model=models.MLP, data=models.vectors, optimizer=lambda ps: torch.optim.Rprop(ps, lr=0.01), steps=2)
+    report = check(case, modes=("single", "ddp", "fsdp"), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["pass", "pass", "crash"], report.render()
+    assert any(n.startswith("likely cause: torch.optim's rprop.py runs aten.index_put_") and "SGD, Adam" in n
+               for n in report.runs[2].notes), report.runs[2].notes

@@ -142,17 +142,45 @@ MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
 """What DTensor raises where an op is given a DTensor and a plain tensor."""
 
 
+DTENSOR_REFUSED = ("in-place operations that require placement changes are not supported",
+                   "does not have a sharding strategy registered", "Sharding propagation failed")
+"""What DTensor raises for an op it cannot run on a sharded tensor."""
+
+
 def crash_cause(crash: Crash | None, mode: str) -> str | None:
-    """The likely cause of a sharded run's crash where torch's DTensor refused to mix with a
-    plain tensor: the step computed with the model's parameters outside its forward, where
-    FSDP2 holds them as DTensor shards. None for any other crash."""
-    if crash is None or not kind(mode).sharded or MIXED_DTENSOR not in crash.error:
+    """The likely cause of a sharded run's crash where torch's DTensor refused: to mix with a
+    plain tensor (the step computed with the model's parameters outside its forward, where
+    FSDP2 holds them as DTensor shards), or to run the optimizer's update on the shards
+    (torch's Adafactor and Rprop in torch 2.13). None for any other crash."""
+    if crash is None or not kind(mode).sharded:
+        return None
+    if any(refused in crash.error for refused in DTENSOR_REFUSED):
+        return _optimizer_refused(crash, mode)
+    if MIXED_DTENSOR not in crash.error:
         return None
     return (f"likely cause: the step computed with the model's parameters outside its forward (a penalty summed "
             f"over model.parameters(), a weight read by hand): between forwards {mode.upper()} holds each parameter "
             f"as a DTensor shard, which torch will not mix with the step's plain tensors; compute the term inside a "
             f"module's forward (where the parameters are gathered), or, for an L2 penalty, use the optimizer's "
             f"weight_decay")
+
+
+def _optimizer_refused(crash: Crash, mode: str) -> str | None:
+    """The crash's cause where DTensor refused an op of the optimizer's step (its traceback
+    passes through ``optimizer.step()``); None where the op was elsewhere."""
+    import re
+
+    trace = crash.traceback or ""
+    if "/torch/optim/optimizer.py" not in trace:
+        return None
+    files = [f for f in re.findall(r"/torch/optim/(\w+)\.py", trace) if f != "optimizer"]
+    which = f"torch.optim's {files[-1].lstrip('_')}.py" if files else "the optimizer's step"
+    op = re.search(r"(aten\.[\w.]+)", crash.error)
+    what = f"{op.group(1)} " if op else "an op "
+    return (f"likely cause: {which} runs {what}on {mode.upper()}'s sharded parameters in a way DTensor cannot (an "
+            f"in-place op that would change their placement, or one it has no sharding rule for), so this optimizer "
+            f"does not train under {mode.upper()} in this torch; use one that takes DTensor parameters (SGD, Adam, "
+            f"AdamW pass), or check the model under DDP (--modes single,ddp)")
 
 
 def _first_line(exc: BaseException) -> str:
