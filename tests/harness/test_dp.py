@@ -56,6 +56,36 @@ def test_replicas_share_parameters_keep_replica_0_buffers_and_lose_state_on_self
     assert model.fc.weight.grad is not None  # the replicas' gradients reach the originals
 
 
+def test_only_the_first_replicas_renormalisation_of_an_embedding_stays_and_other_changes_are_noted():
+    """DataParallel broadcasts the parameters: the first device's replica holds the module's
+    own, the others copies, so an embedding's max_norm renormalises the original only for
+    the first chunk's rows; gradients still reach the original from every replica."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, max_norm=0.5)
+    with torch.no_grad():
+        emb.weight.mul_(4)  # every row above max_norm
+    x = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    out, notes = dp.forward(emb, 2, (x,))
+    norms = emb.weight.norm(dim=1)
+    assert (norms[:4] <= 0.5 + 1e-6).all() and (norms[4:] > 0.5).all(), norms
+    assert "parameters changed in forward" not in notes.items  # emulated exactly
+    out.sum().backward()
+    assert emb.weight.grad[:8].abs().sum(1).gt(0).all()  # rows of both replicas' chunks
+
+    class Centred(nn.Module):  # a parameter moved in forward: noted, the emulation cannot drop it
+        def __init__(self) -> None:
+            super().__init__()
+            self.centre = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.centre.add_(x.mean(0))
+            return x - self.centre
+
+    _, notes = dp.forward(Centred(), 2, (torch.randn(6, 4),))
+    assert "forward changes centre in place on replicas after the first" in notes.items["parameters changed in forward"]
+
+
 def test_one_device_calls_the_module_itself():
     model = Counting()
     dp.forward(model, 1, (torch.randn(4, 4),))
