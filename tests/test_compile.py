@@ -83,6 +83,40 @@ def test_the_clean_twin_compiling_the_ddp_module_in_its_step_passes():
     assert [r.status for r in report.runs] == ["pass"] * 4, report.render()
 
 
+def test_a_step_that_compiles_optimizer_step_is_recorded_eagerly_clean_passes_and_a_summed_loss_is_caught():
+    """torch.compile(optimizer.step) traced ddparity's own recording on the optimizer's hooks:
+    the clean step diverged, its gradients recorded with other shapes than the reference's."""
+    report = check(compiled.optimizer_step_compiled(), modes=("single", "ddp", "fsdp"), world_sizes=(2,))
+    assert report.ok, report.render()
+    summed = check(compiled.optimizer_step_compiled("sum"), modes=("single", "ddp"), world_sizes=(2,))
+    [run] = [r for r in summed.runs if r.mode == "ddp"]
+    assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
+    assert any(n.startswith("likely cause: a loss summed over the batch") for n in run.notes), run.notes
+
+
+def test_a_dropout_model_the_step_compiles_gets_aligned_masks():
+    """Dynamo took ddparity's aligned dropout for torch's own and ran it on fake tensors: a
+    crash shown in the user's step. Now it runs eagerly at a graph break, each sample's mask
+    the same in every mode: clean passes (a summed loss caught: the breadth tier)."""
+    report = check(compiled.dropout_compiled_in_step(), modes=("single", "ddp"), world_sizes=(2,))
+    assert report.ok, report.render()
+
+
+@pytest.mark.breadth
+def test_a_dropout_the_compiled_graph_keeps_is_an_error_that_says_why_a_summed_loss_is_caught():
+    """A dropout Dynamo traces into the graph all the same (inside F.multi_head_attention_forward)
+    is an error naming the compiled graph and what to do, never Dynamo's fake-tensor error."""
+    report = check(compiled.dropout_compiled_in_step(), modes=("single", "fsdp"), world_sizes=(2,))
+    assert report.ok, report.render()
+    summed = check(compiled.dropout_compiled_in_step("sum"), modes=("single", "ddp"), world_sizes=(2,))
+    assert [r.status for r in summed.runs] == ["pass", "diverged"], summed.render()
+    traced = check(compiled.dropout_compiled_in_step(attention=True), modes=("single",), world_sizes=(1,))
+    assert traced.exit_code == 2 and {r.status for r in traced.runs} == {"error"}, traced.render()
+    reason = traced.runs[0].reason  # (the draw seen as it is traced, or as the compiled graph makes it)
+    assert "inside a graph" in reason and "compiled" in reason and "check the model eager" in reason, reason
+    assert "FakeTensor" not in traced.render()
+
+
 def test_a_model_that_computes_differently_when_compiled_fails_on_one_device_first():
     report = check(compiled.differs_when_compiled(), modes=("single", "ddp"), world_sizes=(2,), compile="aot_eager")
     by = rows(report)

@@ -33,6 +33,7 @@ class RandomDraws:
 
     def __enter__(self) -> RandomDraws:
         self._before = _generator_states()
+        self._graphs = _graphs_compiled()
         self._host = _host_states()
         if self._calls is not None:
             self._calls.__enter__()
@@ -75,6 +76,14 @@ class RandomDraws:
                         for name, n in sorted(self.found.items()))
         where = f" in {', '.join(layers)}" if layers else ""
         host = f" (and from {' and '.join(self.host)})" if self.host else ""
+        if not ops and _graphs_compiled() > self._graphs:  # a graph compiled in this step drew them
+            raise CaseError(
+                f"the training step draws random numbers from torch's generator{host} at step {step} inside a graph it "
+                f"compiled (torch.compile of the model in train_step or from Case.model), whose dropout is compiled "
+                f"into the graph, out of ddparity's reach: every mode and rank would draw other masks for the same "
+                f"sample, so no comparison could be trusted; check the model eager (no torch.compile: "
+                f"ddparity.check(case, compile=...) compares compiled runs of models without dropout), or with its "
+                f"dropout off for the check")
         raise CaseError(
             f"the training step draws random numbers from torch's generator{host} at step {step} "
             f"({ops or 'an op'}){where}, "
@@ -216,3 +225,12 @@ def _generator_states() -> list[Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()
     return states
+
+
+def _graphs_compiled() -> int:
+    """How many graphs Dynamo compiled in this process so far (a draw no op showed, in a step
+    that compiled one, ran inside it)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddparity.errors import CaseError
+from ddparity.harness.ranks import traced
 from ddparity.harness.ranks.draw_scope import Scope
 from ddparity.harness.ranks.forward_rows import rows_of, slice_of
 from ddparity.harness.ranks.replays import digest, in_backward, may_be_recomputed, replayed
@@ -85,6 +86,7 @@ class AlignedDropout:
 
         if not self.enabled:
             return
+        traced.take_traced()  # what another run's graph traced is not this step's
         scope = self.scope
         self.most_calls = max(self.most_calls, scope.drawn)
         scope.step, scope.rows, scope.drawn, scope.forward_calls = step, rows, 0, 0
@@ -101,6 +103,7 @@ class AlignedDropout:
         numbers of draws: a sample's draws would depend on how the share was cut."""
         if not self.enabled:
             return
+        self.raise_if_traced(step)
         partial = self.scope.partial_sites()
         if partial:
             size = len(self.scope.rows)
@@ -130,6 +133,18 @@ class AlignedDropout:
                 f"it like (torch.randint(0, T, (n,)), torch.rand(n)) took the rows of another micro-batch than its "
                 f"own; draw each micro-batch's numbers together (torch.randn_like(part) first, then its timesteps), "
                 f"or draw for the whole share and slice")
+
+    def raise_if_traced(self, step: int) -> None:
+        """Raise a :class:`CaseError` where a graph the step compiled traced a stand-in (see
+        :mod:`ddparity.harness.ranks.traced`): its masks were torch's own, drawn alike in no mode."""
+        inside = traced.take_traced() if self.enabled else []
+        if inside:
+            raise CaseError(
+                f"{', '.join(inside)} ran inside a graph the step compiled (torch.compile of the model in train_step "
+                f"or from Case.model), traced within a torch function the graph keeps whole (such as "
+                f"F.multi_head_attention_forward), where ddparity cannot give each sample the same mask in every "
+                f"mode at step {step}; check the model eager (no torch.compile: ddparity.check(case, compile=...) "
+                f"compares compiled runs of models without dropout), or with its dropout off for the check")
 
     def close(self) -> int:
         """Stop aligning; the most dropout calls one step made."""
@@ -263,7 +278,6 @@ def _dropout_like(name: str, feature: bool, alpha: bool) -> Any:
         noise = _noise(input, p, feature, f"F.{name}")
         return _apply(input, noise, p, alpha, inplace)
 
-    aligned.__wrapped__ = original  # type: ignore[attr-defined]
     return aligned
 
 
@@ -299,7 +313,6 @@ def _aligned_attention() -> Any:
             scope.batch_first.pop()
         return _apply(weights, noise, dropout_p, False, False) @ value
 
-    attention.__wrapped__ = original  # type: ignore[attr-defined]
     return attention
 
 
@@ -349,11 +362,13 @@ def _install() -> None:
         for name in (*_DROPOUTS, "scaled_dot_product_attention"):
             _installed[name] = getattr(F, name)
         for name, (feature, alpha) in _DROPOUTS.items():
-            setattr(F, name, _dropout_like(name, feature, alpha))
-        F.scaled_dot_product_attention = _aligned_attention()
+            setattr(F, name, traced.eager(_dropout_like(name, feature, alpha), _installed[name], f"F.{name}"))
+        F.scaled_dot_product_attention = traced.eager(_aligned_attention(), _installed["scaled_dot_product_attention"],
+                                                      "F.scaled_dot_product_attention")
         for (owner, name), replacement in replacements(place_of_draw).items():
-            _drawn[(owner, name)] = getattr(owner, name)
-            setattr(owner, name, replacement(_drawn[(owner, name)]))
+            _drawn[(owner, name)] = original = getattr(owner, name)
+            setattr(owner, name, traced.eager(replacement(original), original, f"torch.{name}"))
+        traced.hide()
 
 
 def _uninstall() -> None:
@@ -365,3 +380,4 @@ def _uninstall() -> None:
         setattr(owner, name, original)
     _installed.clear()
     _drawn.clear()
+    traced.show()

@@ -82,7 +82,6 @@ def _factory(place_of: Place, original: Any, one: Part, integer: bool = False) -
             return original(*args, generator=generator, **kwargs)
         return _done(values, kwargs, torch.int64 if integer else torch.get_default_dtype())
 
-    aligned.__wrapped__ = original  # type: ignore[attr-defined]
     return aligned
 
 
@@ -101,7 +100,6 @@ def _like(place_of: Place, original: Any, one: Part, integer: bool = False) -> A
             return original(input, *args, **kwargs)
         return _done(values, kwargs, input.dtype, input.device)
 
-    aligned.__wrapped__ = original  # type: ignore[attr-defined]
     return aligned
 
 
@@ -121,7 +119,6 @@ def _in_place(place_of: Place, original: Any, one: Part, defaults: tuple) -> Any
         with torch.no_grad():
             return self.copy_(values)
 
-    aligned.__wrapped__ = original  # type: ignore[attr-defined]
     return aligned
 
 
@@ -141,7 +138,6 @@ def _bernoulli(place_of: Place, original: Any) -> Any:
             return original(input, *args, generator=generator, **kwargs)
         return values.to(device=input.device, dtype=input.dtype)
 
-    aligned.__wrapped__ = original  # type: ignore[attr-defined]
     return aligned
 
 

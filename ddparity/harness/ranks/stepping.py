@@ -56,7 +56,13 @@ class OptimizerWatch:
         self.calls = 0
         self._closure = False
         self.watchers = watchers
-        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+        import torch
+
+        # eager even inside a compiled optimizer.step() (torch.compile(optimizer.step), as torch's
+        # tutorial compiles it): Dynamo traced the recording and the reference's gradients came
+        # out with other shapes ([32, 8] for a [32, 32] weight)
+        self._handles = [optimizer.register_step_pre_hook(torch.compiler.disable(self._pre)),
+                         optimizer.register_step_post_hook(torch.compiler.disable(self._post))]
 
     def begin(self, step: int = 0) -> None:
         self.calls, self._closure = 0, False

@@ -213,6 +213,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
                     mode.step(step, replica, batch)
                 if draws.moved and not naming:  # name them: the same training again, up to here, op by op
                     train(case, state, device, type(mode)(step + 1, name_draws=True))  # type: ignore[call-arg]
+                dropout.raise_if_traced(step)  # (a compiled graph's own draws: said as such)
                 draws.raise_if_any(step, replica.model)
             else:
                 mode.step(step, replica, batch)
