@@ -18,9 +18,12 @@ that have no template would pair other samples' numbers (a divergence, never a p
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from ddparity.harness.ranks import traced
 
 STEP_PLACES = 1 << 40
 """Where the step's own draws (outside the model's forward) are numbered from."""
@@ -39,7 +42,15 @@ def _site(original: Any) -> tuple[str, int, str]:
     """The source line that called the draw (the caller of the replacement that calls this),
     and the draw's name."""
     frame = sys._getframe(2)
+    while frame.f_back is not None and _wrapping(frame.f_code.co_filename):
+        frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno, getattr(original, "__name__", "a draw")
+
+
+def _wrapping(file: str) -> bool:
+    """Whether ``file`` holds a frame between the user's call and the replacement: the eager
+    guard of :mod:`ddparity.harness.ranks.traced` and torch.compiler.disable's wrapper."""
+    return file == traced.__file__ or f"{os.sep}torch{os.sep}_dynamo{os.sep}" in file
 
 
 def _per_sample(place_of: Place, shape: tuple, one: Part, params: tuple = (), template: Any = None,
