@@ -150,7 +150,8 @@ def test_an_optimizer_computing_in_bf16_passes_sharded_and_its_bugs_are_still_ca
     """torch's Muon orthogonalises each update in bf16: under FSDP2/HSDP its products run on
     sharded DTensors and round otherwise (fsdp diverged 1.3e3 tolerances clean, at step 0, its
     cause guessed as a learning rate x W). The twin's optimizer now gets an ulp of bf16: clean
-    passes in every mode, a summed loss is still caught at step 0 and lr x W from step 0 or 1."""
+    passes in every mode, a summed loss is still caught at step 0 and lr x W from step 0 or 1,
+    named as such."""
     modes = ("single", "dp", "ddp", "fsdp", "hsdp")
     report = check(calibration.muon_clean(), modes=modes, world_sizes=(2, 4))
     assert report.ok, report.render()
@@ -159,10 +160,14 @@ def test_an_optimizer_computing_in_bf16_passes_sharded_and_its_bugs_are_still_ca
     for run in summed.runs[1:]:
         assert run.status == "diverged" and run.first_divergence.step == 0, summed.render()
         assert run.first_divergence.kind in ("loss", "grad"), summed.render()
-    scaled = check(calibration.muon_lr_scaled(), modes=("ddp", "fsdp"), world_sizes=(2, 4))
+    scaled = check(calibration.muon_lr_scaled(), modes=("single", "ddp", "fsdp"), world_sizes=(2, 4))
     for run in scaled.runs[1:]:
         assert run.status == "diverged" and run.first_divergence.step <= 1, scaled.render()
         assert max(d.max_abs / d.tolerance for d in run.worst) > 3, scaled.render()
+        # the update one factor of one device's, within the twin's own bf16 noise (1 - cos^2 0.005 under
+        # fsdp against the twin's 0.03): named, though at 2 ranks one shard sat under its tolerance
+        assert any(n.startswith(f"likely cause: the learning rate multiplied by the world size ({run.world_size})")
+                   for n in run.notes), run.notes
 
 
 def test_the_precision_an_optimizer_computes_in_is_seen_and_plain_optimizers_have_none():

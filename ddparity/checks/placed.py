@@ -38,13 +38,14 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
            mode: str, replicated: bool, loss_scaling: Callable[[], float | None],
            update: tuple[float, float] | None = None,
            per_rank: dict[int, tuple[float, float]] | None = None,
-           changed: dict[str, str] | None = None) -> list[str]:
+           changed: dict[str, str] | None = None, noise: tuple[float, float] | None = None) -> list[str]:
     """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
     contradicts replaced, and, where nothing named a cause, the one the place names
     (``update``: :func:`ddparity.distances.update_ratio` of step 0; ``per_rank``: of each
     rank's gradients at the first divergence's step; ``changed``: the parameters the
-    reference's step changed in place outside ``optimizer.step()``, with what holds them)."""
+    reference's step changed in place outside ``optimizer.step()``, with what holds them;
+    ``noise``: the calibration twin's own step-0 update ratio)."""
     if best.phase == "loss" and best.forwards is not None and replicated:  # what the numbers guessed yields to it
         return [n for n in notes if not n.startswith(("likely cause", "candidate causes"))] + [
             fewer_forwards(best, world_size, mode)]
@@ -68,7 +69,7 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
         # follows a student that differs for another reason)
         explained = changed is not None and set(differing) <= set(changed)
         return notes + [(changed_in_the_step(differing, changed, mode) if changed and explained else None)
-                        or after_the_gradients(first.step, world_size, mode, ranks, update)]
+                        or after_the_gradients(first.step, world_size, mode, ranks, update, noise)]
     if inside is None:
         inside = normalised_apart(best, mode)
     if inside is None and changed:  # nothing else named: what the step changed by hand is a candidate
@@ -219,6 +220,12 @@ def per_shard_denominator(ratio: float | None, factor: float | None, world_size:
 
 FACTOR_TOL = 1e-3
 """How near the world size a step-0 update's factor must be to read as lr x W."""
+DIRECTION_HEADROOM = 4.0
+"""How many times the twin's own departure from one factor a run's update may show."""
+ONE_FACTOR_CAP = 1e-2
+"""The most the twin's noise may widen :data:`ONE_FACTOR` and :data:`FACTOR_TOL` to: a bf16
+autocast's AdamW twin left 1 - cos^2 = 0.1, wide enough to read a rank-local learning rate
+(x3 on one rank of two: 0.2) as one factor."""
 ONE_FACTOR = 1e-5
 """1 - cos^2 of the run's step-0 update against the reference's below which every parameter
 moved by one factor (the dot products' float32 rounding leaves ~1e-7; an angle of 0.2
@@ -260,21 +267,30 @@ def changed_in_the_step(differing: list[str], changed: dict[str, str], mode: str
 
 
 def after_the_gradients(step: int, world_size: int, mode: str, ranks: list[int],
-                        update: tuple[float, float] | None = None) -> str:
+                        update: tuple[float, float] | None = None, noise: tuple[float, float] | None = None) -> str:
     """The parameters differ first (on ``ranks``), after a step whose every module's output
     and gradient agreed with the reference on every rank: the update itself differs; where
     every parameter moved by one factor of the reference's step-0 move (``update``), that
-    factor names it."""
-    if step == 0 and update is not None and update[1] < ONE_FACTOR and len(ranks) in (0, world_size):
+    factor names it. ``noise``: the calibration twin's own (factor, 1 - cos^2), the rounding
+    an optimizer that computes in bf16 leaves in a correct update's direction and size (Muon's
+    twin: 0.992x, 1 - cos^2 = 0.03; a correct 2-rank FSDP run 0.005), which widens both bounds,
+    to at most :data:`ONE_FACTOR_CAP`. Under a sharded mode the ranks' shards differ in size,
+    so some may fall under their tolerance while the whole update is one factor."""
+    one, near = ONE_FACTOR, FACTOR_TOL
+    if noise is not None:
+        one = min(max(one, DIRECTION_HEADROOM * noise[1]), ONE_FACTOR_CAP)
+        near = min(max(near, DIRECTION_HEADROOM * abs(1 - noise[0])), ONE_FACTOR_CAP)
+    every = len(ranks) in (0, world_size) or kind(mode).sharded
+    if step == 0 and update is not None and update[1] < one and every:
         factor, name = update[0], mode.upper()
         evidence = (f"evidence: with the same gradients every parameter moved {factor:.4g}x as far as on one device "
                     f"in step 0 (the update's direction the same to 1 - cos^2 = {update[1]:.1e})")
-        if abs(factor - world_size) <= FACTOR_TOL * world_size:
+        if abs(factor - world_size) <= near * world_size:
             return (f"likely cause: the learning rate multiplied by the world size ({world_size}), the linear "
                     f"scaling rule, on a global batch that did not grow: ddparity keeps the global batch, so "
                     f"{world_size} {name} ranks must train with one device's rate; scale it where the global batch "
                     f"grows, not with the ranks; {evidence}")
-        if abs(factor - 1) > FACTOR_TOL:
+        if abs(factor - 1) > near:
             return (f"likely cause: a learning rate (or another factor of the update) {factor:.4g}x one device's, "
                     f"one that depends on the world size or the rank; {evidence}")
     head = (f"candidate causes: at step {step} every gradient agrees and the parameters differ after the optimizer "

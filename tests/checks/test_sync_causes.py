@@ -200,3 +200,18 @@ def test_each_ranks_own_gradient_factor_is_a_cause_only_where_the_factors_differ
     assert scaled_per_rank(0, {0: (1.4, 1e-9)}, "fsdp") is None
     many = scaled_per_rank(0, {r: (1 + r / 10, 0.0) for r in range(6)}, "hsdp")
     assert many is not None and "rank 3 1.3x and 2 more the reference's" in many
+
+
+def test_an_update_of_one_factor_is_read_within_the_twins_own_rounding_and_no_wider_than_the_cap():
+    """An optimizer that computes in bf16 (Muon) leaves a correct update off one factor by its
+    own rounding, which the twin measures: within it, the factor names lr x W (under FSDP, though
+    one rank's shard sat under its tolerance). A rank-local learning rate (x3 on one of two
+    ranks: the whole update 2x, 1 - cos^2 = 0.2) stays unnamed under any twin noise."""
+    from ddparity.checks.placed import after_the_gradients
+
+    muon_twin = (0.9918, 0.032)
+    named = after_the_gradients(0, 2, "fsdp", [1], (1.9916, 0.0046), muon_twin)
+    assert named.startswith("likely cause: the learning rate multiplied by the world size (2)"), named
+    assert not after_the_gradients(0, 2, "fsdp", [1], (1.9916, 0.0046)).startswith("likely cause")  # no twin noise
+    assert not after_the_gradients(0, 2, "ddp", [1], (2.0, 0.2), (0.949, 0.099)).startswith("likely cause")
+    assert not after_the_gradients(0, 2, "ddp", [0, 1], (2.0, 0.2), (0.949, 0.099)).startswith("likely cause")

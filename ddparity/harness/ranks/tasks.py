@@ -20,7 +20,7 @@ from typing import Any
 
 from ddparity.case import Case
 from ddparity.compile_spec import CompileSpec
-from ddparity.distances import Distances, Reference
+from ddparity.distances import Distances, Reference, update_ratio
 from ddparity.errors import CaseError, DdparityError, UsageError
 from ddparity.harness.protocol import RankContext, RunName, names_run
 from ddparity.harness.ranks.batches import batch_size, layout, valid_counts
@@ -95,6 +95,7 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
         raise
     except Exception as exc:  # the user's code ran the batch as given, not as ddparity varied it
         raise CaseError(_twin_raised(case, exc)) from exc
+    reference.update_noise = update_ratio([twin.result.moved]) if twin.result.moved else None
     return calibrated(reference, twin)
 
 
