@@ -77,7 +77,8 @@ def distance(a: Any, b: Any) -> float:
     worst = 0.0
     for x, y in zip(_chunks(a), _chunks(b)):
         x, y = _wide(x.to(y.device)), _wide(y)
-        diff = torch.sub(x, y).abs_()
+        diff = torch.sub(x, y)
+        diff = diff.abs() if diff.is_complex() else diff.abs_()  # a complex difference's modulus
         top = float(diff.max())
         if top != top:  # a NaN: inf - inf of equal infinities is no difference, any other NaN is
             diff = diff.masked_fill_(x == y, 0.0)
@@ -98,10 +99,12 @@ def moved(start: Any, expected: Any, got: Any) -> tuple[float, float, float]:
 
     sums = [0.0, 0.0, 0.0]
     for a, b, c in zip(_chunks(start) if start is not None else itertools.repeat(None), _chunks(expected), _chunks(got)):
+        if c.is_complex():  # a complex tensor as its real and imaginary parts: one real vector
+            a, b, c = (torch.view_as_real(t) if t is not None else None for t in (a, b, c))
         dtype = torch.promote_types(_wide(c).dtype, torch.float32)
-        ref, run = b.to(c.device, dtype), c.to(dtype)
+        ref, run = b.to(c.device, dtype).reshape(-1), c.to(dtype).reshape(-1)
         if a is not None:
-            a = a.to(c.device, dtype)
+            a = a.to(c.device, dtype).reshape(-1)
             ref, run = ref - a, run - a
         for i, (x, y) in enumerate(((run, ref), (ref, ref), (run, run))):
             sums[i] += float(torch.dot(x, y))

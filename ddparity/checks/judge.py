@@ -147,13 +147,24 @@ DTENSOR_REFUSED = ("in-place operations that require placement changes are not s
 """What DTensor raises for an op it cannot run on a sharded tensor."""
 
 
+FREED_STORAGE = "out of bounds for storage of size 0"
+"""What autograd raises where a backward reads a tensor whose storage FSDP2 freed (resized to 0)."""
+
+
 def crash_cause(crash: Crash | None, mode: str) -> str | None:
     """The likely cause of a sharded run's crash where torch's DTensor refused: to mix with a
     plain tensor (the step computed with the model's parameters outside its forward, where
     FSDP2 holds them as DTensor shards), or to run the optimizer's update on the shards
-    (torch's Adafactor and Rprop in torch 2.13). None for any other crash."""
+    (torch's Adafactor and Rprop in torch 2.13); or where a backward read a parameter FSDP2
+    had resharded after an earlier backward. None for any other crash."""
     if crash is None or not kind(mode).sharded:
         return None
+    if FREED_STORAGE in crash.error and "setStorage" in crash.error:
+        return (f"likely cause: a second backward through parameters {mode.upper()} had already resharded after a "
+                f"first one (a gradient penalty: torch.autograd.grad(..., create_graph=True) and then "
+                f"loss.backward(); or two backwards of one forward): after each backward it frees the gathered "
+                f"parameters the second one reads; call model.set_reshard_after_backward(False) before the first "
+                f"backward and model.set_reshard_after_backward(True) before the last (pytorch/pytorch#172543)")
     if any(refused in crash.error for refused in DTENSOR_REFUSED):
         return _optimizer_refused(crash, mode)
     if MIXED_DTENSOR not in crash.error:

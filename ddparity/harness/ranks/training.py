@@ -336,9 +336,27 @@ def prepared(case: Case, state: dict[str, Any] | str, device: str) -> Any:
         state = load_state(state)
     model.load_state_dict(state)
     del state
-    model.to(device=device, dtype=case.torch_dtype)
+    cast_model(model, device, case.torch_dtype)
     torch.manual_seed(case.seed)  # any randomness in forward starts from the same point
     return model
+
+
+def cast_model(model: Any, device: str, dtype: Any) -> None:
+    """``model.to(device, dtype)``, but a complex tensor keeps its imaginary part: it
+    becomes the complex dtype of ``dtype``'s precision (``module.to(torch.float32)`` would
+    cast it to real and drop it), or stays as it is where there is none."""
+    import torch
+
+    complex_of = {torch.float64: torch.complex128, torch.float32: torch.complex64}.get(dtype)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        if t.is_complex() and complex_of is not None:
+            return t.to(device=device, dtype=complex_of)
+        return t.to(device=device)
+
+    model._apply(one)
 
 
 def global_batch(data: Any, step: int, generator: Any, pair: bool = True) -> Any:

@@ -335,14 +335,15 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
         for n, p in model.named_parameters():
             if p.grad is None:
                 continue
-            ulps = max(eps, walk * torch.finfo(p.grad.dtype).eps) if p.grad.is_floating_point() else 0.0
+            inexact = p.grad.is_floating_point() or p.grad.is_complex()
+            ulps = max(eps, walk * torch.finfo(p.grad.dtype).eps) if inexact else 0.0
             if p.grad.layout != torch.strided:
                 p.grad = _nudged_sparse(p.grad, grad_scales.get(n), ulps)
                 continue
             scale = grad_scales.get(n)
-            direction = torch.sign(p.grad)
+            direction = _towards_zero(p.grad)
             if scale is not None:
-                size = scale.to(p.grad.device, p.grad.dtype)
+                size = scale.to(p.grad.device, p.grad.real.dtype)
             elif not p.grad.numel():
                 continue
             else:
@@ -356,6 +357,16 @@ def nudge_towards_zero(model: Any, grad_scales: dict[str, Any], world_size: int,
             p.grad.sub_(ulps * size * direction)
 
 
+def _towards_zero(t: Any) -> Any:
+    """The sign of each element; of a complex one, of its real and its imaginary part each
+    (DDP sums them as two reals, and Adam steps each by its own sign)."""
+    import torch
+
+    if t.is_complex():
+        return torch.complex(torch.sign(t.real), torch.sign(t.imag))
+    return torch.sign(t)
+
+
 def _nudged_sparse(grad: Any, scale: Any, ulps: float) -> Any:
     """A sparse gradient nudged towards zero in the rows it holds, still sparse (an
     optimizer such as ``SparseAdam`` takes nothing else)."""
@@ -364,10 +375,10 @@ def _nudged_sparse(grad: Any, scale: Any, ulps: float) -> Any:
     g = grad.coalesce()
     values = g.values()
     if scale is not None:
-        size = scale.to(values.device, values.dtype).to_dense()[g.indices()[0]]
+        size = scale.to(values.device, values.real.dtype).to_dense()[g.indices()[0]]
     else:
         size = values.abs().max() if values.numel() else values.new_zeros(())
-    return torch.sparse_coo_tensor(g.indices(), values - ulps * size * torch.sign(values), g.shape)
+    return torch.sparse_coo_tensor(g.indices(), values - ulps * size * _towards_zero(values), g.shape)
 
 
 def calibrated(reference: Reference, twin: Comparer) -> Reference:
