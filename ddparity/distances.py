@@ -188,6 +188,8 @@ class Reference:
     changed_outside: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per step, the parameters the step changed in place outside ``optimizer.step()`` (by
     name, with what holds them: ``"Embedding(max_norm=1.0)"``)."""
+    grad_hooks: list[str] = field(default_factory=list)
+    """The parameters whose gradient the user's model hooks (``p.register_hook``)."""
     update_noise: tuple[float, float] | None = None
     """The calibration twin's step-0 move against the reference's (:func:`update_ratio`:
     factor, 1 - cos^2): how far from one factor rounding alone leaves a correct update."""

@@ -17,6 +17,9 @@ fit more than one story or none:
 * every activation agreeing and each rank's gradients one factor of the reference's, a factor
   of each rank's own: a scale computed from what the rank holds after the reduction (a clipping
   norm over FSDP's local shards);
+* every activation agreeing where the model hooks its parameters' gradients
+  (``p.register_hook``): the hooks, which run on each DDP rank's own gradient and not at all
+  under FSDP2;
 * a BatchNorm layer whose input agrees and whose output differs, where its running statistics
   could not tell (micro-batches, whose order the calibration twin's statistics depend on):
   BatchNorm on shards.
@@ -38,14 +41,16 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
            mode: str, replicated: bool, loss_scaling: Callable[[], float | None],
            update: tuple[float, float] | None = None,
            per_rank: dict[int, tuple[float, float]] | None = None,
-           changed: dict[str, str] | None = None, noise: tuple[float, float] | None = None) -> list[str]:
+           changed: dict[str, str] | None = None, noise: tuple[float, float] | None = None,
+           hooks: list[str] | None = None) -> list[str]:
     """A run's ``notes`` once its first divergence (``first``, of ``found``) is placed at
     ``best``: a cause the place decides (a scale before or after backward), a cause the place
     contradicts replaced, and, where nothing named a cause, the one the place names
     (``update``: :func:`ddparity.distances.update_ratio` of step 0; ``per_rank``: of each
     rank's gradients at the first divergence's step; ``changed``: the parameters the
     reference's step changed in place outside ``optimizer.step()``, with what holds them;
-    ``noise``: the calibration twin's own step-0 update ratio)."""
+    ``noise``: the calibration twin's own step-0 update ratio; ``hooks``: the parameters whose
+    gradient the user's model hooks)."""
     if best.phase == "loss" and best.forwards is not None and replicated:  # what the numbers guessed yields to it
         return [n for n in notes if not n.startswith(("likely cause", "candidate causes"))] + [
             fewer_forwards(best, world_size, mode)]
@@ -53,6 +58,11 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     inside = entered_inside(best, first, mode)
     if inside is not None:
         notes = [inside if n.startswith(OWN_VALID_ENTRIES) else n for n in notes]
+    hooked = hooked_gradients(hooks or [], mode, per_rank) if best.phase == "reduction" else None
+    if hooked is not None:  # what the numbers guessed (one factor: "a comm hook") yields to it
+        notes = [n for n in notes if SAME_FACTOR not in n and not n.startswith("candidate causes")]
+        if not any(n.startswith("likely cause") for n in notes):
+            return notes + [hooked]
     if any(n.startswith(("likely cause", "candidate causes")) for n in notes):
         return notes
     if best.phase == "loss" and first.kind == "loss" and replicated:
@@ -90,6 +100,32 @@ def normalised_apart(best: ModuleFinding, mode: str) -> str | None:
             f"where the step makes them) with its own statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm "
             f"(GPUs), GroupNorm or LayerNorm, or BatchNorm in eval mode; evidence: its input agrees with the "
             f"reference's rows for the same samples, its output differs")
+
+
+def hooked_gradients(hooks: list[str], mode: str, per_rank: dict[int, tuple[float, float]] | None) -> str | None:
+    """Every module agreed and the reduced gradients differ, in a model that hooks its
+    parameters' gradients (``hooks``): under DDP the hooks ran on each rank's own gradient
+    before the average, which changes the result unless the hook is linear (so not where each
+    rank's gradients are one factor of the reference's, ``per_rank``); under FSDP2 they did
+    not run at all (``fully_shard`` replaces the parameters; a tensor hook on the new ones never
+    fires). None for DataParallel (the hook runs on the summed gradient, as on one device)."""
+    if not hooks or not (kind(mode).sharded or kind(mode).replicated) or kind(mode).one_process:
+        return None
+    shown = ", ".join(hooks[:3]) + (f" and {len(hooks) - 3} more" if len(hooks) > 3 else "")
+    fix = ("apply it to the whole gradient in the step, between backward() and optimizer.step() "
+           "(torch.nn.utils.clip_grad_value_ for a clamp)")
+    evidence = "evidence: every module's output and activation gradient agrees, the reduced gradients do not"
+    if kind(mode).sharded:
+        return (f"likely cause: the model hooks its parameters' gradients ({shown}: p.register_hook), and "
+                f"{mode.upper()} never runs those hooks: fully_shard replaces every parameter with a sharded "
+                f"DTensor (hooks on the old ones are lost, and one registered on the new never fires); {fix}, or "
+                f"register_post_accumulate_grad_hook after fully_shard (it runs on the reduced shard); {evidence}")
+    if per_rank and all(off < ONE_FACTOR for _, off in per_rank.values()):
+        return None  # one factor of the reference's on every rank: a scale, which a linear hook cannot make
+    return (f"likely cause: the model hooks its parameters' gradients ({shown}: p.register_hook), and each hook "
+            f"runs on a rank's own gradient, before DDP averages them: a hook that is not linear (a clamp, a norm "
+            f"clip) gives another result on the ranks' shares than on one device's whole batch; {fix}, or in a "
+            f"DDP comm hook after the all-reduce; {evidence}")
 
 
 def scaled_per_rank(step: int, per_rank: dict[int, tuple[float, float]], mode: str) -> str | None:

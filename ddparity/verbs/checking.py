@@ -227,7 +227,8 @@ class Checking:
                     for ratio in [update_ratio([r.grad_dots[d.step]])] if ratio is not None}
         run.notes = placed.reread(run.notes, best, d, found, run.world_size, run.mode, kind(run.mode).replicated,
                                   self.loss_scaling, update_ratio([r.moved for r in ranks if r.moved]), per_rank,
-                                  self.reference.changed_outside.get(d.step), self.reference.update_noise)
+                                  self.reference.changed_outside.get(d.step), self.reference.update_noise,
+                                  self.reference.grad_hooks)
         return run
 
     def _inside(self, run: RunResult, module: ModuleFinding, size: int) -> ModuleFinding:

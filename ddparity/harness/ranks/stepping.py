@@ -154,6 +154,15 @@ class OptimizerPrecision:
                     self.dtype = t.dtype
 
 
+def gradient_hooks(model: Any) -> list[str]:
+    """The parameters of ``model`` (as the user built it, before any hook of ddparity's) with a
+    hook on their gradient: ``p.register_hook`` (run on the gradient autograd computes, so on
+    each DDP rank's own before the average, and not at all under FSDP2, which replaces the
+    parameters) or ``p.register_post_accumulate_grad_hook`` (FSDP2 drops those too)."""
+    return [name for name, p in model.named_parameters()
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+
+
 class ChangedOutside:
     """The parameters a step changed in place outside ``optimizer.step()`` (before it: in the
     forward, as ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up; or after

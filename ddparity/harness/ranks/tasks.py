@@ -85,6 +85,7 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
     reference.autocast_dtype, reference.layer_types = trained.autocast_dtype, trained.layer_types
     reference.optimizer_dtype, reference.changed_outside = trained.optimizer_dtype, trained.changed_outside
+    reference.grad_hooks = trained.grad_hooks
     released()  # one replica at a time: the reference's before the twin's
     twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
     mode = TwinMode(case.steps, twin_world_size=max(world_sizes, default=1), dtype=case.torch_dtype,

@@ -45,6 +45,7 @@ from ddparity.harness.ranks.stepping import (
     StepContext,
     Ticks,
     default_step,
+    gradient_hooks,
     never_stepped,
 )
 from ddparity.run_kinds import kind
@@ -145,6 +146,8 @@ class Trained:
     """A lower precision than the parameters' that the optimizer step computed in, if any."""
     changed_outside: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per step, the parameters changed in place outside ``optimizer.step()``, with what holds them."""
+    grad_hooks: list[str] = field(default_factory=list)
+    """The parameters the user's model hooks the gradient of (:func:`stepping.gradient_hooks`)."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
@@ -168,6 +171,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec = mode.recorder
     rec.set_phase(-1, "build")
     model = prepared(case, state, device)
+    hooked = gradient_hooks(model)
     own_hooks = not run.traced  # ddparity's hooks, dropouts and stacked RNNs on the model: eager runs only
     if mode.align_dropout and own_hooks:
         stack_rnns(model)  # their inter-layer dropout aligned too, before any mode wraps them
@@ -229,7 +233,7 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec.set_phase(mode.steps, "done")
     stats = {name: type(m).__name__ for name, m in model.named_modules()
              if any(b in ("running_mean", "running_var") for b, _ in m.named_buffers(recurse=False))}
-    return Trained(sizes, calls, _named(low), stats, _named(precision.dtype), outside.changed)
+    return Trained(sizes, calls, _named(low), stats, _named(precision.dtype), outside.changed, hooked)
 
 
 def _named(dtype: Any) -> str | None:

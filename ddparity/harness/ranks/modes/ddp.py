@@ -12,6 +12,7 @@ recorder (:class:`~ddparity.harness.recording.threads.ThreadRecorder`).
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ class DDPMode:
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
         ddp = self._ddp = distributed(model, self.device, self.ddp_options)
+        _REDUCED[ddp] = reduced_parameters(ddp)  # DDP's indices: what required grad when it was built
         self.grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
         # Each rank its own hook state, as a rank process gets by unpickling (simulated ranks
         # share one process and would otherwise share one state).
@@ -117,6 +119,10 @@ FIND_UNUSED = ("Case(ddp_options={\"find_unused_parameters\": True}) here, "
 """How to let DDP find parameters without a gradient, here and in the user's training."""
 
 
+FROZEN_FIX = ("Freeze before DDP is built (wrap the model in DDP again after freezing), or let DDP find the frozen "
+              f"ones: {FIND_UNUSED}")
+
+
 def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
     """Where this rank reached ``optimizer.step()`` with DDP's reduction unfinished (DDP's own
     local check: a bucket never all-reduced) because some parameters got no gradient in its
@@ -136,6 +142,12 @@ def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
     if not missing or len(missing) == len(wanted):  # no backward at all: not this cause
         return None
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    frozen = [n for n, p in wanted if p.grad is None and not p.requires_grad]
+    if frozen == missing:
+        return (f"DistributedDataParallel did not all-reduce every gradient of step {step} on rank {rank}: the step "
+                f"set requires_grad=False on {shown} after DDP was built, and DDP all-reduces a bucket only once "
+                f"every parameter that required grad when it was built has its gradient (in training: a hang, the "
+                f"next collective mismatched, or DDP raises at the next forward). {FROZEN_FIX}")
     return (f"DistributedDataParallel did not all-reduce every gradient of step {step} on rank {rank}: "
             f"{len(missing)} parameter(s) received no gradient in this rank's backward ({shown}). They took no "
             f"part in this rank's loss (parameters that some batches use and others do not, such as "
@@ -150,26 +162,37 @@ def unreduced_parameters(ddp: Any, step: int, rank: int) -> str | None:
 def unused_parameters(ddp: Any, error: str) -> str | None:
     """DDP's "did not receive grad" error (a parameter unused in the loss, found at the next
     forward) in words that name the parameters, by DDP's own indices (its parameters in
-    ``named_parameters`` order, those that require grad, each once), and the fix; None for
-    any other error."""
+    ``named_parameters`` order, those that required grad when it was built, each once), and
+    the fix; None for any other error. A parameter frozen since DDP was built is said to be."""
     import re
 
     found = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", error)
     if found is None:
         return None
-    names = [name for name, _ in reduced_parameters(ddp)]
+    reduced = reduced_parameters(ddp)
     indices = [int(i) for i in found.group(2).split()]
-    unused = [names[i] if i < len(names) else f"#{i}" for i in indices]
-    return (f"DistributedDataParallel found parameters that received no gradient in the previous step's backward "
-            f"on rank {found.group(1)}: {', '.join(unused)} (DDP's parameter indices {found.group(2).strip()}). They "
-            f"take no part in the loss, and DDP waits for every parameter's gradient before the next step. Either "
-            f"use them in the loss (or remove them, or set requires_grad=False on frozen ones), or let DDP find them: "
-            f"{FIND_UNUSED}")
+    unused = [reduced[i][0] if i < len(reduced) else f"#{i}" for i in indices]
+    frozen = [reduced[i][0] for i in indices if i < len(reduced) and not reduced[i][1].requires_grad]
+    head = (f"DistributedDataParallel found parameters that received no gradient in the previous step's backward "
+            f"on rank {found.group(1)}: {', '.join(unused)} (DDP's parameter indices {found.group(2).strip()}). ")
+    if frozen:
+        return head + (f"The step set requires_grad=False on {', '.join(frozen)} after DDP was built, and DDP still "
+                       f"waits for the gradient of every parameter that required one when it was built. {FROZEN_FIX}")
+    return head + (f"They take no part in the loss, and DDP waits for every parameter's gradient before the next "
+                   f"step. Either use them in the loss (or remove them, or set requires_grad=False on frozen ones "
+                   f"before DDP is built), or let DDP find them: {FIND_UNUSED}")
+
+
+_REDUCED: weakref.WeakKeyDictionary[Any, list[tuple[str, Any]]] = weakref.WeakKeyDictionary()
+"""Per DDP module ddparity built: :func:`reduced_parameters` as they were then."""
 
 
 def reduced_parameters(ddp: Any) -> list[tuple[str, Any]]:
     """The parameters DDP reduces, by name, in its own order (its parameter indices): those
-    of ``named_parameters`` that require grad and that it was not told to ignore, each once."""
+    of ``named_parameters`` that required grad when it was built and that it was not told to
+    ignore, each once."""
+    if ddp in _REDUCED:
+        return _REDUCED[ddp]
     ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     out, seen = [], set()
     for name, p in ddp.module.named_parameters():
