@@ -76,3 +76,11 @@ def test_ddps_unused_parameter_error_names_parameters_by_what_required_grad_when
                            "step's backward on rank 1: 0.weight (DDP's parameter indices 0)"), text
     assert "requires_grad=False on 0.weight after DDP was built" in text
     assert torch.is_tensor(ddp.module[0].weight)
+
+
+def test_a_compiled_run_that_differs_where_its_eager_twin_does_takes_the_twins_placed_cause():
+    report = check(grad_hooks.clamped_by_hooks(), modes=("ddp",), world_sizes=(2,), compile="aot_eager")
+    [eager, compiled] = report.runs
+    assert compiled.compile is not None and compiled.status == "diverged", report.render()
+    assert [n for n in compiled.notes if n.startswith("likely cause")] == _causes(eager), compiled.notes
+    assert PER_RANK in _causes(eager)[0]

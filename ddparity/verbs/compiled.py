@@ -132,6 +132,9 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
         if twin is not None and twin.status in ("diverged", "desync") and m is not None and m.found:
             run.first_divergence = dataclasses.replace(d, module=m)
             run.notes = [scale_placed(n, m.phase, m.factor, run.world_size, run.mode) or n for n in run.notes]
+            placed = [n for n in twin.notes if n.startswith(CAUSES)]
+            if placed and twin.first_divergence is not None and twin.first_divergence.step == d.step:
+                run.notes = [n for n in run.notes if not n.startswith(CAUSES)] + placed  # what its place named
             run.notes.append(f"first differing module: as in {where}, which differs too ({searched}): a "
                              f"data-parallel difference, not compile's")
         elif twin is not None and twin.status == "pass" and single_differs:
@@ -145,6 +148,9 @@ def locate_compiled(runs: list[RunResult], search: Callable[[RunResult], list[An
         else:
             ended = "did not run" if twin is None else f"ended {twin.status} without a place named"
             run.notes.append(f"first differing module: not found ({searched}); {where} {ended}")
+
+
+CAUSES = ("likely cause", "candidate causes")
 
 
 def _ruled_out(note: str, where: str) -> str:
