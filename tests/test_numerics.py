@@ -3,7 +3,9 @@ operator) and a gradient penalty (a second backward through the model). Before, 
 parameter was cast to real on the way in (its imaginary part dropped, the model's own error
 shown), the comparison could not take its difference, and the calibration twin's nudge
 raised inside ``torch.sign`` (reported as the batch's fault); a gradient penalty under FSDP2
-crashed inside torch with nothing said of why."""
+crashed inside torch with nothing said of why. Quantization-aware training's observers, which
+take their range from each rank's shard, were placed but not named; TorchScript blocks
+crashed in ddparity's own module hooks (shown as the model's error)."""
 
 from __future__ import annotations
 
@@ -84,3 +86,27 @@ def test_every_mode_at_2_and_4(fixture):
     buggy = check(make(summed=True), modes=("ddp", "fsdp", "hsdp"), world_sizes=(2, 4))
     for run in buggy.runs:
         assert run.status == "diverged" and any(n.startswith(SUMMED) for n in run.notes), buggy.render()
+
+
+def test_quantization_observers_on_shards_are_named_and_frozen_observers_pass():
+    modes = ("dp", "ddp", "fsdp")
+    report = check(numerics.quantization_aware(), modes=modes, world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["diverged"] * 3, report.render()
+    for run in report.runs:
+        [cause] = [n for n in run.notes if n.startswith("likely cause")]
+        assert cause.startswith("likely cause: quantization observers on shards (") and "FakeQuantize" in cause
+        assert "disable_observer" in cause, cause
+    clean = check(numerics.quantization_aware(frozen=True), modes=modes, world_sizes=(2,))
+    assert clean.ok, clean.render()
+
+
+def test_scripted_blocks_are_checked_under_ddp_and_dataparallel_and_fsdp_says_why_not():
+    from ddparity.fixtures import layouts
+
+    report = check(layouts.scripted_blocks(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["pass", "pass", "pass", "error"], report.render()
+    reason = report.runs[3].reason
+    assert "fully_shard cannot shard a model that holds TorchScript modules: 'blocks.0' (Block)" in reason, reason
+    assert "--modes single,dp,ddp" in reason
+    summed = check(layouts.scripted_blocks(summed=True), modes=("ddp",), world_sizes=(2,))
+    assert summed.runs[0].status == "diverged" and any(n.startswith(SUMMED) for n in summed.runs[0].notes)

@@ -22,7 +22,7 @@ fit more than one story or none:
   under FSDP2;
 * a BatchNorm layer whose input agrees and whose output differs, where its running statistics
   could not tell (micro-batches, whose order the calibration twin's statistics depend on):
-  BatchNorm on shards.
+  BatchNorm on shards; a quantization observer so placed: its range taken from the shard.
 """
 
 from __future__ import annotations
@@ -87,19 +87,32 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     return notes + ([inside] if inside is not None else [])
 
 
+OBSERVERS = ("FakeQuantize", "Observer")
+"""Words in the class names of torch.ao.quantization's observers and fake-quantize modules."""
+
+
 def normalised_apart(best: ModuleFinding, mode: str) -> str | None:
     """The step first differs in a BatchNorm layer's forward (``best``), its input agreeing with
     the reference's rows for the same samples: each rank (replica) normalised its part of the
-    batch with that part's own statistics. None elsewhere (SyncBatchNorm's statistics are the
-    whole batch's)."""
-    if (best.phase != "forward" or "BatchNorm" not in best.type or best.type.startswith("Sync")
-            or best.agrees_ok is not True):
+    batch with that part's own statistics; or in a quantization observer's (a fake-quantize
+    module of quantization-aware training), which took its range from its part. None
+    elsewhere (SyncBatchNorm's statistics are the whole batch's)."""
+    if best.phase != "forward" or best.agrees_ok is not True:
+        return None
+    evidence = "evidence: its input agrees with the reference's rows for the same samples, its output differs"
+    if any(word in best.type for word in OBSERVERS):
+        part = "each replica observes its chunk" if kind(mode).one_process else "each rank observes its shard"
+        return (f"likely cause: quantization observers on shards ({best.module} ({best.type})): {part} and "
+                f"fake-quantizes with the range (min/max, then scale and zero point) of that part of the batch, "
+                f"where one device takes the whole batch's; which matches one device once the observers are frozen: "
+                f"calibrate with them on, then model.apply(torch.ao.quantization.disable_observer) before data-"
+                f"parallel training; {evidence}")
+    if "BatchNorm" not in best.type or best.type.startswith("Sync"):
         return None
     part = "each replica normalises its chunk" if kind(mode).one_process else "each rank normalises its shard"
     return (f"likely cause: BatchNorm on shards ({best.module} ({best.type})): {part} (each micro-batch of it, "
             f"where the step makes them) with its own statistics; use torch.nn.SyncBatchNorm.convert_sync_batchnorm "
-            f"(GPUs), GroupNorm or LayerNorm, or BatchNorm in eval mode; evidence: its input agrees with the "
-            f"reference's rows for the same samples, its output differs")
+            f"(GPUs), GroupNorm or LayerNorm, or BatchNorm in eval mode; {evidence}")
 
 
 def hooked_gradients(hooks: list[str], mode: str, per_rank: dict[int, tuple[float, float]] | None) -> str | None:

@@ -139,8 +139,10 @@ def _children_calls(module: Any, call: tuple[Any, Any]) -> list[tuple[str, Any, 
     call, in call order: (name within ``module``, block, inputs)."""
     calls: list[tuple[str, Any, tuple[Any, Any]]] = []
     handles = []
+    import torch
+
     for name, child in module.named_modules():
-        if not name:
+        if not name or isinstance(child, torch.jit.ScriptModule):  # (which takes no hooks)
             continue
 
         def keep(m: Any, args: Any, kwargs: Any, _name: str = name) -> None:

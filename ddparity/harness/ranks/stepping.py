@@ -253,8 +253,11 @@ class Ticks:
         self._handles: list[Any] = []
         if rec is recorder.DISABLED or model is None:  # None: a compiled run ticks as it compiles
             return
+        import torch
+
         tick = rec.tick
-        self._handles = [m.register_forward_hook(lambda *_: tick()) for m in model.modules()]
+        self._handles = [m.register_forward_hook(lambda *_: tick()) for m in model.modules()
+                         if not isinstance(m, torch.jit.ScriptModule)]  # (which take no hooks)
         self._handles += [p.register_post_accumulate_grad_hook(lambda _: tick())
                           for p in model.parameters() if p.requires_grad]
 

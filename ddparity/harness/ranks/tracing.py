@@ -74,7 +74,11 @@ class ModuleTrace:
         self._counts: dict[str, int] = {}
 
     def attach(self, model: Any) -> None:
+        import torch
+
         for name, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: traced as a whole where its caller is
+                continue
             own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
             self._handles.append(module.register_forward_hook(
                 lambda m, args, kwargs, out, _n=name, _o=own: self._called(m, _n, _o, args, kwargs, out),

@@ -132,6 +132,7 @@ def sharded(model: Any, device: str, world_size: int, shard_size: int | None, ap
     mesh = device_mesh(device, world_size, shard_size)
     if apply is None:
         refuse_scalars(model)
+        refuse_scripted(model)
         default_wrapping(model, mesh)
     else:
         returned = apply(model, mesh)
@@ -151,6 +152,25 @@ def refuse_scalars(model: Any) -> None:
             f"shard this model; make each a 1-D parameter of one element (nn.Parameter(t.reshape(1))), or give "
             f"Case(fsdp=...) your own wrapping that leaves it out (fully_shard(..., ignored_params={{...}})) and "
             f"all-reduce its gradient yourself, as FSDP2 then does not; or check this model with --modes single,ddp")
+
+
+def refuse_scripted(model: Any) -> None:
+    """A :class:`~ddparity.errors.CaseError` for TorchScript modules: FSDP2 hooks, swaps the
+    class of and replaces the parameters of every module in its tree, which a scripted
+    module refuses (torch raises from inside ``fully_shard``, or at its first forward)."""
+    import torch
+
+    found = {name: m for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)}
+    scripted = [f"{repr(name) if name else 'the model'} ({getattr(m, 'original_name', type(m).__name__)})"
+                for name, m in found.items()
+                if not any(o != name and (o == "" or name.startswith(f"{o}.")) for o in found)]  # the outermost
+    if scripted:
+        raise CaseError(
+            f"fully_shard cannot shard a model that holds TorchScript modules: {', '.join(scripted[:4])}"
+            f"{' ...' if len(scripted) > 4 else ''} (torch.jit.script); FSDP2 hooks every module of its tree and "
+            f"replaces its parameters, which a scripted module does not allow. Check the eager module here (script it "
+            f"after training, or compile it with torch.compile, which FSDP2 takes), or check this model with "
+            f"--modes single,dp,ddp (DDP and DataParallel take scripted modules)")
 
 
 def refuse_sparse(model: Any) -> None:
