@@ -314,3 +314,15 @@ def fixed_tolerance(reference: Reference, relative: float) -> Tolerance:
         for (kind, name), e in entries.items():
             table[(step, kind, name)] = relative * e.value
     return Tolerance(f"fixed relative {relative:g}", table)
+
+
+def larger_floors(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple[str, str], float]]:
+    """Per step and tensor, the larger of the noise floors' distances."""
+    out: list[dict[tuple[str, str], float]] = []
+    for steps in floors:
+        for step, distances in enumerate(steps):
+            if step == len(out):
+                out.append({})
+            for key, far in distances.items():
+                out[step][key] = max(out[step].get(key, 0.0), far)
+    return out

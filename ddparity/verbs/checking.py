@@ -1,8 +1,7 @@
 """One check, wherever its ranks run: its plan, its reference, its noise floors, its judging
 and its reproduce lines, built once for a local check (:mod:`ddparity.verbs.check`: warm
 worlds of this machine) and a launched one (:mod:`ddparity.verbs.launched`: torchrun's
-processes). What differs between the two is where the ranks are and how their results
-come back; a :class:`Checking` turns those results into the same rows.
+processes); a :class:`Checking` turns their results, however they come back, into the same rows.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from ddparity.checks import causes, placed
 from ddparity.checks.comm import size_text
 from ddparity.checks.equivalence import NonFinite, divergences, first_non_finite, worst
 from ddparity.checks.judge import judge_completed
-from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance
+from ddparity.checks.optimizer_settings import settings_apart
+from ddparity.checks.tolerance import Uncalibrated, auto_tolerance, fixed_tolerance, larger_floors
 from ddparity.compile_spec import CompileSpec
 from ddparity.distances import Distances, Reference, update_ratio
 from ddparity.errors import RankCrashed, WorldFailure
@@ -171,7 +171,7 @@ class Checking:
             low = low or self.policy.computed_dtype  # no hook measured it: Dynamo would trace hooks on the layers
         policy = self.policy if kind(run.mode).sharded and low else None
         floors = [d.steps for d in (policy, compile_noise) if d is not None]
-        tol = self.tolerance(ws, low, _larger(floors) if floors else None)
+        tol = self.tolerance(ws, low, larger_floors(floors) if floors else None)
         stop = self._stop(tol)
         found = divergences(reference, runs, tol, until=_until(stop))
         run.tolerance = tol.description
@@ -189,6 +189,9 @@ class Checking:
                  else causes.likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
                                           hook_collectives=self._hook_collectives(records))
                  if judged.status == "desync" else None)
+        desync = judged.desync.step if judged.desync is not None else None
+        cause = settings_apart(reference.settings, {r.rank: r.settings for r in runs}, found[0] if found else None,
+                               ws, run.mode, desync) or cause
         if cause:
             judged.notes.append(cause)
         traffic = extra_syncs(runs)
@@ -267,7 +270,8 @@ class Checking:
         run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
         if tol.loose:
             run.notes.append(tol.loose)
-        cause = causes.replica_cause(found, ws, self.valid, self.loss_scaling)
+        cause = (settings_apart(self.reference.settings, {0: distances.settings}, found[0] if found else None, ws, mode)
+                 or causes.replica_cause(found, ws, self.valid, self.loss_scaling))
         if cause:
             run.notes.append(cause)
         return self.localise(_compared_up_to(run, stop), found, [distances])
@@ -378,18 +382,6 @@ def _compared_up_to(run: RunResult, blowup: NonFinite | Uncalibrated | None) -> 
     else:
         run.notes.append(f"compared up to step {blowup.step} only: {blowup.reason()}")
     return run
-
-
-def _larger(floors: list[list[dict[tuple[str, str], float]]]) -> list[dict[tuple[str, str], float]]:
-    """Per step and tensor, the larger of the noise floors' distances."""
-    out: list[dict[tuple[str, str], float]] = []
-    for steps in floors:
-        for step, distances in enumerate(steps):
-            if step == len(out):
-                out.append({})
-            for key, far in distances.items():
-                out[step][key] = max(out[step].get(key, 0.0), far)
-    return out
 
 
 def _device(backend: str) -> str:

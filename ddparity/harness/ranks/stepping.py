@@ -154,6 +154,49 @@ class OptimizerPrecision:
                     self.dtype = t.dtype
 
 
+class OptimizerSettings:
+    """The optimizer's numeric settings as each step's ``optimizer.step()`` begins (lr,
+    momentum, betas, weight decay, a scheduler's ``initial_lr``: one value per param group),
+    per step. Where a rank's differ from one device's (a scheduler stepped on the rank's own
+    loss, the linear scaling rule), they name the cause outright
+    (:mod:`ddparity.checks.optimizer_settings`)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self.settings: dict[int, dict[str, tuple[float, ...]]] = {}
+        self._step = 0
+
+    def begin(self, step: int) -> None:
+        self._step = step
+
+    def pre(self) -> None:
+        self.settings[self._step] = settings_of(self._optimizer)
+
+    def post(self) -> None:
+        pass
+
+    end = close = post
+
+
+def settings_of(optimizer: Any) -> dict[str, tuple[float, ...]]:
+    """Every real-number setting of ``optimizer``'s param groups (``betas[0]`` for a pair),
+    by name: its value in each group; a setting some group lacks is left out."""
+    import torch
+
+    groups: list[dict[str, float]] = []
+    for group in optimizer.param_groups:
+        numbers: dict[str, float] = {}
+        for key, value in group.items():
+            items = enumerate(value) if isinstance(value, (tuple, list)) and key != "params" else [(None, value)]
+            for i, v in items:
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = float(v)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    numbers[key if i is None else f"{key}[{i}]"] = float(v)
+        groups.append(numbers)
+    return {k: tuple(g[k] for g in groups) for k in (groups[0] if groups else {}) if all(k in g for g in groups)}
+
+
 def gradient_hooks(model: Any) -> list[str]:
     """The parameters of ``model`` (as the user built it, before any hook of ddparity's) with a
     hook on their gradient: ``p.register_hook`` (run on the gradient autograd computes, so on

@@ -85,7 +85,7 @@ def reference_task(ctx: RankContext, case: Case, spool: str, world_sizes: tuple[
     reference.batch_sizes, reference.dropout_calls = trained.batch_sizes, trained.dropout_calls
     reference.autocast_dtype, reference.layer_types = trained.autocast_dtype, trained.layer_types
     reference.optimizer_dtype, reference.changed_outside = trained.optimizer_dtype, trained.changed_outside
-    reference.grad_hooks = trained.grad_hooks
+    reference.grad_hooks, reference.settings = trained.grad_hooks, trained.settings
     released()  # one replica at a time: the reference's before the twin's
     twin = Comparer(spool, "twin", 0, 1, WAIT_LIMIT_S, own_values=True)
     mode = TwinMode(case.steps, twin_world_size=max(world_sizes, default=1), dtype=case.torch_dtype,
@@ -145,8 +145,9 @@ def float64_single_task(ctx: RankContext, case: Case, spool: str) -> Distances:
 def _compiled_distances(sink: Comparer, run: Any, spec: CompileSpec | None, mode: str) -> Distances:
     """``run(sink, compiled)`` trains; the distances, with what compiling did (if ``spec``)."""
     compiled = Compiled(spec, mode) if spec is not None else None
-    run(sink, compiled)
+    trained = run(sink, compiled)
     distances = sink.finish()
+    distances.settings = trained.settings
     distances.compiled = compiled.summary if compiled is not None else None
     return distances
 
@@ -162,8 +163,9 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
         released()  # the last world size's replica before this one's
         mode = DataParallelMode(case.steps, ws, ctx.device)
         sink = Comparer(spool, "dp", 0, ws, WAIT_LIMIT_S)
-        train(case, spool, ctx.device, mode, sink)
+        trained = train(case, spool, ctx.device, mode, sink)
         out[ws] = (sink.finish(), mode.notes, mode.simulated)
+        out[ws][0].settings = trained.settings
     return out
 
 

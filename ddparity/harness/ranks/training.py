@@ -41,6 +41,7 @@ from ddparity.harness.ranks.stepping import (
     AutocastWatch,
     ChangedOutside,
     OptimizerPrecision,
+    OptimizerSettings,
     OptimizerWatch,
     StepContext,
     Ticks,
@@ -148,6 +149,8 @@ class Trained:
     """Per step, the parameters changed in place outside ``optimizer.step()``, with what holds them."""
     grad_hooks: list[str] = field(default_factory=list)
     """The parameters the user's model hooks the gradient of (:func:`stepping.gradient_hooks`)."""
+    settings: dict[int, dict[str, tuple[float, ...]]] = field(default_factory=dict)
+    """Per step, the optimizer's settings as its step began (:class:`stepping.OptimizerSettings`)."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
@@ -182,8 +185,10 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
                       device, ctx, sink=sink if sink is not None else NoSink())
     reference = kind(mode.name).reference and own_hooks
     precision, outside = OptimizerPrecision(case.torch_dtype), ChangedOutside(model)
+    settings = OptimizerSettings(replica.optimizer)
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
-                                   lambda: replica.sink.grads(ctx.step, model), (precision, outside) if reference else ())
+                                   lambda: replica.sink.grads(ctx.step, model),
+                                   (precision, outside, settings) if reference else (settings,))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
     replica.precision = AutocastWatch(model, device) if reference else None
@@ -233,7 +238,8 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     rec.set_phase(mode.steps, "done")
     stats = {name: type(m).__name__ for name, m in model.named_modules()
              if any(b in ("running_mean", "running_var") for b, _ in m.named_buffers(recurse=False))}
-    return Trained(sizes, calls, _named(low), stats, _named(precision.dtype), outside.changed, hooked)
+    return Trained(sizes, calls, _named(low), stats, _named(precision.dtype), outside.changed, hooked,
+                   settings.settings)
 
 
 def _named(dtype: Any) -> str | None:

@@ -1,0 +1,61 @@
+"""The cause read from the optimizer's own settings: each rank's lr, momentum, betas and
+weight decay as each step's ``optimizer.step()`` began, against one device's. A
+``ReduceLROnPlateau`` stepped on each rank's own loss was caught before, with "rank 1 alone
+drifts" or "candidate causes ... an optimizer whose settings differ"; now the setting, the
+step and every rank's value are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddparity import check
+from ddparity.checks.optimizer_settings import settings_apart
+from ddparity.fixtures import loops
+from ddparity.verdicts import Divergence
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def test_a_plateau_scheduler_on_each_ranks_loss_is_named_with_every_ranks_rate_and_the_mean_passes():
+    report = check(loops.plateau_on_the_loss(), modes=("dp", "ddp", "fsdp"), world_sizes=(2, 4))
+    assert [r.status for r in report.runs][:2] == ["pass", "pass"], report.render()
+    for run in report.runs[2:]:
+        assert run.status in ("desync", "diverged"), report.render()
+        [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
+        assert cause.startswith("likely cause: the optimizer's lr differs between the ranks as step 2's "
+                                "optimizer.step() begins (rank 0 "), cause
+        assert "ReduceLROnPlateau given the rank's loss" in cause and "one device 0.25" in cause, cause
+        assert f"rank {run.world_size - 1} " in cause
+    clean = check(loops.plateau_on_the_loss("mean"), modes=("ddp", "fsdp"), world_sizes=(2, 4))
+    assert clean.ok, clean.render()
+
+
+def test_settings_are_read_per_group_with_pairs_and_tensor_rates():
+    from ddparity.harness.ranks.stepping import settings_of
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    adam = torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": torch.tensor(0.5)}], lr=0.1, betas=(0.8, 0.9))
+    got = settings_of(adam)
+    assert got["lr"] == (0.1, 0.5) and got["betas[0]"] == (0.8, 0.8) and got["betas[1]"] == (0.9, 0.9)
+    assert "params" not in got and "amsgrad" not in got  # a flag is no number
+
+
+def _first(step, kind):
+    return Divergence(step=step, kind=kind, name="w", rank=1, max_abs=1.0, max_rel=1.0, tolerance=1e-6)
+
+
+def test_a_setting_explains_only_an_update_it_came_before():
+    reference = {0: {"lr": (0.1,)}, 1: {"lr": (0.1,)}}
+    ranks = {0: {0: {"lr": (0.1,)}, 1: {"lr": (0.1,)}}, 1: {0: {"lr": (0.1,)}, 1: {"lr": (0.05,)}}}
+    assert settings_apart(reference, ranks, _first(1, "loss"), 2, "ddp") is None  # step 1's loss came first
+    assert settings_apart(reference, ranks, _first(1, "param"), 2, "ddp").startswith(
+        "likely cause: the optimizer's lr differs between the ranks as step 1's")
+    assert settings_apart(reference, ranks, None, 2, "ddp", desync_step=1) is not None
+    assert settings_apart(reference, ranks, _first(0, "param"), 2, "ddp") is None
+    scaled = {r: {0: {"lr": (0.2,)}, 1: {"lr": (0.2,)}} for r in (0, 1)}
+    assert settings_apart(reference, scaled, _first(0, "param"), 2, "fsdp").startswith(
+        "likely cause: the learning rate multiplied by the world size (2)")
+    momentum = {r: {0: {"lr": (0.1,), "momentum": (0.5,)}} for r in (0, 1)}
+    named = settings_apart({0: {"lr": (0.1,), "momentum": (0.9,)}}, momentum, _first(0, "param"), 2, "ddp")
+    assert named.startswith("likely cause: the optimizer's momentum differs from one device's on every rank"), named
