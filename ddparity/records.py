@@ -184,6 +184,10 @@ SHARD_TAG = " [shard "
 replica, compared only among the ranks that hold the same shard."""
 
 
+SETTING = "setting "
+"""How a fingerprint of one of the optimizer's settings is named (``setting lr (group 0)``)."""
+
+
 NONFINITE = "nonfinite params"
 """Not a tensor's fingerprint: how many of the rank's parameters hold a NaN or inf in the
 part fingerprinted, the evidence of which of two ranks that disagree went wrong."""

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ddparity.checks.causes import likely_cause
 from ddparity.checks.collectives import LiveWatch
 from ddparity.checks.desync import ReplicaDrift, first_desync
 from ddparity.checks.judge import judge_completed, state_desync
@@ -235,6 +236,8 @@ class _Watched:
         return self._emit(run)
 
     def _emit(self, run: RunResult) -> int:
+        cause = likely_cause([], self.n, run.desync) if run.desync is not None else None
+        run.notes += [cause] if cause else []
         report = Report(self.script, [run], verb="watch")
         self._emit_to(report)
         verdict_file = os.environ.get(VERDICT_ENV)

@@ -139,9 +139,13 @@ def test_a_metric_all_reduced_on_rank_0_alone_is_a_desync_naming_rank_0(tmp_path
 def test_a_rank_local_learning_rate_is_replica_drift_from_the_next_step(tmp_path):
     result, data = watch(tmp_path, 3, DDP, "--fault", "drift", "--on", "1")
     assert result.returncode == 1, result.stderr
-    desync = only_run(data)["desync"]
+    run = only_run(data)
+    desync = run["desync"]
     assert (desync["step"], desync["ranks"]) == (3, [1])
     assert "param 0.weight" in desync["what"]
+    [cause] = [n for n in run["notes"] if n.startswith("likely cause")]
+    assert cause.startswith("likely cause: the optimizer's lr differs between the ranks at step 3 ([1] against "
+                            "[0, 2])"), cause
 
 
 @pytest.mark.parametrize("on", [0, pytest.param(-1, marks=pytest.mark.breadth)], ids=["rank0", "last"])

@@ -33,7 +33,7 @@ from typing import Any
 from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
 from ddparity.harness.recording.recorder import StepRecorder, untraced
 from ddparity.harness.shards import is_sharded
-from ddparity.records import NONFINITE, SHARD_TAG
+from ddparity.records import NONFINITE, SETTING, SHARD_TAG
 
 _installed: Replicas | None = None
 
@@ -54,7 +54,7 @@ class Replicas:
         self.backend = ""
         """The default process group's backend, as the first DDP or FSDP2 module found it."""
         self._names: dict[int, tuple[str, str, int]] = {}
-        self._pending: tuple[int, list[str], Any, Any] | None = None
+        self._pending: tuple[int, list[str], Any, Any, dict[str, int]] | None = None
         self._known = 0
 
     # -- what the script's modules tell us ------------------------------------------
@@ -138,6 +138,7 @@ class Replicas:
         names: list[str] = []
         tensors: list[Any] = []
         unmatched = replicated = 0
+        whole_world = True  # every parameter a DDP's over every rank: so is the optimizer
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if is_sharded(p):
@@ -145,21 +146,25 @@ class Replicas:
                     names.append(f"param {name}{SHARD_TAG}{_coordinates(p)}]")
                     tensors.append(p.to_local())
                     replicated += _replicas(p) > 1
+                    whole_world = False
                 elif id(p) in self._names:
                     name, tag, holders = self._names[id(p)]
                     names.append(f"param {name}{tag}")
                     tensors.append(p)
                     replicated += holders > 1
+                    whole_world = whole_world and not tag
                 else:
                     unmatched += 1
+                    whole_world = False
         self.unmatched = max(self.unmatched, unmatched)
         self.replicated = max(self.replicated, replicated)
         if tensors:
             self._publish_pending()
             sums = _device_sums(tensors, step)
             names.append(NONFINITE)  # _device_sums' last element
+            settings = setting_prints(optimizer) if whole_world else {}
             if sums.device.type != "cuda":
-                self.recorder.fingerprints(step, dict(zip(names, sums.tolist())))
+                self.recorder.fingerprints(step, {**dict(zip(names, sums.tolist())), **settings})
             else:  # published at the next step (or the end), the copy finished by then
                 import torch
 
@@ -168,18 +173,30 @@ class Replicas:
                     host.copy_(sums, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record()
-                self._pending = (step, names, host, event)
+                self._pending = (step, names, host, event, settings)
 
     def _publish_pending(self) -> None:
         if self._pending is not None:
-            step, names, host, event = self._pending
+            step, names, host, event, settings = self._pending
             self._pending = None
             event.synchronize()
-            self.recorder.fingerprints(step, dict(zip(names, host.tolist())))
+            self.recorder.fingerprints(step, {**dict(zip(names, host.tolist())), **settings})
 
     def flush(self) -> None:
         """The script ended: publish the last step's fingerprints (a GPU's, still pending)."""
         self._publish_pending()
+
+
+def setting_prints(optimizer: Any) -> dict[str, int]:
+    """The optimizer's numeric settings (:func:`~ddparity.harness.ranks.stepping.settings_of`)
+    as fingerprints (each float's bits), named ``setting lr (group 0)``: every rank of a DDP
+    over the whole world steps the same optimizer, so they must agree too."""
+    import struct
+
+    from ddparity.harness.ranks.stepping import settings_of
+
+    return {f"{SETTING}{key} (group {i})": struct.unpack("<q", struct.pack("<d", v))[0]
+            for key, values in settings_of(optimizer).items() for i, v in enumerate(values)}
 
 
 def _replicas(p: Any) -> int:
