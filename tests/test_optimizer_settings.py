@@ -32,7 +32,7 @@ def test_a_plateau_scheduler_on_each_ranks_loss_is_named_with_every_ranks_rate_a
 
 
 def test_settings_are_read_per_group_with_pairs_and_tensor_rates():
-    from ddparity.harness.ranks.stepping import settings_of
+    from ddparity.harness.optimizer_settings import settings_of
 
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     adam = torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": torch.tensor(0.5)}], lr=0.1, betas=(0.8, 0.9))

@@ -11,10 +11,11 @@ from __future__ import annotations
 from ddparity.verdicts import Divergence
 
 Settings = dict[int, dict[str, tuple[float, ...]]]
-"""Per step, each setting's value in every param group (:func:`stepping.settings_of`)."""
+"""Per step, each setting's value in every param group (:func:`ddparity.harness.optimizer_settings.settings_of`)."""
 
-SAME_SETTING = 1e-6
-"""How close (relative) two values of a setting are to be the same."""
+SAME_SETTING = 1e-4
+"""How close (relative) two values of a setting are to be the same: a setting an optimizer
+computes from the gradients (Prodigy's and D-Adaptation's ``d``) carries their rounding."""
 
 
 def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:

@@ -170,31 +170,14 @@ class OptimizerSettings:
         self._step = step
 
     def pre(self) -> None:
+        from ddparity.harness.optimizer_settings import settings_of
+
         self.settings[self._step] = settings_of(self._optimizer)
 
     def post(self) -> None:
         pass
 
     end = close = post
-
-
-def settings_of(optimizer: Any) -> dict[str, tuple[float, ...]]:
-    """Every real-number setting of ``optimizer``'s param groups (``betas[0]`` for a pair),
-    by name: its value in each group; a setting some group lacks is left out."""
-    import torch
-
-    groups: list[dict[str, float]] = []
-    for group in optimizer.param_groups:
-        numbers: dict[str, float] = {}
-        for key, value in group.items():
-            items = enumerate(value) if isinstance(value, (tuple, list)) and key != "params" else [(None, value)]
-            for i, v in items:
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = float(v)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    numbers[key if i is None else f"{key}[{i}]"] = float(v)
-        groups.append(numbers)
-    return {k: tuple(g[k] for g in groups) for k in (groups[0] if groups else {}) if all(k in g for g in groups)}
 
 
 def gradient_hooks(model: Any) -> list[str]:

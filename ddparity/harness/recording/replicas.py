@@ -188,12 +188,12 @@ class Replicas:
 
 
 def setting_prints(optimizer: Any) -> dict[str, int]:
-    """The optimizer's numeric settings (:func:`~ddparity.harness.ranks.stepping.settings_of`)
+    """The optimizer's numeric settings (:func:`~ddparity.harness.optimizer_settings.settings_of`)
     as fingerprints (each float's bits), named ``setting lr (group 0)``: every rank of a DDP
     over the whole world steps the same optimizer, so they must agree too."""
     import struct
 
-    from ddparity.harness.ranks.stepping import settings_of
+    from ddparity.harness.optimizer_settings import settings_of
 
     return {f"{SETTING}{key} (group {i})": struct.unpack("<q", struct.pack("<d", v))[0]
             for key, values in settings_of(optimizer).items() for i, v in enumerate(values)}
