@@ -191,7 +191,7 @@ class Reference:
     grad_hooks: list[str] = field(default_factory=list)
     """The parameters whose gradient the user's model hooks (``p.register_hook``)."""
     settings: dict[int, dict[str, tuple[float, ...]]] = field(default_factory=dict)
-    """Per step, the optimizer's numeric settings as its step began, one value per param group."""
+    """Per step, the optimizer's numeric settings as its step ended, one value per param group."""
     update_noise: tuple[float, float] | None = None
     """The calibration twin's step-0 move against the reference's (:func:`update_ratio`:
     factor, 1 - cos^2): how far from one factor rounding alone leaves a correct update."""
@@ -233,7 +233,7 @@ class Distances:
     """How this rank's parameters moved in step 0 against the reference's (:func:`moved`,
     summed over them): what an update that differs with the same gradients is scaled by."""
     settings: dict[int, dict[str, tuple[float, ...]]] = field(default_factory=dict)
-    """Per step, this rank's optimizer settings as its step began (the reference's :attr:`Reference.settings`)."""
+    """Per step, this rank's optimizer settings as its step ended (the reference's :attr:`Reference.settings`)."""
     grad_dots: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     """By step, this rank's gradients (its shards under FSDP) against the reference's
     (:func:`moved` from nothing, summed over them): the one factor they are of it, if any."""

@@ -429,7 +429,7 @@ def test_a_running_statistic_of_the_shard_in_a_buffer_is_named_and_its_all_reduc
 def test_a_learning_rate_scaled_by_the_world_size_is_named_by_the_optimizers_own_setting(optimizer):
     """Gradients match, parameters differ at the optimizer step: the update differs. Which
     setting made it is read from the optimizer itself: its lr on every rank is W times one
-    device's as step 0's optimizer.step() begins, so the cause is named, not listed among
+    device's as step 0's optimizer.step() ends, so the cause is named, not listed among
     candidates (where no setting shows it, how far every parameter moved does: below)."""
     report = check(bugs.lr_scaled_by_world_size(optimizer), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2, 4))
     assert [r.status for r in report.runs] == ["pass", "pass", "pass"] + ["diverged"] * 4, report.render()
@@ -443,10 +443,10 @@ def test_a_learning_rate_scaled_by_the_world_size_is_named_by_the_optimizers_own
 
 def test_an_update_scaled_where_no_setting_shows_it_is_named_by_how_far_every_parameter_moved():
     """An SGD subclass that scales its rate by W inside its own step: every setting agrees as
-    the step begins, and every parameter moved W times as far in step 0."""
-    from ddparity.fixtures import loops
+    the step ends, and every parameter moved W times as far in step 0."""
+    from ddparity.fixtures import optimizers
 
-    report = check(loops.lr_scaled_inside_the_optimizer(), modes=("ddp",), world_sizes=(2, 4))
+    report = check(optimizers.lr_scaled_inside_the_optimizer(), modes=("ddp",), world_sizes=(2, 4))
     for run in report.runs:
         assert run.first_divergence.kind == "param" and run.first_divergence.step == 0, report.render()
         [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]

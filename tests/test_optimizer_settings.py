@@ -1,5 +1,5 @@
 """The cause read from the optimizer's own settings: each rank's lr, momentum, betas and
-weight decay as each step's ``optimizer.step()`` began, against one device's. A
+weight decay as each step's ``optimizer.step()`` ended, against one device's. A
 ``ReduceLROnPlateau`` stepped on each rank's own loss was caught before, with "rank 1 alone
 drifts" or "candidate causes ... an optimizer whose settings differ"; now the setting, the
 step and every rank's value are named."""
@@ -24,7 +24,7 @@ def test_a_plateau_scheduler_on_each_ranks_loss_is_named_with_every_ranks_rate_a
         assert run.status in ("desync", "diverged"), report.render()
         [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
         assert cause.startswith("likely cause: the optimizer's lr differs between the ranks as step 2's "
-                                "optimizer.step() begins (rank 0 "), cause
+                                "optimizer.step() ends (rank 0 "), cause
         assert "ReduceLROnPlateau given the rank's loss" in cause and "one device 0.25" in cause, cause
         assert f"rank {run.world_size - 1} " in cause
     clean = check(loops.plateau_on_the_loss("mean"), modes=("ddp", "fsdp"), world_sizes=(2, 4))
@@ -59,3 +59,15 @@ def test_a_setting_explains_only_an_update_it_came_before():
     momentum = {r: {0: {"lr": (0.1,), "momentum": (0.5,)}} for r in (0, 1)}
     named = settings_apart({0: {"lr": (0.1,), "momentum": (0.9,)}}, momentum, _first(0, "param"), 2, "ddp")
     assert named.startswith("likely cause: the optimizer's momentum differs from one device's on every rank"), named
+
+
+def test_a_setting_computed_from_each_ranks_own_shards_is_named_under_fsdp_and_the_whole_norm_passes():
+    from ddparity.fixtures import optimizers
+
+    report = check(optimizers.normalized_sgd(local=True), modes=("ddp", "fsdp"), world_sizes=(2,))
+    assert [r.status for r in report.runs] == ["pass", "diverged"], report.render()
+    [cause] = [n for n in report.runs[1].notes if n.startswith("likely cause")]
+    assert cause.startswith("likely cause: the optimizer's scale differs between the ranks as step 0's "
+                            "optimizer.step() ends (rank 0 "), cause
+    assert "computed by the optimizer from the rank's own shards: a sum over p.grad.to_local()" in cause, cause
+    assert check(optimizers.normalized_sgd(), modes=("fsdp", "hsdp"), world_sizes=(2, 4)).ok

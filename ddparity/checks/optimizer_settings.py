@@ -1,13 +1,16 @@
 """The cause read from the optimizer's own settings: each rank's (lr, momentum, betas, weight
-decay, ...), as each step's ``optimizer.step()`` began, against one device's. Where they
+decay, ...), as each step's ``optimizer.step()`` ended, against one device's. Where they
 differ at or before the step that first differs, they are the cause, named outright rather
 than guessed from how far the parameters moved: the same setting on every rank, W times one
 device's learning rate (the linear scaling rule on a global batch that did not grow) or
 another factor; or a setting that differs between the ranks (a ``ReduceLROnPlateau`` stepped
-on each rank's own loss, a rate computed from the rank's data)."""
+on each rank's own loss, a rate computed from the rank's data or, under FSDP2, from its own
+shards). Read as each step ends: a setting the step itself computes (Prodigy's ``d``) is
+one the step used."""
 
 from __future__ import annotations
 
+from ddparity.run_kinds import kind
 from ddparity.verdicts import Divergence
 
 Settings = dict[int, dict[str, tuple[float, ...]]]
@@ -55,7 +58,7 @@ def _cause(key: str, step: int, expected: tuple[float, ...], got: dict[int, tupl
     if len(apart) == len(got) and len(values) == 1:
         [value] = values
         evidence = (f"evidence: the optimizer's {key} is {_shown(value)} on every rank and {one} on one device as "
-                    f"step {step}'s optimizer.step() begins")
+                    f"step {step}'s optimizer.step() ends")
         factors = {v / e for v, e in zip(value, expected) if e}
         if "lr" in key and factors and all(abs(f - world_size) <= 1e-6 * world_size for f in factors):
             return (f"likely cause: the learning rate multiplied by the world size ({world_size}), the linear "
@@ -66,8 +69,11 @@ def _cause(key: str, step: int, expected: tuple[float, ...], got: dict[int, tupl
                 f"depends on the world size or the mode; give the ranks one device's; {evidence}")
     listed = ", ".join(f"rank {r} {_shown(v)}" for r, v in list(got.items())[:6]) + (
         f" and {len(got) - 6} more" if len(got) > 6 else "")
+    shards = (f", or computed by the optimizer from the rank's own shards: a sum over p.grad.to_local(), as "
+              f"Prodigy and D-Adaptation compute their d unless told that {name} shards the parameters"
+              if kind(mode).sharded else "")
     return (f"likely cause: the optimizer's {key} differs between the ranks as step {step}'s optimizer.step() "
-            f"begins ({listed}; one device {one}): it is set per rank, from what only that rank sees (a scheduler "
+            f"ends ({listed}; one device {one}): it is set per rank, from what only that rank sees (a scheduler "
             f"stepped on the rank's own metric, such as ReduceLROnPlateau given the rank's loss, or a rate computed "
-            f"from the rank's data), so the ranks' updates differ; give every rank the same number (all-reduce the "
-            f"metric first: {name}'s loss is the mean of the ranks')")
+            f"from the rank's data{shards}), so the ranks' updates differ; give every rank the same number "
+            f"(all-reduce what it is computed from first: {name}'s loss is the mean of the ranks')")

@@ -155,10 +155,11 @@ class OptimizerPrecision:
 
 
 class OptimizerSettings:
-    """The optimizer's numeric settings as each step's ``optimizer.step()`` begins (lr,
-    momentum, betas, weight decay, a scheduler's ``initial_lr``: one value per param group),
-    per step. Where a rank's differ from one device's (a scheduler stepped on the rank's own
-    loss, the linear scaling rule), they name the cause outright
+    """The optimizer's numeric settings as each step's ``optimizer.step()`` ends (lr,
+    momentum, betas, weight decay, a scheduler's ``initial_lr``, what the step itself set,
+    such as Prodigy's ``d``: one value per param group), per step. Where a rank's differ from
+    one device's (a scheduler stepped on the rank's own loss, the linear scaling rule, a rate
+    computed from the rank's own shards), they name the cause outright
     (:mod:`ddparity.checks.optimizer_settings`)."""
 
     def __init__(self, optimizer: Any) -> None:
@@ -170,14 +171,14 @@ class OptimizerSettings:
         self._step = step
 
     def pre(self) -> None:
+        pass
+
+    def post(self) -> None:
         from ddparity.harness.optimizer_settings import settings_of
 
         self.settings[self._step] = settings_of(self._optimizer)
 
-    def post(self) -> None:
-        pass
-
-    end = close = post
+    end = close = pre
 
 
 def gradient_hooks(model: Any) -> list[str]:

@@ -150,7 +150,7 @@ class Trained:
     grad_hooks: list[str] = field(default_factory=list)
     """The parameters the user's model hooks the gradient of (:func:`stepping.gradient_hooks`)."""
     settings: dict[int, dict[str, tuple[float, ...]]] = field(default_factory=dict)
-    """Per step, the optimizer's settings as its step began (:class:`stepping.OptimizerSettings`)."""
+    """Per step, the optimizer's settings as its step ended (:class:`stepping.OptimizerSettings`)."""
 
 
 def train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sink: Sink | None = None,
