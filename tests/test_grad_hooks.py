@@ -84,3 +84,26 @@ def test_a_compiled_run_that_differs_where_its_eager_twin_does_takes_the_twins_p
     assert compiled.compile is not None and compiled.status == "diverged", report.render()
     assert [n for n in compiled.notes if n.startswith("likely cause")] == _causes(eager), compiled.notes
     assert PER_RANK in _causes(eager)[0]
+
+
+def test_each_ranks_own_factor_outranks_hooks_and_a_uniform_factor_under_ddp_is_not_theirs():
+    from ddparity.checks.placed import reread
+    from ddparity.verdicts import Divergence, ModuleFinding
+
+    best = ModuleFinding(step=0, rank=0, phase="reduction")
+    first = Divergence(step=0, kind="grad", name="w", rank=0, max_abs=1.0, max_rel=0.5, tolerance=1e-6)
+    hooks = ["w"]
+    own = reread([], best, first, [first], 2, "fsdp", True, lambda: 1.0, per_rank={0: (1.4, 1e-9), 1: (1.6, 1e-9)},
+                 hooks=hooks)
+    assert own[0].startswith("likely cause: at step 0 each rank's gradients were scaled after the reduction"), own
+    lost = reread([], best, first, [first], 2, "fsdp", True, lambda: 1.0, per_rank={0: (2.0, 1e-9), 1: (2.0, 1e-9)},
+                  hooks=hooks)
+    assert NEVER_RUN in lost[0], lost
+    guessed = ["likely cause: all 2 gradients are scaled by the same factor (relative error 1 in each, the loss "
+               "matches): a comm hook ..."]
+    uniform = reread(guessed, best, first, [first], 2, "ddp", True, lambda: 1.0,
+                     per_rank={0: (2.0, 1e-9), 1: (2.0, 1e-9)}, hooks=hooks)
+    assert len(uniform) == 1 and "by a comm hook" in uniform[0], uniform  # a linear hook commutes with the average
+    clamp = reread(guessed, best, first, [first], 2, "ddp", True, lambda: 1.0,
+                   per_rank={0: (0.7, 0.2), 1: (0.6, 0.3)}, hooks=hooks)
+    assert len(clamp) == 1 and PER_RANK in clamp[0], clamp

@@ -59,6 +59,8 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     if inside is not None:
         notes = [inside if n.startswith(OWN_VALID_ENTRIES) else n for n in notes]
     hooked = hooked_gradients(hooks or [], mode, per_rank) if best.phase == "reduction" else None
+    if hooked is not None and per_rank and scaled_per_rank(best.step, per_rank, mode):
+        hooked = None  # each rank one factor of its own: a scale's signature, which no hook left unrun makes
     if hooked is not None:  # what the numbers guessed (one factor: "a comm hook") yields to it
         notes = [n for n in notes if SAME_FACTOR not in n and not n.startswith("candidate causes")]
         if not any(n.startswith("likely cause") for n in notes):
