@@ -86,7 +86,8 @@ def test_a_flipped_bit_no_tolerance_sees_is_named_by_the_devices_of_its_model(tm
 
 
 @pytest.mark.parametrize(("rank", "torchrun"), [(0, False), pytest.param(1, False, marks=pytest.mark.breadth),
-                                               (1, True), pytest.param(0, True, marks=pytest.mark.breadth)],
+                                               pytest.param(1, True, marks=pytest.mark.breadth),
+                                               pytest.param(0, True, marks=pytest.mark.breadth)],
                          ids=["rank0", "last", "torchrun-last", "torchrun-rank0"])
 def test_a_rank_that_trains_wrong_fails_the_gates_training_naming_it(rank, torchrun, tmp_path):
     """Every other check passes (the collectives, the matmul, the links are fine); only a

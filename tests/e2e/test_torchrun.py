@@ -269,8 +269,8 @@ def straggler(): return faults.straggler(0)
 """
 
 
-@pytest.mark.parametrize("fault", ["stuck", "raising", *(pytest.param(f, marks=pytest.mark.breadth)
-                                                          for f in ("exiting", "skipped", "straggler"))])
+@pytest.mark.parametrize("fault", ["stuck", *(pytest.param(f, marks=pytest.mark.breadth)
+                                                for f in ("raising", "exiting", "skipped", "straggler"))])
 def test_a_fault_on_rank_0_the_reporting_rank_is_reported_and_blamed_on_it(tmp_path, fault):
     """Rank 0 holds the reference and prints the report: its own fault must still be
     reported, by rank 0 or for it, naming rank 0 (the other tests put it on rank 1 = W-1)."""
