@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddparity.records import GATHERED_WITH_GRAD, GATHERS, SETTING, Entry, parse_ledger
+from ddparity.checks.optimizer_settings import settings_desync
+from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry, parse_ledger
 from ddparity.run_kinds import kind
 from ddparity.verdicts import Desync, Divergence, MismatchedSlot
 
@@ -380,13 +381,9 @@ def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[in
         return _unused_on_some_ranks(desync.collective)
     if desync.differs is None:
         return None
-    settings = list(dict.fromkeys(d[len(SETTING):].split(" (group")[0] for d in desync.differs
-                                  if d.startswith(SETTING)))
+    settings = settings_desync(desync.differs, desync.step, desync.ranks, desync.agreeing_ranks)
     if settings:
-        return (f"likely cause: the optimizer's {', '.join(settings)} differ{'s' if len(settings) == 1 else ''} "
-                f"between the ranks at step {desync.step} ({desync.ranks} against {desync.agreeing_ranks}): set per "
-                f"rank, from what only that rank sees (a scheduler stepped on the rank's own metric, such as "
-                f"ReduceLROnPlateau given the rank's loss); give every rank the same number (all-reduce the metric first)")
+        return settings
     differing = [d for d in desync.differs if d.startswith("param ")]
     if desync.step == 0 and params and len(differing) >= MISSED_SYNC_SHARE * params:
         return _nothing_reduced(len(differing), params, [f.get(0, (0, 0)) for f in forwards if f is not None]

@@ -10,11 +10,17 @@ one the step used."""
 
 from __future__ import annotations
 
+from ddparity.records import SETTING
 from ddparity.run_kinds import kind
 from ddparity.verdicts import Divergence
 
 Settings = dict[int, dict[str, tuple[float, ...]]]
 """Per step, each setting's value in every param group (:func:`ddparity.harness.optimizer_settings.settings_of`)."""
+
+PER_RANK = ("it is set per rank, from what only that rank sees (a scheduler stepped on the rank's own metric, such "
+            "as ReduceLROnPlateau given the rank's loss, or a rate computed from the rank's data")
+"""Where a setting that differs between the ranks comes from (the sentence's open parenthesis
+is closed by the caller)."""
 
 SAME_SETTING = 1e-4
 """How close (relative) two values of a setting are to be the same: a setting an optimizer
@@ -73,7 +79,17 @@ def _cause(key: str, step: int, expected: tuple[float, ...], got: dict[int, tupl
               f"Prodigy and D-Adaptation compute their d unless told that {name} shards the parameters"
               if kind(mode).sharded else "")
     return (f"likely cause: the optimizer's {key} differs between the ranks as step {step}'s optimizer.step() "
-            f"ends ({listed}; one device {one}): it is set per rank, from what only that rank sees (a scheduler "
-            f"stepped on the rank's own metric, such as ReduceLROnPlateau given the rank's loss, or a rate computed "
-            f"from the rank's data{shards}), so the ranks' updates differ; give every rank the same number "
-            f"(all-reduce what it is computed from first: {name}'s loss is the mean of the ranks')")
+            f"ends ({listed}; one device {one}): {PER_RANK}{shards}), so the ranks' updates differ; give every rank "
+            f"the same number (all-reduce what it is computed from first: {name}'s loss is the mean of the ranks')")
+
+
+def settings_desync(differs: list[str], step: int, ranks: list[int], agreeing: list[int] | None) -> str | None:
+    """The likely cause of a desync among whose differing fingerprints (``differs``) are the
+    optimizer's settings (``setting lr (group 0)``: a watched script's), which only the ranks'
+    own values tell apart; None where none differ."""
+    settings = list(dict.fromkeys(d[len(SETTING):].split(" (group")[0] for d in differs if d.startswith(SETTING)))
+    if not settings:
+        return None
+    return (f"likely cause: the optimizer's {', '.join(settings)} differ{'s' if len(settings) == 1 else ''} between "
+            f"the ranks at step {step} ({ranks} against {agreeing}): {PER_RANK}); give every rank the same number "
+            f"(all-reduce the metric first)")

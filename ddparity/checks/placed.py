@@ -59,8 +59,6 @@ def reread(notes: list[str], best: ModuleFinding, first: Divergence, found: list
     if inside is not None:
         notes = [inside if n.startswith(OWN_VALID_ENTRIES) else n for n in notes]
     hooked = hooked_gradients(hooks or [], mode, per_rank) if best.phase == "reduction" else None
-    if hooked is not None and per_rank and scaled_per_rank(best.step, per_rank, mode):
-        hooked = None  # each rank one factor of its own: a scale's signature, which no hook left unrun makes
     if hooked is not None:  # what the numbers guessed (one factor: "a comm hook") yields to it
         notes = [n for n in notes if SAME_FACTOR not in n and not n.startswith("candidate causes")]
         if not any(n.startswith("likely cause") for n in notes):
@@ -123,9 +121,12 @@ def hooked_gradients(hooks: list[str], mode: str, per_rank: dict[int, tuple[floa
     before the average, which changes the result unless the hook is linear (so not where each
     rank's gradients are one factor of the reference's, ``per_rank``); under FSDP2 they did
     not run at all (``fully_shard`` replaces the parameters; a tensor hook on the new ones never
-    fires). None for DataParallel (the hook runs on the summed gradient, as on one device)."""
+    fires). None for DataParallel (the hook runs on the summed gradient, as on one device),
+    and where each rank's gradients are one factor of their own (:func:`scaled_per_rank`)."""
     if not hooks or not (kind(mode).sharded or kind(mode).replicated) or kind(mode).one_process:
         return None
+    if per_rank and scaled_per_rank(0, per_rank, mode):
+        return None  # each rank one factor of its own: a scale's signature, which no hook (run or not) makes
     shown = ", ".join(hooks[:3]) + (f" and {len(hooks) - 3} more" if len(hooks) > 3 else "")
     fix = ("apply it to the whole gradient in the step, between backward() and optimizer.step() "
            "(torch.nn.utils.clip_grad_value_ for a clamp)")

@@ -1,6 +1,6 @@
 """An optimizer's numeric settings as they are read from it (its param groups' lr, momentum,
-betas, weight decay, a scheduler's ``initial_lr``): by the ranks of a check, as each step
-begins (:class:`~ddparity.harness.ranks.stepping.OptimizerSettings`), and by a watched
+betas, weight decay, a scheduler's ``initial_lr``): by the ranks of a check, as each step's
+``optimizer.step()`` ends (:class:`~ddparity.harness.ranks.stepping.OptimizerSettings`), and by a watched
 script's ranks, fingerprinted beside the parameters
 (:mod:`ddparity.harness.recording.replicas`)."""
 

@@ -164,8 +164,9 @@ def dp_task(ctx: RankContext, case: Case, spool: str,
         mode = DataParallelMode(case.steps, ws, ctx.device)
         sink = Comparer(spool, "dp", 0, ws, WAIT_LIMIT_S)
         trained = train(case, spool, ctx.device, mode, sink)
-        out[ws] = (sink.finish(), mode.notes, mode.simulated)
-        out[ws][0].settings = trained.settings
+        distances = sink.finish()
+        distances.settings = trained.settings
+        out[ws] = (distances, mode.notes, mode.simulated)
     return out
 
 
