@@ -448,6 +448,7 @@ def test_an_update_scaled_where_no_setting_shows_it_is_named_by_how_far_every_pa
 
     report = check(optimizers.lr_scaled_inside_the_optimizer(), modes=("ddp",), world_sizes=(2, 4))
     for run in report.runs:
+        assert run.status == "diverged", report.render()
         assert run.first_divergence.kind == "param" and run.first_divergence.step == 0, report.render()
         [cause] = [n for n in run.notes if n.startswith(("likely cause", "candidate causes"))]
         ws = run.world_size

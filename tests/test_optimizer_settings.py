@@ -71,3 +71,34 @@ def test_a_setting_computed_from_each_ranks_own_shards_is_named_under_fsdp_and_t
                             "optimizer.step() ends (rank 0 "), cause
     assert "computed by the optimizer from the rank's own shards: a sum over p.grad.to_local()" in cause, cause
     assert check(optimizers.normalized_sgd(), modes=("fsdp", "hsdp"), world_sizes=(2, 4)).ok
+
+
+class _ClippedSGD(torch.optim.SGD):
+    """A subclass as users write one: its own work, then the parent's step."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+        return super().step(closure)
+
+
+def test_a_subclass_calling_super_step_is_one_step_to_ddparitys_hooks_whatever_was_built_before():
+    """torch runs the step hooks in every ``step`` it patched: once ``SGD.step`` is (any SGD
+    built in the process), a subclass's ``super().step()`` runs them a second time, inside
+    the first. Counted as two, the training step was refused ("called optimizer.step() 2
+    times") in a rank process that had trained a plain SGD before, and passed in a fresh one."""
+    from ddparity.harness.ranks.stepping import OptimizerWatch
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # SGD.step hooked, as in a warm rank
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = _ClippedSGD([w], lr=0.1)
+    seen = []
+    watch = OptimizerWatch(optimizer, lambda: seen.append("before"), lambda: seen.append("grads"))
+    for step in range(2):
+        watch.begin(step)
+        w.grad = torch.full((3,), 4.0)
+        optimizer.step()
+        watch.end()
+        assert watch.calls == 1
+    assert seen == ["before", "grads"] * 2
+    watch.close()

@@ -67,6 +67,33 @@ def test_the_scripts_argv_and_exit_code_pass_through_when_nothing_is_found(tmp_p
     assert any("exit code(s), passed through: {0: 5, 1: 5}" in n for n in only_run(data)["notes"])
 
 
+def test_an_optimizer_subclass_calling_super_step_is_fingerprinted_once_per_step(tmp_path):
+    """Once ``SGD.step`` is hooked (a plain SGD built first), torch runs the global step hook
+    in the subclass's ``step`` and again in its ``super().step()``: one step, fingerprinted
+    once (it was counted as two)."""
+    (tmp_path / "train.py").write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "class Clipped(torch.optim.SGD):\n"
+        "    def step(self, closure=None):\n"
+        "        torch.nn.utils.clip_grad_norm_(self.param_groups[0]['params'], 1.0)\n"
+        "        return super().step(closure)\n"
+        "dist.init_process_group('gloo')\n"
+        "torch.manual_seed(0)\n"
+        "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+        "model = DDP(torch.nn.Linear(4, 2))\n"
+        "optimizer = Clipped(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.randn(8, 4)).square().mean().backward()\n"
+        "    optimizer.step()\n"
+        "dist.destroy_process_group()\n")
+    result, data = watch(tmp_path, 2, "train.py", module=False)
+    assert result.returncode == 0, result.stderr
+    assert any("3 optimizer step(s) fingerprinted and compared across ddp replicas" in n
+               for n in only_run(data)["notes"]), only_run(data)["notes"]
+
+
 def test_a_rank_that_stops_is_a_hang_naming_it_with_every_ranks_place_and_stack(tmp_path):
     result, data = watch(tmp_path, 3, DDP, "--fault", "hang", "--on", "-1", timeout=5)
     assert result.returncode == 3, result.stderr

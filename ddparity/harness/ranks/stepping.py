@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddparity.errors import CaseError
+from ddparity.harness.optimizer_steps import nested_step
 
 
 @dataclass(eq=False)
@@ -74,6 +75,8 @@ class OptimizerWatch:
             w.end()
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if nested_step(optimizer):
+            return
         self.calls += 1
         if self.calls > 1:
             return
@@ -85,7 +88,7 @@ class OptimizerWatch:
             w.pre()  # after ddparity's own recording: the optimizer's own work alone
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if self.calls != 1:
+        if self.calls != 1 or nested_step(optimizer):
             return
         for w in self.watchers:
             w.post()

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ddparity.harness.optimizer_steps import nested_step
 from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
 from ddparity.harness.recording.recorder import StepRecorder, untraced
 from ddparity.harness.shards import is_sharded
@@ -130,7 +131,10 @@ class Replicas:
     # -- after each optimizer step ----------------------------------------------------
 
     def after_step(self, optimizer: Any, *_: Any) -> None:
-        """The global optimizer step hook: fingerprint what this optimizer holds."""
+        """The global optimizer step hook: fingerprint what this optimizer holds (once per
+        call the script made: a subclass's ``super().step()`` is the same step)."""
+        if nested_step(optimizer):
+            return
         step = self.steps
         self.steps += 1
         self.recorder.set_phase(self.steps, "optimizer")

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddparity.harness.optimizer_steps import nested_step
 from ddparity.harness.ranks.batches import shard
 from ddparity.harness.ranks.collective_times import IN_BUCKET_HOOK, CollectiveTimes
 from ddparity.harness.ranks.modes.ddp import distributed
@@ -265,11 +266,15 @@ class TimedMode:
     def before_optimizer(self, replica: Replica) -> None:
         self._optimizer_marks.append(self.clock.mark())
 
+    def _optimizer_stepped(self, optimizer: Any, *_: Any) -> None:
+        if not nested_step(optimizer):  # a subclass's super().step() ends inside the same step
+            self._optimizer_marks.append(self.clock.mark())
+
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._count_activations, self._model = False, replica.model
         if step == 0:
             self._optimizer_marks: list[Any] = []
-            replica.optimizer.register_step_post_hook(lambda *_: self._optimizer_marks.append(self.clock.mark()))
+            replica.optimizer.register_step_post_hook(self._optimizer_stepped)
         if replica.case.train_step is not None:
             self._user_step(step, replica, batch)
         else:
