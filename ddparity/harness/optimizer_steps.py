@@ -6,7 +6,8 @@ torch runs an optimizer's step hooks in the ``step`` of every class it patched
 of, once per process). A subclass whose ``step`` calls ``super().step()`` therefore runs
 the hooks twice where an instance of its parent class was built earlier in the process,
 and once otherwise: the same user code, counted as one step or two by what ran before it.
-ddparity's hooks act at the outermost call only (:func:`nested_step`)."""
+A wrapper optimizer (Lookahead) stepping its base optimizer is one step too. ddparity's
+hooks act at the outermost call only (:func:`nested_step`)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ def _hooked_step_code() -> Any:
     return Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 
 
-def nested_step(optimizer: Any) -> bool:
-    """Whether the hook calling this runs in a ``step`` of ``optimizer`` that another
-    ``step`` of the same optimizer called (``super().step()`` inside a subclass's ``step``),
-    not in the call the training step made."""
+def nested_step() -> bool:
+    """Whether the step hook calling this runs in a ``step`` that another optimizer ``step``
+    called (``super().step()`` inside a subclass's ``step``, or a wrapper such as Lookahead
+    stepping its base optimizer), not in the call the training step made."""
     code = _hooked_step_code()
     frame: FrameType | None = sys._getframe(1)
     calls = 0
     while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is optimizer:
+        if frame.f_code is code:
             calls += 1
             if calls > 1:
                 return True

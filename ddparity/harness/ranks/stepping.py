@@ -75,7 +75,7 @@ class OptimizerWatch:
             w.end()
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if nested_step(optimizer):
+        if nested_step():
             return
         self.calls += 1
         if self.calls > 1:
@@ -88,7 +88,7 @@ class OptimizerWatch:
             w.pre()  # after ddparity's own recording: the optimizer's own work alone
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if self.calls != 1 or nested_step(optimizer):
+        if self.calls != 1 or nested_step():
             return
         for w in self.watchers:
             w.post()

@@ -133,7 +133,7 @@ class Replicas:
     def after_step(self, optimizer: Any, *_: Any) -> None:
         """The global optimizer step hook: fingerprint what this optimizer holds (once per
         call the script made: a subclass's ``super().step()`` is the same step)."""
-        if nested_step(optimizer):
+        if nested_step():
             return
         step = self.steps
         self.steps += 1

@@ -267,7 +267,7 @@ class TimedMode:
         self._optimizer_marks.append(self.clock.mark())
 
     def _optimizer_stepped(self, optimizer: Any, *_: Any) -> None:
-        if not nested_step(optimizer):  # a subclass's super().step() ends inside the same step
+        if not nested_step():  # a subclass's super().step() ends inside the same step
             self._optimizer_marks.append(self.clock.mark())
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
