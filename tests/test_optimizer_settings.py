@@ -102,3 +102,20 @@ def test_a_subclass_calling_super_step_is_one_step_to_ddparitys_hooks_whatever_w
         assert watch.calls == 1
     assert seen == ["before", "grads"] * 2
     watch.close()
+
+
+def test_zero_redundancy_passes_under_ddp_and_is_refused_under_fsdp2_with_the_fix():
+    """ZeRO-1 over Adam: the same training under DDP (its step runs Adam inside its own
+    step: one step to the hooks); under FSDP2 torch raised from inside it ("c10d.broadcast_
+    does not have a sharding strategy"), read as a crash with a generic cause. Now an
+    error before its first step that names the optimizer to give FSDP2 instead."""
+    from ddparity.fixtures import optimizers
+
+    report = check(optimizers.zero_redundancy(), modes=("ddp", "fsdp", "hsdp"), world_sizes=(2, 4))
+    by = {(r.mode, r.world_size): r for r in report.runs}
+    assert by["ddp", 2].status == by["ddp", 4].status == "pass", report.render()
+    for key in (("fsdp", 2), ("fsdp", 4), ("hsdp", 4)):
+        assert by[key].status == "error", report.render()
+        assert "ZeroRedundancyOptimizer cannot step FSDP2's sharded parameters" in by[key].reason, by[key].reason
+        assert "Give FSDP2 the optimizer ZeroRedundancyOptimizer wraps (Adam) directly" in by[key].reason
+    assert report.exit_code == 2

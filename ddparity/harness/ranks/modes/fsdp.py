@@ -14,6 +14,7 @@ shard: the replicas of one shard must hold the same bits (a desync otherwise); u
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,7 @@ class FSDPMode:
 
     def before_optimizer(self, replica: Replica) -> None:
         self.recorder.set_phase(self._step, "optimizer")
+        refuse_zero(replica.optimizer)
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._step = step
@@ -171,6 +173,21 @@ def refuse_scripted(model: Any) -> None:
             f"replaces its parameters, which a scripted module does not allow. Check the eager module here (script it "
             f"after training, or compile it with torch.compile, which FSDP2 takes), or check this model with "
             f"--modes single,dp,ddp (DDP and DataParallel take scripted modules)")
+
+
+def refuse_zero(optimizer: Any) -> None:
+    """A :class:`~ddparity.errors.CaseError` for a ``ZeroRedundancyOptimizer``, before its
+    first step under FSDP2 (torch raises from inside it: DTensor has no rule for the
+    broadcast it ends with)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # not imported: none was built
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", "the optimizer it wraps")
+        raise CaseError(
+            f"ZeroRedundancyOptimizer cannot step FSDP2's sharded parameters: it splits whole parameters among the "
+            f"ranks and broadcasts each from the rank that stepped it (ZeRO-1, for DDP), while under FSDP2 each rank "
+            f"already holds a shard of every parameter and of its optimizer state (ZeRO-3), as DTensors it cannot "
+            f"broadcast. Give FSDP2 the optimizer ZeroRedundancyOptimizer wraps ({inner}) directly, or check this "
+            f"optimizer with --modes single,ddp")
 
 
 def refuse_sparse(model: Any) -> None:
