@@ -117,7 +117,8 @@ def test_a_torch_without_the_threaded_process_group_gets_a_clear_error(monkeypat
         check(Case(model=MLP, data=classes), modes=("ddp",), world_sizes=(8,), backend="threaded")
 
 
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.breadth) if n == "stuck_rank" else n
+                                  for n in FAULTS])  # a hung simulated rank: test_a_hung_simulated_rank_...
 def test_every_fault_at_simulated_8_gets_the_verdict_real_ranks_give_naming_the_rank(pool, name):
     """Each simulated rank keeps its own records (collectives, DDP's buckets, phases), so a
     fault is judged as among real ranks. Before: SUM against MAX and a broadcast from another
