@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddparity.checks.tolerance import Tolerance
-from ddparity.distances import RECORD_KINDS, Distances, Reference
+from ddparity.distances import RECORD_KINDS, Distances, Reference, update_ratio
 from ddparity.verdicts import Divergence
 
 WORST_SHOWN = 5
@@ -67,7 +67,28 @@ def divergences(reference: Reference, runs: list[Distances], tolerance: Toleranc
                                 mismatch=why if error == float("inf") else None,
                             )
                         )
-    return found
+    return sorted(found + _update_factor(runs, tolerance, until), key=lambda d: (d.step, RECORD_KINDS.index(d.kind)))
+
+
+UPDATE_FACTOR = "(the update, as a factor of one device's)"
+"""The name a run's step-0 update is judged under as a whole (see
+:data:`~ddparity.checks.tolerance.UPDATE_SHARE`)."""
+
+
+def _update_factor(runs: list[Distances], tolerance: Tolerance, until: int | None) -> list[Divergence]:
+    """The run's step-0 update as a whole, where ``tolerance`` judges its factor and it is
+    further from 1 than that (named on the rank whose own factor is furthest)."""
+    if not tolerance.update or until == 0:
+        return []
+    moved = {r.rank: r.moved for r in runs if r.moved}
+    whole = update_ratio(list(moved.values()))
+    if whole is None or not abs(whole[0] - 1) > tolerance.update:
+        return []
+    own = {rank: abs(ratio[0] - 1) for rank, sums in moved.items() for ratio in [update_ratio([sums])] if ratio}
+    rank = max(own, key=lambda r: own[r]) if own else min(moved)
+    error = abs(whole[0] - 1)
+    return [Divergence(step=0, kind="param", name=UPDATE_FACTOR, rank=rank, max_abs=error, max_rel=error,
+                       tolerance=tolerance.update)]
 
 
 def worst(found: list[Divergence], limit: int = WORST_SHOWN) -> list[Divergence]:

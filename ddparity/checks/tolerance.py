@@ -29,8 +29,9 @@ size 0) nor than the dtype's smallest normal number: a tolerance is never 0. Ulp
 the lowest precision the run computed in (bf16 or fp16 autocast, a bf16 model). Where the
 optimizer step computes in a lower precision than the gradients (Muon's bf16 Newton-Schulz
 products), the twin's optimizer is given gradients moved by an ulp of that precision, after
-they are recorded: a sharded run rounds those products otherwise, which no reordering of
-the batch shows.
+they are recorded, and its own products rounded as a sharded run rounds them, which no
+reordering of the batch shows (:mod:`~ddparity.harness.ranks.modes.twin_optimizer`); the
+step-0 update is then judged as a whole too, by its factor (:data:`UPDATE_SHARE`).
 
 Where the twin's first gradients differ from the reference's by more than rounding can
 (at least half the size of a gradient that is well above rounding), the step depends on something beside the
@@ -89,6 +90,18 @@ cancel (of both signs) is far below their mean size."""
 
 CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
+
+UPDATE_SHARE = 0.25
+"""How far from 1 the factor of a run's step-0 update may be (least squares over every
+parameter's move, against the reference's), judged where the optimizer computes in a lower
+precision than the gradients. There the twin rounds the optimizer's products as a sharded
+run does (:mod:`~ddparity.harness.ranks.modes.twin_optimizer`), a few % of the update, so the
+parameters' tolerances at step 0 may exceed the update itself and a learning rate x W passed
+them. A factor is what such rounding leaves alone: over seeds 0-7 of Muon under fsdp and
+hsdp at 2 and 4 ranks, a correct run's came within 0.005 of 1 and lr x W's within 0.02 of W;
+a data-parallel bug that scales the update (lr x W, a summed loss under SGD) is off by at
+least 1 at W >= 2, so a quarter tells it by 4x. Not judged where the twin's own factor leaves
+no room under it (:data:`CAP_ROOM`)."""
 
 COMPILED_ERROR_RATIO = 15.0
 """How far a compiled run's error against float64 may exceed the eager reference's own, per
@@ -164,6 +177,9 @@ class Tolerance:
     eps: float = 0.0
     """The ulp of the precision the run was judged in (0: not known): how exactly a bug's
     numeric signature, such as a loss off by ``1 - 1/W``, can hold in it."""
+    update: float = 0.0
+    """How far from 1 the factor of the run's step-0 update may be (0: not judged; see
+    :data:`UPDATE_SHARE`)."""
 
     def __call__(self, step: int, kind: str, name: str) -> float:
         return self.table.get((step, kind, name), 0.0)
@@ -245,7 +261,11 @@ def auto_tolerance(reference: Reference, world_size: int, dtype: Any, run_dtype:
                  f"larger terms), so a gradient counts as diverged only beyond that; the loss is judged within a "
                  f"tolerance below its own size and the replicas' agreement bit for bit; a float32 check judges "
                  f"gradients more tightly")
-    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose, eps)
+    twin_update = reference.update_noise
+    update = (UPDATE_SHARE if reference.optimizer_dtype and world_size > 1 and twin_update is not None
+              and CAP_ROOM * abs(1 - twin_update[0]) <= UPDATE_SHARE else 0.0)
+    return Tolerance(f"auto (calibrated noise floor x{headroom:g}, {dtype}{policy})", table, uncalibrated, loose, eps,
+                     update)
 
 
 def _vacuous(reference: Reference, table: dict[tuple[int, str, str], float], world_size: int,

@@ -188,3 +188,46 @@ def test_an_infinite_distance_says_why():
     run.compare(0, ("grad", "b.bias"), one, one)
     assert run.steps == [{("grad", "a.weight"): math.inf, ("grad", "b.bias"): 0.0}]
     assert run.mismatches == {(0, "grad", "a.weight"): "missing (the reference has one)"}
+
+
+def _moved_by(factor, rank=0, size=100.0):
+    """A rank's step-0 sums of ``distances.moved`` for an update ``factor`` x the reference's
+    (the same direction): (run . ref, ref . ref, run . run)."""
+    run = make_run(rank=rank)
+    run.moved = (factor * size, size, factor * factor * size)
+    return run
+
+
+def test_a_low_precision_optimizers_update_is_judged_as_a_whole_by_its_factor():
+    """Where the optimizer computes in bf16 (Muon) the twin rounds its products as a sharded run
+    does, and the parameters' tolerances may exceed the update itself: the update's factor is
+    judged instead, on the rank whose own factor is furthest, in the order of the kinds."""
+    from ddparity.checks.equivalence import UPDATE_FACTOR
+    from ddparity.checks.tolerance import UPDATE_SHARE
+
+    ref = make_reference()
+    ref.optimizer_dtype, ref.update_noise = "bfloat16", (0.97, 0.06)  # the twin's own factor: 3% off
+    tol = auto_tolerance(ref, 2, torch.float32)
+    assert tol.update == UPDATE_SHARE
+    assert divergences(ref, [_moved_by(1.004), _moved_by(0.997, rank=1)], tol) == []  # a correct run's rounding
+    found = divergences(ref, [_moved_by(2.0), _moved_by(2.01, rank=1, size=50.0)], tol)  # lr x 2
+    assert [(d.step, d.kind, d.name, d.rank) for d in found] == [(0, "param", UPDATE_FACTOR, 1)]
+    assert math.isclose(found[0].max_abs, 1.0033, rel_tol=1e-3) and found[0].tolerance == UPDATE_SHARE
+    # a loss off at step 0 stays first; a run compared up to step 0 only is not judged past it
+    bumped = make_run(rank=0, bump=(0, "loss", "loss", 1.0))
+    bumped.moved = _moved_by(2.0).moved
+    assert [d.kind for d in divergences(ref, [bumped], tol)] == ["loss", "param"]
+    assert divergences(ref, [_moved_by(2.0)], tol, until=0) == []
+
+
+def test_the_update_factor_is_judged_only_where_the_optimizer_is_low_precision_and_the_twin_leaves_room():
+    ref = make_reference()
+    ref.update_noise = (0.97, 0.06)
+    assert auto_tolerance(ref, 2, torch.float32).update == 0.0  # a float32 optimizer: its tensors judge it
+    ref.optimizer_dtype = "bfloat16"
+    assert auto_tolerance(ref, 1, torch.float32).update == 0.0  # one rank: nothing sharded rounds it
+    ref.update_noise = (0.8, 0.3)  # the twin itself 20% off: no room under a quarter
+    assert auto_tolerance(ref, 2, torch.float32).update == 0.0
+    ref.update_noise = None  # the twin did not move
+    assert auto_tolerance(ref, 2, torch.float32).update == 0.0
+    assert divergences(ref, [_moved_by(2.0)], auto_tolerance(ref, 2, torch.float32)) == []

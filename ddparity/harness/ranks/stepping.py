@@ -90,8 +90,8 @@ class OptimizerWatch:
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if self.calls != 1 or nested_step():
             return
-        for w in self.watchers:
-            w.post()
+        for w in reversed(self.watchers):
+            w.post()  # in the reverse order of pre(): a watcher's TorchFunctionMode is the innermost
         if self._closure:
             self.on_grads()
 

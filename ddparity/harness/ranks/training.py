@@ -19,9 +19,7 @@ While a replica trains, dropout gives every sample the same mask in every mode
 (:mod:`ddparity.harness.ranks.randomness`), the reference watches for any other random draw,
 and the lowest precision autocast computed in is noted for the calibration.
 
-The modes: ``single`` (the reference), its calibration ``twin``, ``dp`` (DataParallel,
-emulated or real), ``ddp`` (also each simulated rank of the threaded backend) and
-``timed`` (the profile's timed passes).
+The modes: ``single`` (the reference), its ``twin``, ``dp``, ``ddp``, ``fsdp``/``hsdp``, ``timed``.
 """
 
 from __future__ import annotations
@@ -56,7 +54,8 @@ class Sink(Protocol):
     """Where a run's tensors go as the step makes them: the reference's
     :class:`~ddparity.harness.ranks.spool.Writer`, every other run's
     :class:`~ddparity.harness.ranks.comparer.Comparer`, or
-    :class:`~ddparity.harness.ranks.spool.NoSink` (profile's timed steps)."""
+    :class:`~ddparity.harness.ranks.spool.NoSink` (profile's timed steps). One that says
+    ``watches_the_optimizer`` is told of the optimizer's step too (an optimizer watcher)."""
 
     def grads(self, step: int, model: Any) -> None:
         """The gradients as the optimizer sees them (at ``optimizer.step()``)."""
@@ -188,7 +187,8 @@ def _train(case: Case, state: dict[str, Any] | str, device: str, mode: Mode, sin
     settings = OptimizerSettings(replica.optimizer)
     replica.watch = OptimizerWatch(replica.optimizer, lambda: mode.before_optimizer(replica),
                                    lambda: replica.sink.grads(ctx.step, model),
-                                   (precision, outside, settings) if reference else (settings,))
+                                   ((precision, outside, settings) if reference else (settings,))
+                                   + ((replica.sink,) if getattr(replica.sink, "watches_the_optimizer", 0) else ()))
     replica.step_fn = user_step(case) or default_step(replica, compute_loss, forward)
     # the reference and its twin calibrate with the precision computed in; the other modes need not know
     replica.precision = AutocastWatch(model, device) if reference else None

@@ -31,6 +31,7 @@ from ddparity.harness.ranks.batches import (
 )
 from ddparity.harness.ranks.comparer import Comparer
 from ddparity.harness.ranks.modes.single import SingleMode
+from ddparity.harness.ranks.modes.twin_optimizer import RoundedForTheOptimizer
 from ddparity.harness.ranks.randomness import suspended
 from ddparity.harness.ranks.stepping import lowest_precision, record_step
 from ddparity.harness.ranks.training import Replica, call_args, finish_step, forward
@@ -46,7 +47,8 @@ class TwinMode(SingleMode):
     """The torch dtype the case computes in: the jitter's ulp (:func:`jittered`)."""
     optimizer_dtype: str | None = None
     """A lower precision the reference's optimizer step computed in ("bfloat16"): the
-    optimizer's input is moved by an ulp of it (:class:`_RoundedForTheOptimizer`)."""
+    optimizer's input and its own products are rounded as a sharded run's are
+    (:class:`~ddparity.harness.ranks.modes.twin_optimizer.RoundedForTheOptimizer`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,43 +127,11 @@ class TwinMode(SingleMode):
         finish_step(replica, step, *record_step(step, replica, batch))
 
     def sink(self, comparer: Comparer) -> Any:
-        """Where the twin's tensors go: ``comparer``, through :class:`_RoundedForTheOptimizer`
+        """Where the twin's tensors go: ``comparer``, through :class:`RoundedForTheOptimizer`
         where the optimizer computes in a lower precision than the gradients and W > 1."""
         if self.optimizer_dtype is None or self.twin_world_size <= 1:
             return comparer
-        return _RoundedForTheOptimizer(comparer, self.optimizer_dtype)
-
-
-class _RoundedForTheOptimizer:
-    """A sink that, once the gradients are recorded, moves each of their elements by an ulp
-    of the optimizer's precision, up or down at random, before the optimizer runs. An
-    optimizer that computes in bf16 what is not element-wise (Muon's Newton-Schulz products)
-    rounds differently where its matrices are sharded (FSDP2's DTensors): the update moved
-    by 20% of itself in a correct 2-rank run, while the twin, whose gradients rounded to the
-    same bf16 bits, computed it bit for bit. An ulp of bf16 in the optimizer's input makes
-    the twin's update show that rounding, amplified as the optimizer amplifies it; the
-    gradients compared (recorded before) keep their own calibration."""
-
-    def __init__(self, sink: Comparer, dtype: str) -> None:
-        import torch
-
-        self._sink, self._eps = sink, torch.finfo(getattr(torch, dtype)).eps
-        self._generator = torch.Generator().manual_seed(JITTER_SEED + 1)
-
-    def grads(self, step: int, model: Any) -> None:
-        import torch
-
-        self._sink.grads(step, model)
-        with torch.no_grad():
-            for p in model.parameters():
-                g = p.grad
-                if g is None or g.layout != torch.strided or not g.is_floating_point() or not g.numel():
-                    continue
-                signs = torch.randint(0, 2, g.shape, generator=self._generator).to(g.device, g.dtype) * 2 - 1
-                g.add_(g * self._eps * signs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sink, name)  # after(), note_scales(): the comparer's own
+        return RoundedForTheOptimizer(comparer, self.optimizer_dtype)
 
 
 JITTER_SEED = 20240607
