@@ -79,3 +79,21 @@ def test_the_reference_records_what_its_step_changed_outside_the_optimizer_and_n
     assert trained(Case(model=MLP, data=vectors, optimizer="sgd", steps=2, train_step=clamped)).changed_outside == {
         0: {"net.0.weight": "Linear"}, 1: {"net.0.weight": "Linear"}}
     assert trained(in_place.embedding_max_norm()).changed_outside[0] == {"emb.weight": "Embedding(max_norm=1)"}
+
+    def clamped_through_data(model, batch, optimizer, ctx):  # the same clipping, as older WGAN code writes it
+        loss = clamped(model, batch, optimizer, ctx)
+        model.net[2].weight.data.clamp_(-0.1, 0.1)
+        return loss
+
+    assert trained(Case(model=MLP, data=vectors, optimizer="sgd", steps=1, train_step=clamped_through_data)
+                   ).changed_outside == {0: {"net.0.weight": "Linear", "net.2.weight": "Linear"}}
+    assert trained(in_place.codebook_through_data()).changed_outside == {s: {"centre": "Codebook"} for s in range(3)}
+
+
+def test_a_centre_moved_through_data_is_named_as_a_candidate_too():
+    """``.data`` leaves the version counter alone: the change is seen by the parameter's sum."""
+    report = check(in_place.codebook_through_data(), modes=("single", "ddp"), world_sizes=(2,))
+    run = report.runs[1]
+    assert run.status in ("diverged", "desync") and run.first_divergence.step == 0, report.render()
+    assert any(n.startswith("candidate causes: the step changes 'centre' (Codebook) in place") for n in run.notes), \
+        run.notes

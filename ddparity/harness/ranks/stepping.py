@@ -198,15 +198,17 @@ class ChangedOutside:
     forward, as ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up; or after
     it, in the step's own code), per step: by name, with what holds them (``"Embedding
     (max_norm=1.0)"``). Told by each parameter's version counter, which every in-place op
-    bumps (a change through ``.data`` is not seen). Where such a change depends on the
-    batch, each rank makes it from its own shard only."""
+    bumps, or by its sum (a change through ``.data``, which a version counter does not see:
+    ``p.data.clamp_()``, a VQ codebook's ``.data.mul_()``; one that keeps every sum, such as
+    a permutation of a parameter's values through ``.data``, is not seen). Where such a change
+    depends on the batch, each rank makes it from its own shard only."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
         self._params = list(model.named_parameters())
         self.changed: dict[int, dict[str, str]] = {}
         self._step = 0
-        self._versions: list[int] | None = None
+        self._versions: list[tuple[int, float]] | None = None
 
     def begin(self, step: int) -> None:
         self._step, self._versions = step, self._now()
@@ -225,14 +227,23 @@ class ChangedOutside:
     def close(self) -> None:
         pass
 
-    def _now(self) -> list[int]:
-        return [p._version for _, p in self._params]
+    def _now(self) -> list[tuple[int, float]]:
+        import torch
+
+        by_device: dict[Any, list[Any]] = {}
+        with torch.no_grad():
+            for _, p in self._params:
+                t = torch.view_as_real(p) if p.is_complex() else p
+                total = t.detach().sum(dtype=torch.float64) if p.layout == torch.strided else p.new_zeros((), dtype=torch.float64)
+                by_device.setdefault(p.device, []).append(total)
+        sums = {device: iter(torch.stack(s).tolist()) for device, s in by_device.items()}  # a sync per device
+        return [(p._version, next(sums[p.device])) for _, p in self._params]
 
     def _note(self) -> None:
         if self._versions is None:
             return
-        for (name, p), before in zip(self._params, self._versions):
-            if p._version != before:
+        for (name, _), before, now in zip(self._params, self._versions, self._now()):
+            if now[0] != before[0] or not (now[1] == before[1] or now[1] != now[1] and before[1] != before[1]):
                 self.changed.setdefault(self._step, {})[name] = self._holder(name)
 
     def _holder(self, name: str) -> str:
