@@ -57,12 +57,15 @@ PLACES = [(2, 0), (2, 1), (4, 0), (4, 1), (4, 3)]
 suite runs rank 0 of 4 and the last rank of 2 and of 4; rank 0 of 2 and rank 1 of 4 (a rank in
 the middle) run in the breadth tier."""
 BREADTH_PLACES = {(2, 0), (4, 1)}
+BREADTH_CELLS = {("stuck_rank", 2, 1)}
+"""A stuck rank waits out the whole timeout: its last rank of 2 runs in the breadth tier too
+(rank 0 and the last rank of 4 stay in the default suite)."""
 
 
-@pytest.mark.parametrize("world_size, fault_rank", [
-    pytest.param(w, r, marks=pytest.mark.breadth if (w, r) in BREADTH_PLACES else ()) for w, r in PLACES],
-    ids=[f"ws{w}-rank{r}" for w, r in PLACES])
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name, world_size, fault_rank", [
+    pytest.param(n, w, r, id=f"{n}-ws{w}-rank{r}",
+                 marks=pytest.mark.breadth if (w, r) in BREADTH_PLACES or (n, w, r) in BREADTH_CELLS else ())
+    for n in FAULTS for w, r in PLACES])
 def test_every_fault_gets_its_verdict_and_the_next_check_passes(name, world_size, fault_rank, pool):
     fault = FAULTS[name]
     FAULT_RANK = fault_rank  # noqa: N806 - the rank the checks below hold the report to
