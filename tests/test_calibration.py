@@ -212,6 +212,27 @@ def test_the_precision_an_optimizer_computes_in_is_seen_and_plain_optimizers_hav
 
 
 @needs_muon
+@pytest.mark.parametrize("rank", [0, -1])
+def test_a_learning_rate_doubled_on_one_rank_under_muon_is_caught_on_that_rank(rank):
+    """Each rank's update is judged on its own shards: over every rank the factor averaged to
+    0.75 at 2 ranks (a quarter off: seed 1 passed), and before the factor was judged the bf16
+    rounding left such a run at 1.03x its tolerance, named on the other rank, or passed (seed 4
+    at 4 ranks). Now step 0, that very rank, 4x."""
+    import dataclasses
+
+    from ddparity.checks.equivalence import UPDATE_FACTOR
+
+    report = check(dataclasses.replace(calibration.muon_lr_on_one_rank(rank), seed=4), modes=("fsdp",),
+                   world_sizes=(2, 4))
+    for run in report.runs[1:]:
+        d = run.first_divergence
+        assert run.status == "diverged" and (d.step, d.kind, d.name) == (0, "param", UPDATE_FACTOR), report.render()
+        assert d.rank == rank % run.world_size and d.excess > 3.5, report.render()
+        assert any(n.startswith("likely cause: the optimizer's lr differs between the ranks") for n in run.notes), \
+            run.notes
+
+
+@needs_muon
 def test_the_twins_optimizer_rounds_its_own_bf16_products_inside_its_step_only():
     """The twin's optimizer, where it computes in bf16: the gradients recorded as they were, then
     moved by an ulp; its products rounded while it steps (the update moves as a sharded run's

@@ -92,16 +92,17 @@ CAP_ROOM = 2.0
 """A capped tolerance must stay this many times above the twin's measured noise."""
 
 UPDATE_SHARE = 0.25
-"""How far from 1 the factor of a run's step-0 update may be (least squares over every
-parameter's move, against the reference's), judged where the optimizer computes in a lower
+"""How far from 1 the factor of each rank's step-0 update may be (least squares over every
+parameter's move on that rank, its own shards under FSDP2, against the reference's move of
+the same elements), judged where the optimizer computes in a lower
 precision than the gradients. There the twin rounds the optimizer's products as a sharded
 run does (:mod:`~ddparity.harness.ranks.modes.twin_optimizer`), a few % of the update, so the
 parameters' tolerances at step 0 may exceed the update itself and a learning rate x W passed
 them. A factor is what such rounding leaves alone: over seeds 0-7 of Muon under fsdp and
-hsdp at 2 and 4 ranks, a correct run's came within 0.005 of 1 and lr x W's within 0.02 of W;
-a data-parallel bug that scales the update (lr x W, a summed loss under SGD) is off by at
-least 1 at W >= 2, so a quarter tells it by 4x. Not judged where the twin's own factor leaves
-no room under it (:data:`CAP_ROOM`)."""
+hsdp at 2 and 4 ranks, a correct rank's came within 0.006 of 1 and lr x W's within 0.02 of W;
+a data-parallel bug that scales the update (lr x W, a summed loss under SGD, a rate doubled
+on one rank) is off by at least 1 at W >= 2 on the ranks it reaches, so a quarter tells it by
+4x. Not judged where the twin's own factor leaves no room under it (:data:`CAP_ROOM`)."""
 
 COMPILED_ERROR_RATIO = 15.0
 """How far a compiled run's error against float64 may exceed the eager reference's own, per

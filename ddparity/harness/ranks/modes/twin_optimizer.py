@@ -13,8 +13,8 @@ at random: its distance to the reference then holds what a correct sharded run s
 
 Rounding that wide is a few % of a Muon update, so the parameters' tolerance at step 0 can
 reach the update itself: a learning rate x W would pass it. What still tells a wrong update
-is its size: every parameter moves by one factor of the reference's move, far from 1 where
-a correct run's rounding leaves it within a few thousandths
+is its size: every parameter of a rank moves by one factor of the reference's move, far from
+1 where a correct run's rounding leaves it within a few thousandths
 (:data:`ddparity.checks.tolerance.UPDATE_SHARE`).
 """
 
