@@ -85,8 +85,8 @@ def _update_factor(runs: list[Distances], tolerance: Tolerance, until: int | Non
     found = []
     for run in sorted(runs, key=lambda r: r.rank):
         ratio = update_ratio([run.moved]) if run.moved else None
-        if ratio is not None and abs(ratio[0] - 1) > tolerance.update:
-            error = abs(ratio[0] - 1)
+        error = abs(ratio[0] - 1) if ratio is not None else 0.0
+        if error > tolerance.update:
             found.append(Divergence(step=0, kind="param", name=UPDATE_FACTOR, rank=run.rank, max_abs=error,
                                     max_rel=error, tolerance=tolerance.update))
     return found

@@ -127,17 +127,7 @@ class OptimizerPrecision:
     def pre(self) -> None:
         if self._done or self._mode is not None:
             return
-        from torch.overrides import TorchFunctionMode
-
-        watch = self
-
-        class _Lowest(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                watch._seen(out)
-                return out
-
-        self._mode = _Lowest()
+        self._mode = results_through(lambda func, out: self._seen(out))
         self._mode.__enter__()
 
     def post(self) -> None:
@@ -147,7 +137,7 @@ class OptimizerPrecision:
 
     close = post
 
-    def _seen(self, out: Any) -> None:
+    def _seen(self, out: Any) -> Any:
         import torch
 
         for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -155,6 +145,19 @@ class OptimizerPrecision:
                 eps = torch.finfo(t.dtype).eps
                 if eps > self._eps and (self.dtype is None or eps > torch.finfo(self.dtype).eps):
                     self.dtype = t.dtype
+        return out
+
+
+def results_through(fn: Callable[[Any, Any], Any]) -> Any:
+    """A ``TorchFunctionMode`` (the caller enters and exits it) in which every op's result is
+    ``fn(func, result)``: a watcher's view of the optimizer's own work."""
+    from torch.overrides import TorchFunctionMode
+
+    class Through(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            return fn(func, func(*args, **(kwargs or {})))
+
+    return Through()
 
 
 class OptimizerSettings:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddparity.harness.ranks.comparer import Comparer
+from ddparity.harness.ranks.stepping import results_through
 
 PRODUCT_ULPS = 2.0
 """How many ulps of the optimizer's precision each of its low-precision products and norms
@@ -81,7 +82,7 @@ class RoundedForTheOptimizer:
 
     def pre(self) -> None:
         if self._mode is None:
-            self._mode = _RoundedSums(self)
+            self._mode = results_through(self._rounded)
             self._mode.__enter__()
 
     def post(self) -> None:
@@ -91,12 +92,13 @@ class RoundedForTheOptimizer:
 
     close = post
 
-    def rounded(self, out: Any) -> Any:
-        """``out`` (an op's result) with its low-precision floating tensors moved by
-        :data:`PRODUCT_ULPS` ulps of themselves."""
+    def _rounded(self, func: Any, out: Any) -> Any:
+        """``out``, the result of ``func``, moved by :data:`PRODUCT_ULPS` ulps of itself where
+        ``func`` is one of :data:`REDUCING_OPS` and ``out`` a low-precision floating tensor."""
         import torch
 
-        if (isinstance(out, torch.Tensor) and out.dtype in (torch.bfloat16, torch.float16) and out.numel()
+        if (getattr(func, "__name__", None) in REDUCING_OPS and isinstance(out, torch.Tensor)
+                and out.dtype in (torch.bfloat16, torch.float16) and out.numel()
                 and not out.requires_grad):  # (an optimizer that differentiates: its graph stays whole)
             with torch.no_grad():
                 return out + out * (PRODUCT_ULPS * torch.finfo(out.dtype).eps) * self._signs(out)
@@ -105,17 +107,3 @@ class RoundedForTheOptimizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sink, name)  # after(), note_scales(): the comparer's own
 
-
-def _RoundedSums(owner: RoundedForTheOptimizer) -> Any:
-    """A ``TorchFunctionMode`` that passes every :data:`REDUCING_OPS` result through
-    ``owner.rounded``."""
-    from torch.overrides import TorchFunctionMode
-
-    class RoundedSums(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if getattr(func, "__name__", None) in REDUCING_OPS:
-                return owner.rounded(out)
-            return out
-
-    return RoundedSums()
