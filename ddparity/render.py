@@ -221,6 +221,8 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
         lines.append(f"  first divergence: {d.where}")
         lines.append(
             f"    {d.mismatch}" if d.mismatch else
+            f"    rank {d.rank}'s update is {d.factor:.2f}x one device's, where a correct rank's lies within "
+            f"{1 - d.tolerance:.3g}x..{1 + d.tolerance:.3g}x [{run.tolerance}]" if d.factor is not None else
             f"    max abs error {_sci(d.max_abs)}, max rel error {_sci(d.max_rel)}, "
             f"tolerance {_sci(d.tolerance)} [{run.tolerance}]"
         )
@@ -232,7 +234,8 @@ def render_run_failure(run: RunResult, told: dict[tuple[str, ...], str] | None =
             for w in run.worst:
                 lines.append(
                     f"    {w.kind:<6} {w.name:<{width}}  step {w.step}  rank {w.rank}  "
-                    + (w.mismatch if w.mismatch else f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}")
+                    + (w.mismatch if w.mismatch else f"factor {w.factor:.2f}  x{_sci(w.excess)}" if w.factor is not None
+                       else f"abs {_sci(w.max_abs)}  x{_sci(w.excess)}")
                 )
     ended = tuple(_how_it_ended(run.crash, run.hang, run.reason, run.desync))
     if told is not None and (len(ended) > 1 or sum(map(len, ended)) > SAID_ONCE) and ended in told:

@@ -122,6 +122,9 @@ class Divergence(_ReadsAsJson):
     """Why the error is infinite, in words (a tensor missing, another shape, a NaN)."""
     module: ModuleFinding | None = None
     """Where in the model the step first differs (the first divergence of a failing run)."""
+    factor: float | None = None
+    """The rank's step-0 update as a factor of one device's, where that is what diverged
+    (:data:`~ddparity.checks.equivalence.UPDATE_FACTOR`; ``max_abs`` is then ``|factor - 1|``)."""
 
     @property
     def where(self) -> str:
@@ -138,6 +141,7 @@ class Divergence(_ReadsAsJson):
         return {"step": self.step, "kind": self.kind, "name": self.name, "rank": self.rank,
                 "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel), "tolerance": self.tolerance,
                 **({"mismatch": self.mismatch} if self.mismatch else {}),
+                **({"factor": _finite(self.factor)} if self.factor is not None else {}),
                 **({"module": self.module.to_json()} if self.module is not None else {})}
 
 

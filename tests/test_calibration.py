@@ -228,6 +228,9 @@ def test_a_learning_rate_doubled_on_one_rank_under_muon_is_caught_on_that_rank(r
         d = run.first_divergence
         assert run.status == "diverged" and (d.step, d.kind, d.name) == (0, "param", UPDATE_FACTOR), report.render()
         assert d.rank == rank % run.world_size and d.excess > 3.5, report.render()
+        assert d.factor > 1.9, report.render()
+        assert f"rank {d.rank}'s update is {d.factor:.2f}x one device's, where a correct rank's lies within 0.75x..1.25x" \
+            in report.render()
         assert any(n.startswith("likely cause: the optimizer's lr differs between the ranks") for n in run.notes), \
             run.notes
 

@@ -88,7 +88,7 @@ def _update_factor(runs: list[Distances], tolerance: Tolerance, until: int | Non
         error = abs(ratio[0] - 1) if ratio is not None else 0.0
         if error > tolerance.update:
             found.append(Divergence(step=0, kind="param", name=UPDATE_FACTOR, rank=run.rank, max_abs=error,
-                                    max_rel=error, tolerance=tolerance.update))
+                                    max_rel=error, tolerance=tolerance.update, factor=ratio[0] if ratio else None))
     return found
 
 

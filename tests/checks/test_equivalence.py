@@ -213,9 +213,11 @@ def test_a_low_precision_optimizers_update_is_judged_as_a_whole_by_its_factor():
     found = divergences(ref, [_moved_by(2.01, rank=1, size=50.0), _moved_by(2.0)], tol)  # lr x 2
     assert [(d.step, d.kind, d.name, d.rank) for d in found] == [(0, "param", UPDATE_FACTOR, r) for r in (0, 1)]
     assert math.isclose(found[1].max_abs, 1.01) and found[0].tolerance == UPDATE_SHARE
+    assert math.isclose(found[1].factor, 2.01) and math.isclose(found[1].to_json()["factor"], 2.01)
+    assert "factor" not in divergences(ref, [make_run(rank=0, bump=(0, "loss", "loss", 1.0))], tol)[0].to_json()
     # each rank's own shards: a rate doubled on one rank of two averages to 0.75 over both, a quarter off
     [one] = divergences(ref, [_moved_by(0.5), _moved_by(1.0, rank=1)], tol)
-    assert (one.rank, one.max_abs) == (0, 0.5)
+    assert (one.rank, one.max_abs, one.factor) == (0, 0.5, 0.5)  # the sign kept: a smaller update
     # a loss off at step 0 stays first; a run compared up to step 0 only is not judged past it
     bumped = make_run(rank=0, bump=(0, "loss", "loss", 1.0))
     bumped.moved = _moved_by(2.0).moved
