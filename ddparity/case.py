@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ddparity.errors import UsageError
+from ddparity.errors import CaseError, UsageError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DDP_OPTIONS = (
@@ -231,7 +231,11 @@ def make_optimizer(case: Case, params: Any) -> Any:
     import torch
 
     if callable(case.optimizer):
-        return case.optimizer(params)
+        made = case.optimizer(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise CaseError(f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer; return "
+                            "the optimizer it builds over the parameters it is given (lambda params: torch.optim.SGD(params, lr=0.1))")
+        return made
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[case.optimizer]
     return cls(params, lr=case.lr)
 

@@ -226,6 +226,9 @@ class Distances:
     forwards: dict[int, tuple[int, int]] | None = None
     """Under DDP: per step, how many times DDP's own forward ran and how many of those with
     gradient sync on (a step absent: its forward never ran; None: not a DDP run)."""
+    accumulated: dict[int, int] | None = None
+    """Under DDP: per step, the most forwards with gradient sync on in a row with no parameter
+    changed between them (micro-batches accumulated without ``no_sync()``)."""
     grad_bytes: int = 0
     """Under DDP: the bytes of gradient one all-reduce of every bucket sends (the
     parameters that require grad)."""

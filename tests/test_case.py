@@ -41,6 +41,25 @@ def test_bad_fields_are_named(changes, message):
         good(**changes).validate()
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(model=lambda: None), "the model factory returned NoneType, not a torch.nn.Module"),
+        (dict(optimizer=lambda params: None), "the optimizer factory returned NoneType, not a torch.optim.Optimizer; "
+                                              "return the optimizer it builds"),
+        (dict(optimizer=lambda params: torch.optim.SGD), "the optimizer factory returned type"),
+    ],
+)
+def test_a_factory_returning_the_wrong_thing_is_named_on_every_mode_not_as_ddparitys_own_error(changes, message):
+    """An optimizer factory returning None ran into ddparity's hooks ("AttributeError: 'NoneType'
+    object has no attribute 'register_step_pre_hook'", with ddparity's frames)."""
+    from ddparity import check
+
+    report = check(good(**changes), modes=("single", "ddp"), world_sizes=(1, 2), timeout=60)
+    assert [r.status for r in report.runs] == ["error"] * 3, report.render()
+    assert message in report.render() and "AttributeError" not in report.render(), report.render()
+
+
 def test_named_losses_resolve():
     assert resolve_loss("mse_loss") is torch.nn.functional.mse_loss
     assert resolve_loss("cross_entropy") is torch.nn.functional.cross_entropy

@@ -27,6 +27,24 @@ def test_clean_training_steps_pass_in_every_mode(factory):
         ("single", 1), ("dp", 1), ("dp", 2), ("dp", 4), ("ddp", 1), ("ddp", 2), ("ddp", 4)]
 
 
+def test_a_gan_with_two_optimizers_passes_without_no_sync_advice_and_its_bypass_is_a_desync():
+    """Two forwards with sync on a step, the discriminator's own optimizer stepping between
+    them. They read as micro-batches accumulated without no_sync(), advised for the first
+    (which would leave the discriminator unsynchronised); under DataParallel the discriminator's
+    step read as parameters changed outside optimizer.step(). What differs there: its [real;
+    fake] rows, gathered replica after replica. The generator's pass bypassing DDP: a desync."""
+    report = check(loops.gan(), modes=("single", "dp", "ddp", "fsdp"), world_sizes=(2,))
+    by = {r.mode: r for r in report.runs}
+    assert [by[m].status for m in ("single", "ddp", "fsdp")] == ["pass"] * 3, report.render()
+    assert not any(n.startswith("traffic:") for r in report.runs for n in r.notes), report.render()
+    assert by["dp"].status == "diverged", report.render()
+    assert any(n.startswith("DataParallel pitfall, outputs not one row per sample: forward's output has 32 row(s) "
+                            "along dim 0 for a replica's 16 sample(s)") for n in by["dp"].notes), by["dp"].notes
+    assert not any("outside optimizer.step()" in n for n in by["dp"].notes), by["dp"].notes
+    bypassed = check(loops.gan(bypass=True), modes=("ddp",), world_sizes=(2,))
+    assert bypassed.runs[0].status == "desync" and bypassed.runs[0].desync.step == 0, bypassed.render()
+
+
 @needs_newer_torch
 def test_a_clean_step_passes_on_simulated_ranks():
     report = check(loops.accumulation(), world_sizes=(8,), backend="threaded")

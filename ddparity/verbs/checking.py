@@ -267,7 +267,8 @@ class Checking:
                         repro=self.repro(mode, ws, backend))
         if found:
             run.first_divergence, run.worst = found[0], worst(found)
-        run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()]
+        run.notes = [f"DataParallel pitfall, {name}: {text}" for name, text in notes.items()
+                     if found or name not in DIVERGED_ONLY]
         if tol.loose:
             run.notes.append(tol.loose)
         cause = (settings_apart(self.reference.settings, {0: distances.settings}, found[0] if found else None, ws, mode)
@@ -339,15 +340,18 @@ def by_gradients(step: int, found: list[Divergence], order: list[tuple[str, str,
     return None
 
 
+DIVERGED_ONLY = {"outputs not one row per sample"}
+"""Pitfalls said only on a run that diverged: rows flattened sample-major ((B*T, V) logits)
+come back in one device's order, and a passing run shows that nothing was misordered."""
+
+
 def extra_syncs(runs: list[Distances]) -> str | None:
     """A note where DDP all-reduced every gradient more than once in a step (each forward with
     sync on: micro-batches accumulated without ``no_sync()``): correct, and the bytes that
     ``no_sync()`` for all but the last micro-batch would save (rank 0's count)."""
-    forwards = next((r.forwards for r in runs if r.forwards), None)
+    accumulated = next((r.accumulated for r in runs if r.accumulated), None)
     grad_bytes = next((r.grad_bytes for r in runs if r.grad_bytes), 0)
-    if not forwards:
-        return None
-    most = max(synced for _, synced in forwards.values())
+    most = max(accumulated.values()) if accumulated else 0
     if most < 2:
         return None
     saved = (most - 1) * grad_bytes

@@ -194,6 +194,51 @@ def test_an_argument_with_fewer_rows_is_noted_as_cutting_the_batch_short():
     assert "arguments cut short" not in clean.items
 
 
+class Concatenates(nn.Module):
+    """Scores real samples and their noised copies in one call, [real; fake] along dim 0, or
+    one row per sample, or tokens flattened sample-major ((B*T, V) logits)."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.fc, self.layout = nn.Linear(4, 3), layout
+
+    def forward(self, x):
+        if self.layout == "concatenated":
+            return self.fc(torch.cat([x, x + 1]))
+        if self.layout == "flattened":
+            return self.fc(x.unsqueeze(1).expand(-1, 2, -1)).reshape(-1, 3)
+        return self.fc(x)
+
+
+def test_outputs_not_one_row_per_sample_are_noted_and_said_only_on_a_run_that_diverged():
+    """DataParallel gathers the replicas' outputs replica after replica: [real_0; fake_0;
+    real_1; fake_1], not [real; fake]. A flattened (B*T, V) output keeps one device's order:
+    noted in forward, but a run that passes says nothing of it."""
+    out, notes = dp.forward(Concatenates("concatenated"), 2, (torch.arange(8.0).reshape(4, 2).repeat(1, 2),))
+    text = notes.items["outputs not one row per sample"]
+    assert "forward's output has 4 row(s) along dim 0 for a replica's 2 sample(s)" in text, text
+    assert out.shape == (8, 3)
+    assert "outputs not one row per sample" not in dp.forward(Concatenates("rows"), 2, (torch.randn(4, 4),))[1].items
+
+    def data(step, generator):
+        return torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8, 2), generator=generator)
+
+    flattened = check(Case(model=lambda: Concatenates("flattened"), data=data, steps=2,
+                           loss=lambda out, y: nn.functional.cross_entropy(out, y.reshape(-1))),
+                      modes=("single", "dp"), world_sizes=(2,))
+    assert flattened.ok and "outputs not one row per sample" not in flattened.render(), flattened.render()
+    concatenated = check(Case(model=lambda: Concatenates("concatenated"), data=data, steps=2, loss=_real_then_fake),
+                         modes=("single", "dp"), world_sizes=(2,))
+    assert concatenated.runs[1].status == "diverged", concatenated.render()
+    assert "DataParallel pitfall, outputs not one row per sample" in concatenated.render(), concatenated.render()
+
+
+def _real_then_fake(outputs, targets):
+    """Class 0 for the first half of the rows (the real samples), 1 for the second."""
+    half = len(outputs) // 2
+    return nn.functional.cross_entropy(outputs, torch.cat([torch.zeros(half), torch.ones(half)]).long())
+
+
 @pytest.mark.usefixtures("no_leftover_processes")  # the default pool is closed after
 def test_one_world_sizes_failure_is_not_every_world_sizes_verdict():
     """BatchNorm on a global batch of 4: at 2 replicas/ranks it normalises shards

@@ -156,6 +156,7 @@ def forward(module: Any, n: int, inputs: tuple, kwargs: dict | None = None) -> t
     for r, (rep, args, kw) in enumerate(zip(replicas, scattered, scattered_kw)):
         versions = [p._version for _, p in params]
         outputs.append(rep(*args, **kw))
+        notes.inspect_outputs(args, kw, outputs[-1])
         if r:
             notes.inspect_params([name for (name, p), v in zip(params, versions) if p._version != v])
     for rep, state in zip(replicas, before):
@@ -251,6 +252,24 @@ class DataParallelNotes:
                 f"each tensor into at most {n} chunks and zips them, so {short} makes {cut[short][1]} chunk(s) where "
                 f"{full} makes {cut[full][1]}, and the chunks past the {cut[short][1]}th are dropped or reach a replica "
                 f"without {short}")
+
+    def inspect_outputs(self, inputs: tuple, kwargs: dict, outputs: Any) -> None:
+        """One replica's outputs against its share: a tensor whose rows are not one per sample
+        (a concatenation along dim 0 inside forward) is gathered replica after replica."""
+        import torch
+
+        rows = next((len(o) for _, o in _leaves(inputs, kwargs) if isinstance(o, torch.Tensor) and o.dim()), None)
+        odd = [(path.replace("inputs[0]", "output", 1), len(o)) for path, o in _leaves((outputs,), {})
+               if isinstance(o, torch.Tensor) and o.dim() and len(o) != rows]
+        if rows is not None and odd and "outputs not one row per sample" not in self.items:
+            path, count = odd[0]
+            self.items["outputs not one row per sample"] = (
+                f"forward's {path} has {count} row(s) along dim 0 for a replica's {rows} sample(s): DataParallel "
+                f"gathers the replicas' outputs along dim 0 one replica after another, so rows that are not one per "
+                f"sample (a concatenation along dim 0 inside forward, such as [real; fake]) come back in another "
+                f"order than on one device ([real_0; fake_0; real_1; fake_1]) and no longer line up with the whole "
+                f"batch's targets (rows flattened sample-major, (B*T, V) logits, keep the order); return one row per sample "
+                f"(concatenate along another dim, or outside forward)")
 
     def inspect_state(self, before: dict[str, Any], after: dict[str, Any]) -> None:
         changed = sorted(k for k in after if k not in before or after[k] != before[k])

@@ -196,65 +196,6 @@ def gradient_hooks(model: Any) -> list[str]:
             if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
 
 
-class ChangedOutside:
-    """The parameters a step changed in place outside ``optimizer.step()`` (before it: in the
-    forward, as ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up; or after
-    it, in the step's own code), per step: by name, with what holds them (``"Embedding
-    (max_norm=1.0)"``). Told by each parameter's version counter, which every in-place op
-    bumps, or by its sum (a change through ``.data``, which a version counter does not see:
-    ``p.data.clamp_()``, a VQ codebook's ``.data.mul_()``; one that keeps every sum, such as
-    a permutation of a parameter's values through ``.data``, is not seen). Where such a change
-    depends on the batch, each rank makes it from its own shard only."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self._params = list(model.named_parameters())
-        self.changed: dict[int, dict[str, str]] = {}
-        self._step = 0
-        self._versions: list[tuple[int, float]] | None = None
-
-    def begin(self, step: int) -> None:
-        self._step, self._versions = step, self._now()
-
-    def pre(self) -> None:
-        self._note()
-        self._versions = None  # the optimizer's own changes are not counted
-
-    def post(self) -> None:
-        self._versions = self._now()
-
-    def end(self) -> None:
-        self._note()
-        self._versions = None
-
-    def close(self) -> None:
-        pass
-
-    def _now(self) -> list[tuple[int, float]]:
-        import torch
-
-        by_device: dict[Any, list[Any]] = {}
-        with torch.no_grad():
-            for _, p in self._params:
-                t = torch.view_as_real(p) if p.is_complex() else p
-                total = t.detach().sum(dtype=torch.float64) if p.layout == torch.strided else p.new_zeros((), dtype=torch.float64)
-                by_device.setdefault(p.device, []).append(total)
-        sums = {device: iter(torch.stack(s).tolist()) for device, s in by_device.items()}  # a sync per device
-        return [(p._version, next(sums[p.device])) for _, p in self._params]
-
-    def _note(self) -> None:
-        if self._versions is None:
-            return
-        for (name, _), before, now in zip(self._params, self._versions, self._now()):
-            if now[0] != before[0] or not (now[1] == before[1] or now[1] != now[1] and before[1] != before[1]):
-                self.changed.setdefault(self._step, {})[name] = self._holder(name)
-
-    def _holder(self, name: str) -> str:
-        module = self._model.get_submodule(name.rpartition(".")[0])
-        max_norm = getattr(module, "max_norm", None)
-        return f"{type(module).__name__}(max_norm={max_norm:g})" if max_norm is not None else type(module).__name__
-
-
 class AutocastWatch:
     """The lowest precision autocast ran any module of a replica in (bf16, fp16), for the
     calibration: rounding noise scales with the precision computed in, not with the

@@ -192,7 +192,7 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
     if row.sharded:
         distances.unsharded, distances.computed_dtype = trains.unsharded, trains.computed_dtype
     else:
-        distances.forwards = dict(trains.forwards)
+        distances.forwards, distances.accumulated = dict(trains.forwards), dict(trains.accumulated)
         distances.grad_bytes = trains.grad_bytes
     return distances
 

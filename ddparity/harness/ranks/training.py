@@ -31,13 +31,13 @@ from typing import Any, Protocol
 from ddparity.case import Case, load_target, make_optimizer, resolve_loss
 from ddparity.errors import CaseError
 from ddparity.harness.ranks.batches import batch_dims, batch_size, cast
+from ddparity.harness.ranks.changed_outside import ChangedOutside
 from ddparity.harness.ranks.compiling import EAGER, Compiled, Eager
 from ddparity.harness.ranks.draws import RandomDraws
 from ddparity.harness.ranks.randomness import AlignedDropout
 from ddparity.harness.ranks.stacked_rnn import stack_rnns
 from ddparity.harness.ranks.stepping import (
     AutocastWatch,
-    ChangedOutside,
     OptimizerPrecision,
     OptimizerSettings,
     OptimizerWatch,

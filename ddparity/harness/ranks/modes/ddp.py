@@ -48,6 +48,11 @@ class DDPMode:
         self.forwards: dict[int, tuple[int, int]] = {}
         """Per step: DDP's forwards, and those with gradient sync on (what a missed sync and
         a bypassed DDP leave differently)."""
+        self.accumulated: dict[int, int] = {}
+        """Per step: the most forwards with sync on in a row with no parameter changed between
+        them (micro-batches accumulated, what ``no_sync()`` would spare); an optimizer stepping
+        between two, as a GAN's discriminator's does, starts a new row."""
+        self._row = (-1, -1, 0)  # (step, the parameters' versions, forwards) of the row so far
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
@@ -73,6 +78,11 @@ class DDPMode:
         self.recorder.set_phase(self._step, "backward")
         calls, synced = self.forwards.get(self._step, (0, 0))
         self.forwards[self._step] = (calls + 1, synced + bool(ddp.require_backward_grad_sync))
+        if ddp.require_backward_grad_sync:
+            step, versions, row = self._row
+            now = sum(p._version for p in ddp.parameters())
+            self._row = (self._step, now, row + 1 if (step, versions) == (self._step, now) else 1)
+            self.accumulated[self._step] = max(self.accumulated.get(self._step, 0), self._row[2])
         if self._buckets is not None and ddp.require_backward_grad_sync:
             self.recorder.ddp_buckets(self._buckets.current())
 

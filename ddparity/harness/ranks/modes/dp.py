@@ -71,7 +71,13 @@ class DataParallelMode:
             found.inspect_module(model)
             self.notes.update(found.items)
 
+        def replica_outputs(replica: Any, args: tuple, kwargs: dict, outputs: Any) -> None:
+            found = dp_emulation.DataParallelNotes()  # on each replica, in DataParallel's own threads
+            found.inspect_outputs(args, kwargs, outputs)
+            self.notes.update(found.items)
+
         wrapped.register_forward_pre_hook(inspect, with_kwargs=True)
+        model.register_forward_hook(replica_outputs, with_kwargs=True)  # replicas keep their module's hooks
         return wrapped
 
     @property
