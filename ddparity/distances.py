@@ -229,6 +229,9 @@ class Distances:
     accumulated: dict[int, int] | None = None
     """Under DDP: per step, the most forwards with gradient sync on in a row with no parameter
     changed between them (micro-batches accumulated without ``no_sync()``)."""
+    bypassed: dict[int, list[str]] | None = None
+    """Under DDP: per step, the parameters whose gradient reached ``optimizer.step()`` from a
+    backward that no DDP forward with gradient sync on preceded (steps with none left out)."""
     grad_bytes: int = 0
     """Under DDP: the bytes of gradient one all-reduce of every bucket sends (the
     parameters that require grad)."""

@@ -43,6 +43,9 @@ def test_a_gan_with_two_optimizers_passes_without_no_sync_advice_and_its_bypass_
     assert not any("outside optimizer.step()" in n for n in by["dp"].notes), by["dp"].notes
     bypassed = check(loops.gan(bypass=True), modes=("ddp",), world_sizes=(2,))
     assert bypassed.runs[0].status == "desync" and bypassed.runs[0].desync.step == 0, bypassed.render()
+    assert any(n.startswith("likely cause: the gradients of g.0.weight, g.0.bias, g.2.weight, g.2.bias (4 of 8 "
+                            "parameters) reached optimizer.step() at step 0 from a backward that no DDP forward with "
+                            "gradient sync on preceded") for n in bypassed.runs[0].notes), bypassed.runs[0].notes
 
 
 @needs_newer_torch

@@ -12,10 +12,8 @@ that names the likely cause and its fix.
 * a gradient scaled on its way (a comm hook that forgets to divide by W, or scales by a
   wrong factor): the loss matches, and (nearly) every gradient is off by the same relative
   error — counted by tensor, not by the ranks that report it;
-* a missed sync: (nearly) every parameter differs across the ranks after the first step — no
-  gradient was all-reduced (``no_sync()`` or ``require_backward_grad_sync`` left off for
-  the micro-batch that should synchronise);
-* rank-local state: one rank alone drifts from the others that agree;
+* a desync's causes (a missed sync, part of a step around DDP, rank-local state):
+  :mod:`ddparity.checks.desync_causes`;
 * a per-rank normalisation: the loss differs at the first step and the batch's valid
   entries (labels not -100, mask ones) are not spread evenly over the shards — each
   rank's mean over its own valid entries, averaged by DDP, is not the mean over the batch.
@@ -25,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddparity.checks.optimizer_settings import settings_desync
+from ddparity.checks.desync_causes import MISSED_SYNC_SHARE, desync_cause
 from ddparity.records import GATHERED_WITH_GRAD, GATHERS, Entry, parse_ledger
 from ddparity.run_kinds import kind
-from ddparity.verdicts import Desync, Divergence, MismatchedSlot
+from ddparity.verdicts import Desync, Divergence
 
 SIGNATURE_REL_TOL = 1e-3
 """How close the loss's relative error must be to ``1 - 1/W`` to name a summed loss (a
@@ -49,12 +47,6 @@ the batch's padding, contradicted where the loss's own gradient agrees (:mod:`dd
 SAME_FACTOR = "are scaled by the same factor"
 UNIFORM_SCALE_TOL = 1e-2
 """How close every gradient's relative error must be to one another to call it one factor."""
-MISSED_SYNC_SHARE = 0.8
-"""The share of parameters that differ across ranks after step 0 to call it a missed sync
-(not all: Adam's first step moves a parameter by the sign of its gradient, which the
-ranks' own gradients may share)."""
-
-
 def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None = None,
                  params: int = 0, valid: dict[str, list[int]] | None = None,
                  layer_types: dict[str, str] | None = None, mode: str = "ddp",
@@ -62,7 +54,8 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
                  loss_scaling: Callable[[], float | None] | None = None,
                  forwards: list[dict[int, tuple[int, int]] | None] | None = None,
                  hook_collectives: int | None = None, eps: float = 0.0,
-                 gathered: list[str] | None = None) -> str | None:
+                 gathered: list[str] | None = None,
+                 bypassed: list[dict[int, list[str]] | None] | None = None) -> str | None:
     """The likely cause of a DDP run's divergences (in the order they happened) or of its
     desync (``params``: how many parameters the model has; ``valid``: the first batch's
     valid entries per sample, by tensor; ``layer_types``: the class of each layer with
@@ -74,9 +67,11 @@ def likely_cause(found: list[Divergence], world_size: int, desync: Desync | None
     with a comm hook of the case's, the collectives it issued at step 0 over the ranks'
     ledgers; ``eps``: the ulp of the precision the run computed in; ``gathered``: where the
     step all-gathered a tensor that requires grad with nothing sent back in backward, from
-    :func:`gathered_without_grad`), or None."""
+    :func:`gathered_without_grad`; ``bypassed``: each rank's parameters, per step, whose
+    gradient came from a backward no DDP forward with sync on preceded), or None."""
     if desync is not None:
-        return _desync_cause(desync, params, forwards or [], hook_collectives) if world_size > 1 else None
+        return (desync_cause(desync, params, forwards or [], hook_collectives, bypassed or [])
+                if world_size > 1 else None)
     if not found:
         return None
     first = found[0]
@@ -217,38 +212,6 @@ def _sum_or_mean(ratio: float | None, summed: str, divided: str, undecided: str)
     return undecided
 
 
-def _nothing_reduced(differing: int, params: int, step0: list[tuple[int, int]] | None,
-                     hook_collectives: int | None) -> str:
-    """No gradient all-reduced at step 0: DDP's forward bypassed, its sync left off, or (its
-    forward run with sync on) a comm hook that reduced nothing, as each rank's count of DDP's
-    forwards at step 0 (``step0``: calls, with sync on; None where not counted) and the
-    case's comm hook's collectives (``hook_collectives``) say."""
-    head = (f"no gradient was all-reduced at step 0 ({differing} of {params} parameters differ across ranks, as if "
-            f"each rank trained alone)")
-    missed = ("a missed sync — DDP synchronises a backward only if its forward ran with gradient sync on, so set "
-              "require_backward_grad_sync (or leave no_sync()) before the last micro-batch's forward, not after it")
-    if step0 is None:
-        return f"likely cause: {head}: {missed}"
-    calls, synced = sum(c for c, _ in step0), sum(s for _, s in step0)
-    if not calls:
-        return (f"likely cause: {head}: DDP's forward never ran — the step called the module DDP wraps "
-                f"(model.module(x), getattr(model, 'module', model)(x), torch.compile(model.module)), and DDP "
-                f"all-reduces only the gradients of a backward through its own forward; call the DDP model itself; "
-                f"evidence: a hook on DDP's forward saw no call at step 0 on any rank")
-    if not synced:
-        return (f"likely cause: {head}: {missed}; evidence: DDP's forward ran {calls} time(s) at step 0 over the "
-                f"ranks, each with gradient sync off")
-    if hook_collectives == 0:
-        return (f"likely cause: {head}: the case's comm hook returns its buckets unreduced — DDP's forward ran with "
-                f"gradient sync on, and DDP hands each bucket to the hook, whose future's value becomes the "
-                f"gradient; all-reduce the bucket in the hook and divide by the world size (or return "
-                f"default_hooks.allreduce_hook(process_group, bucket)); evidence: {synced} forward(s) with sync on at "
-                f"step 0 over the ranks, and no collective issued by the comm hook")
-    return (f"candidate causes: {head} although DDP's forward ran with gradient sync on ({synced} of {calls} "
-            f"forward(s) at step 0 over the ranks): a comm hook that returns its bucket without all-reducing it, "
-            f"or gradients replaced after backward on each rank (set or recomputed outside DDP)")
-
-
 def _buffer_from_the_shard(first: Divergence, mode: str) -> str:
     """A buffer other than BatchNorm's differs first, the step's loss, gradients and parameters
     matching: updated in the step from each rank's own shard and never combined."""
@@ -349,47 +312,3 @@ def replica_cause(found: list[Divergence], replicas: int, valid: dict[str, list[
             f"(out.loss.mean() of what DataParallel gathers) is not the mean over the batch; compute the loss from "
             f"the gathered outputs (logits) outside the model, or have each replica sum its loss and divide the "
             f"gathered sum by the whole batch's count")
-
-
-def _unused_on_some_ranks(slot: MismatchedSlot) -> str | None:
-    """FSDP2's own reduce-scatters of one ``slot`` with different sizes on the ranks: FSDP2
-    reduce-scatters only the gradients a rank's backward made, so some parameters took no part
-    in some ranks' loss. None for any other mismatch."""
-    issued = slot.ranks
-    calls = {rank: c.collective for rank, c in issued.items()}
-    if (len(set(calls.values())) < 2 or not all(c.via == "FSDP2" for c in issued.values())
-            or not all(call.startswith("reduce_scatter") for call in calls.values())):
-        return None
-    by_call: dict[str, list[int]] = {}
-    for rank, call in sorted(calls.items()):
-        by_call.setdefault(call, []).append(rank)
-    sizes = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:4]))}"
-                      f"{' ...' if len(ranks) > 4 else ''}: {call}" for call, ranks in list(by_call.items())[:3])
-    return (f"likely cause: parameters used on some ranks only: FSDP2 reduce-scattered gradients of different sizes "
-            f"({sizes}), as it reduces only the gradients this rank's backward made; parameters that took no part "
-            f"in some ranks' loss (mixture-of-experts experts no token of a shard was routed to, a branch the data "
-            f"picks) leave them out there. Have FSDP2 reduce zeros for them: model.set_reduce_scatter_unused_params"
-            f"(True) on the sharded root, in Case.fsdp here and after fully_shard in your training (torch's "
-            f"counterpart of DDP's find_unused_parameters; a parameter no rank used then gets a zero gradient "
-            f"where one device has none, which AdamW's weight decay and moments still act on); or make every "
-            f"parameter take part in every rank's loss")
-
-
-def _desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int, int]] | None],
-                  hook_collectives: int | None = None) -> str | None:
-    if desync.collective is not None:
-        return _unused_on_some_ranks(desync.collective)
-    if desync.differs is None:
-        return None
-    settings = settings_desync(desync.differs, desync.step, desync.ranks, desync.agreeing_ranks)
-    if settings:
-        return settings
-    differing = [d for d in desync.differs if d.startswith("param ")]
-    if desync.step == 0 and params and len(differing) >= MISSED_SYNC_SHARE * params:
-        return _nothing_reduced(len(differing), params, [f.get(0, (0, 0)) for f in forwards if f is not None]
-                                if forwards and all(f is not None for f in forwards) else None, hook_collectives)
-    if len(desync.ranks) == 1 and desync.agreeing_ranks:
-        return (f"likely cause: rank {desync.ranks[0]} alone drifts from ranks {desync.agreeing_ranks}, which agree: "
-                f"something only that rank does — rank-local state, a comm hook or data that depends on the rank, "
-                f"a parameter changed outside the optimizer on one rank")
-    return None

@@ -187,7 +187,8 @@ class Checking:
                                                                             found))
                  if judged.status == "diverged"
                  else causes.likely_cause(found, ws, judged.desync, params, forwards=[r.forwards for r in runs],
-                                          hook_collectives=self._hook_collectives(records))
+                                          hook_collectives=self._hook_collectives(records),
+                                          bypassed=[r.bypassed for r in runs])
                  if judged.status == "desync" else None)
         desync = judged.desync.step if judged.desync is not None else None
         cause = settings_apart(reference.settings, {r.rank: r.settings for r in runs}, found[0] if found else None,

@@ -89,6 +89,47 @@ def test_without_forward_counts_the_missed_sync_line_stands_alone():
     assert "comm hook returns its buckets unreduced" in synced and "evidence: 2 forward(s)" in synced, synced
 
 
+def test_parameters_whose_last_gradient_went_around_ddp_are_named_where_a_synced_forward_ran():
+    """Part of a step around DDP (a GAN's generator pass through model.module): DDP's forward
+    ran with sync on for another pass, so no "nothing reduced" line fits; the parameters that
+    differ and, on every rank, got their last gradient from a backward no synced DDP forward
+    preceded are named, in model order. Evidence on one rank only, or no synced forward at
+    that step (a missed sync's own line), names none."""
+    differs = ["param d.weight", "param g.weight", "param g.bias", "grad g.weight"]
+    desync = Desync(step=0, what="replica state", ranks=[1], differs=differs)
+    synced = [{0: (2, 2)}, {0: (2, 2)}]
+    both = [{0: ["g.bias", "g.weight", "h.weight"]}, {0: ["g.weight", "g.bias"]}]
+    cause = likely_cause([], 2, desync, params=8, forwards=synced, bypassed=both)
+    assert cause.startswith("likely cause: the gradients of g.weight, g.bias (2 of 8 parameters) reached "
+                            "optimizer.step() at step 0 from a backward that no DDP forward with gradient sync on "
+                            "preceded"), cause
+    assert "model.module.head(h)" in cause, cause
+    one_rank = likely_cause([], 2, desync, params=8, forwards=synced, bypassed=[both[0], {}])
+    assert one_rank is None or "reached optimizer.step()" not in one_rank, one_rank
+    unsynced = likely_cause([], 2, desync, params=3, forwards=[{0: (2, 0)}, {0: (2, 0)}], bypassed=both)
+    assert unsynced.startswith(HEAD) and "a missed sync" in unsynced, unsynced
+
+
+def test_a_backward_nested_in_a_synced_one_counts_as_synced():
+    """A reentrant checkpoint runs its block's backward inside the outer backward (another
+    graph task, ended first): its parameters' gradients are the synced pass's."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import checkpoint
+
+    from ddparity.harness.ranks.modes.ddp import SyncedPasses
+
+    block, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    passes = SyncedPasses(SimpleNamespace(module=torch.nn.ModuleDict({"block": block, "head": head})))
+    x = torch.randn(3, 4, requires_grad=True)
+    passes.armed = True  # DDP's forward, sync on
+    head(checkpoint(block, x, use_reentrant=True)).sum().backward()
+    assert sorted(passes.last) == ["block.bias", "block.weight", "head.bias", "head.weight"]
+    assert passes.unsynced() == [] and not passes.armed  # the backward ended: disarmed
+    head(block(x)).sum().backward()  # a forward around DDP
+    assert sorted(passes.unsynced()) == ["block.bias", "block.weight", "head.bias", "head.weight"]
+
+
 @pytest.mark.parametrize("rank", [0, -1])
 def test_two_replicas_that_disagree_are_told_apart_by_the_reference(rank):
     """DDP at two ranks and an HSDP shard's two replicas: no majority, but the rank that moved

@@ -193,6 +193,7 @@ def replica_task(ctx: RankContext, case: Case, spool: str, mode: str, shard_size
         distances.unsharded, distances.computed_dtype = trains.unsharded, trains.computed_dtype
     else:
         distances.forwards, distances.accumulated = dict(trains.forwards), dict(trains.accumulated)
+        distances.bypassed = {step: names for step, names in trains.bypassed.items() if names}
         distances.grad_bytes = trains.grad_bytes
     return distances
 
@@ -208,7 +209,7 @@ def replica_mode(ctx: RankContext, case: Case, mode: str, shard_size: int, steps
         return FSDPMode(steps, ctx.rank, ctx.world_size, ctx.device, shard_size, case.fsdp, name=mode, settle=settle,
                         traced=traced)
     return DDPMode(steps, ctx.rank, ctx.world_size, ctx.device, case.comm_hook, case.comm_hook_state,
-                   case.ddp_options, settle=settle)
+                   case.ddp_options, settle=settle, traced=traced)
 
 
 def replica_run_name(mode: str, simulated: bool = False) -> RunName:

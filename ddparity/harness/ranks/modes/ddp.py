@@ -38,6 +38,8 @@ class DDPMode:
     align_dropout: bool = True
     watch_draws: bool = False
     name_draws: bool = False
+    traced: bool = False
+    """A compiled run's: no hook of ours on the parameters (compiled autograd would trace it)."""
 
     def __post_init__(self) -> None:
         self.recorder = recorder.active()  # a simulated rank's own (a thread's)
@@ -53,6 +55,10 @@ class DDPMode:
         them (micro-batches accumulated, what ``no_sync()`` would spare); an optimizer stepping
         between two, as a GAN's discriminator's does, starts a new row."""
         self._row = (-1, -1, 0)  # (step, the parameters' versions, forwards) of the row so far
+        self.passes: SyncedPasses | None = None
+        self.bypassed: dict[int, list[str]] = {}
+        """Per step: the parameters whose gradient reached ``optimizer.step()`` from a backward
+        that no DDP forward with sync on preceded (:class:`SyncedPasses`)."""
 
     def wrap(self, model: Any) -> Any:
         self.recorder.set_phase(-1, "ddp")
@@ -68,6 +74,7 @@ class DDPMode:
         else:
             self._buckets = ddp_buckets.BucketLayout(ddp)
         ddp.register_forward_hook(recorder.untraced(self._after_forward))
+        self.passes = None if self.traced else SyncedPasses.watch(ddp)
         if self.settle is not None:
             self.settle()
         return ddp
@@ -85,6 +92,8 @@ class DDPMode:
             self.accumulated[self._step] = max(self.accumulated.get(self._step, 0), self._row[2])
         if self._buckets is not None and ddp.require_backward_grad_sync:
             self.recorder.ddp_buckets(self._buckets.current())
+        if self.passes is not None:
+            self.passes.armed = bool(ddp.require_backward_grad_sync)
 
     def sync_off(self, wrapped: Any) -> Any:
         return wrapped.no_sync
@@ -94,12 +103,16 @@ class DDPMode:
 
     def before_optimizer(self, replica: Replica) -> None:
         self.recorder.set_phase(self._step, "optimizer")
+        if self.passes is not None:
+            self.bypassed[self._step] = self.passes.unsynced()
         unreduced = unreduced_parameters(self._ddp, self._step, self.rank)
         if unreduced is not None:
             raise RuntimeError(unreduced)
 
     def step(self, step: int, replica: Replica, batch: Any) -> None:
         self._step = step
+        if self.passes is not None:
+            self.passes.last.clear()
         try:
             loss, stepped = record_step(step, replica, batch)  # DDP's all-reduces end inside backward
         except RuntimeError as exc:
@@ -113,6 +126,50 @@ class DDPMode:
         rec_buffers = not self._ddp.broadcast_buffers
         self.recorder.fingerprints(step, fingerprint(replica.model, replica.optimizer, buffers=rec_buffers,
                                                      part=part))
+
+
+class SyncedPasses:
+    """Whether each parameter's last gradient came from a backward that a DDP forward with
+    gradient sync on preceded (DDP all-reduces that one) or not: a forward through the module
+    DDP wraps (``model.module(x)``, ``model.module.head(h)``) or with sync off. Read by hooks
+    that return nothing: each parameter's post-accumulate-grad hook, and a callback at the
+    end of each backward (a backward nested in another, as a reentrant checkpoint runs, takes
+    the outer one's state)."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.armed = False
+        """A DDP forward with sync on ran since the last backward ended."""
+        self.last: dict[str, bool] = {}
+        self._running: dict[int, bool] = {}  # the backward passes under way, by graph task
+        for name, p in ddp.module.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook(name))
+
+    @classmethod
+    def watch(cls, ddp: Any) -> SyncedPasses | None:
+        import torch
+
+        return cls(ddp) if hasattr(torch._C, "_current_graph_task_id") else None
+
+    def _hook(self, name: str) -> Any:
+        import torch
+
+        def accumulated(param: Any) -> None:
+            task = torch._C._current_graph_task_id()
+            if task not in self._running:
+                self._running[task] = self.armed or any(self._running.values())
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._ended(task))
+            self.last[name] = self._running[task]
+
+        return accumulated
+
+    def _ended(self, task: int) -> None:
+        self._running.pop(task, None)
+        if not self._running:
+            self.armed = False
+
+    def unsynced(self) -> list[str]:
+        return [name for name, synced in self.last.items() if not synced]
 
 
 def distributed(model: Any, device: str, options: dict[str, Any] | None) -> Any:
