@@ -259,13 +259,33 @@ def test_demo_faults_reports_every_fault_as_expected():
     "args, message",
     [
         (["{file}:broken_factory"], "layer sizes do not match"),
+        (["{file}:odd_batch", "--world-sizes", "4"], "cannot be split into 4 equal shards; use a batch size divisible by every world size (e.g. 4 or 8)"),
+        (["{file}:clean", "--world-sizes", "0"], "world sizes must be integers >= 1"),
+        (["{file}:exits"], "called sys.exit(5): code that builds a Case must not exit"),
+        (["{file}:exits_hard"], "called os._exit(9): code that builds a Case must not exit"),
+        (["{file}:no_params"], "the model (ReLU) has no parameters"),
+        (["{file}:per_sample_loss"], "the loss must be a tensor with one element, got a tensor of shape [8]"),
+        ([], "missing TARGET"),
+        (["{file}:clean", "--steps", "1000000000"], "1000000000 steps need about"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, message):
+    result = ddparity("check", *[a.format(file=user_file) for a in args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    text = result.stdout + result.stderr
+    assert message in text
+    assert "Traceback" not in result.stderr
+    assert "ddparity/harness/ranks/rank.py" not in text  # never a traceback through ddparity's rank loop
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
         (["{file}:not_a_case"], "returned int, not a ddparity.Case"),
         (["{file}:bad_loss"], "unknown loss 'cross_entropyy'"),
         (["{file}:bad_optimizer"], "unknown optimizer 'sgdd'"),
-        (["{file}:odd_batch", "--world-sizes", "4"], "cannot be split into 4 equal shards; use a batch size divisible by every world size (e.g. 4 or 8)"),
         (["{file}:nothing"], "has no attribute 'nothing'"),
         (["no_such_module_abc:case"], "cannot import module 'no_such_module_abc'"),
-        (["{file}:clean", "--world-sizes", "0"], "world sizes must be integers >= 1"),
         (["{file}:clean", "--world-sizes", "two"], "comma-separated list of integers"),
         pytest.param(["{file}:clean", "--backend", "nccl"], "nccl", marks=pytest.mark.skipif(
             cuda_device_count() > 0, reason="nccl is valid where GPUs exist")),
@@ -276,24 +296,24 @@ def test_demo_faults_reports_every_fault_as_expected():
         (["{file}:clean", "--timeout", "inf"], "timeout must be a finite number of seconds"),
         (["{file}:clean", "--timeout", "0.001"], "timeout must be at least 1 s"),
         (["{file}:clean", "--world-sizes", "1,,2"], "an empty world size in '1,,2'"),
-        (["{file}:exits"], "called sys.exit(5): code that builds a Case must not exit"),
-        (["{file}:exits_hard"], "called os._exit(9): code that builds a Case must not exit"),
-        (["{file}:clean", "--steps", "1000000000"], "1000000000 steps need about"),
-        (["{file}:no_params"], "the model (ReLU) has no parameters"),
-        (["{file}:per_sample_loss"], "the loss must be a tensor with one element, got a tensor of shape [8]"),
         (["{file}:summed", "--json", "/no-such-dir-ddparity/r.json"], "no directory '/no-such-dir-ddparity'"),
-        ([], "missing TARGET"),
         (["--demo-faults", "--world-sizes", "1,2"], "fault injections need world sizes >= 2"),
         (["--demo", "--demo-faults"], "give one of TARGET, --demo or --demo-faults"),
     ],
 )
-def test_bad_input_exits_2_with_a_message_and_no_traceback(user_file, args, message):
-    result = ddparity("check", *[a.format(file=user_file) for a in args])
-    assert result.returncode == 2, result.stdout + result.stderr
-    text = result.stdout + result.stderr
-    assert message in text
-    assert "Traceback" not in result.stderr
-    assert "ddparity/harness/ranks/rank.py" not in text  # never a traceback through ddparity's rank loop
+def test_bad_arguments_exit_2_with_a_message_before_any_rank_starts(user_file, args, message, capsys):
+    """The CLI's own main() in this process (the test above runs the command itself): each
+    of these is refused before a rank process starts, so none is spawned here either."""
+    import psutil
+
+    from ddparity.cli import main
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    code = main(["check", *[a.format(file=user_file) for a in args]])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert message in out + err and "Traceback" not in err, out + err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no work started
 
 
 def test_modes_single_dp_ddp_label_the_simulated_runs(tmp_path):
@@ -320,6 +340,7 @@ def test_json_dash_writes_the_json_to_stdout_and_the_report_to_stderr():
     data = json.loads(result.stdout)  # nothing else on stdout
     assert [r["status"] for r in data["runs"]] == ["pass", "diverged"]
     assert "DIVERGED" in result.stderr and not os.path.exists("-")
+    assert "\x1b[" not in result.stdout + result.stderr  # pipes get no colour
 
 
 def test_a_reader_that_goes_away_is_no_error_and_the_exit_code_is_the_verdicts():
@@ -432,12 +453,11 @@ def test_on_a_terminal_a_live_line_says_which_run_where_and_how_long_until_a_han
     assert "ddp world_size=2 (gloo): \x1b[1;31mHANG\x1b[0m" in report and "\x1b[1;31mFAILED\x1b[0m:" in report
 
 
-def test_no_color_and_a_pipe_get_no_colour():
+def test_no_color_gets_no_colour_on_a_terminal():
     code, text = _through_a_terminal(["check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2"],
                                      env={"NO_COLOR": "1"})
     assert code == 1 and "FAILED: 1 of 2" in text and "\x1b[1;3" not in text, text
-    piped = ddparity("check", "ddparity.fixtures.bugs:summed_loss", "--world-sizes", "2")
-    assert "FAILED: 1 of 2" in piped.stdout and "\x1b[" not in piped.stdout + piped.stderr
+    # a pipe: test_json_dash_writes_the_json_to_stdout_and_the_report_to_stderr (no colour on either)
 
 
 def test_piped_a_run_without_progress_gets_one_plain_line():
