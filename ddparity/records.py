@@ -188,6 +188,11 @@ SETTING = "setting "
 """How a fingerprint of one of the optimizer's settings is named (``setting lr (group 0)``)."""
 
 
+STEPPED = "stepped "
+"""How a fingerprint naming the optimizer a step stepped is named (``stepped the optimizer of
+Generator.0.weight``): ranks whose optimizer steps are out of step differ in it."""
+
+
 NONFINITE = "nonfinite params"
 """Not a tensor's fingerprint: how many of the rank's parameters hold a NaN or inf in the
 part fingerprinted, the evidence of which of two ranks that disagree went wrong."""

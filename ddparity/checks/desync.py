@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ddparity.checks.collectives import minority
-from ddparity.records import NONFINITE, SHARD_TAG
+from ddparity.records import NONFINITE, SHARD_TAG, STEPPED
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,7 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
 
 
 def _order(names: list[str]) -> list[str]:
-    """Parameters first, then buffers, optimizer state and RNG, each in model order."""
-    rank = {"param": 0, "buffer": 1, "optimizer": 2, "rng": 3}
+    """Which optimizer stepped first (ranks out of step), then parameters, buffers, optimizer
+    state and RNG, each in model order."""
+    rank = {STEPPED.strip(): -1, "param": 0, "buffer": 1, "optimizer": 2, "rng": 3}
     return sorted(names, key=lambda n: rank.get(n.split(" ", 1)[0], 4))

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from ddparity.checks.optimizer_settings import settings_desync
+from ddparity.records import STEPPED
 from ddparity.verdicts import Desync, MismatchedSlot
 
 MISSED_SYNC_SHARE = 0.8
@@ -86,6 +87,9 @@ def desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int
         return _unused_on_some_ranks(desync.collective)
     if desync.differs is None:
         return None
+    out_of_step = _out_of_step(desync)
+    if out_of_step:
+        return out_of_step
     settings = settings_desync(desync.differs, desync.step, desync.ranks, desync.agreeing_ranks)
     if settings:
         return settings
@@ -128,3 +132,17 @@ def _bypassing(desync: Desync, params: int, bypassed: list[dict[int, list[str]] 
                     f"step {step} arrive in such a backward on every rank, while DDP's forward ran with sync on for "
                     f"another")
     return None
+
+
+def _out_of_step(desync: Desync) -> str | None:
+    """The ranks stepped different optimizers at the same step (a watched script's steps are
+    counted over every ``optimizer.step()`` call): one rank skipped or added a step."""
+    stepped = [d[len(STEPPED):] for d in desync.differs or [] if d.startswith(STEPPED)]
+    if len(stepped) < 2:
+        return None
+    return (f"likely cause: the ranks' optimizer steps are out of step: at step {desync.step} (counted over every "
+            f"optimizer.step() call) the ranks stepped different optimizers ({' and '.join(stepped[:2])}), so one "
+            f"rank skipped an optimizer.step() the others took, or took one more (a step under a condition that "
+            f"depends on the rank's own data or loss, a GradScaler whose inf check differed); every later step "
+            f"compares different optimizers' parameters, so the first such step is where to look; make the condition "
+            f"the same on every rank (decide it from all-reduced values)")

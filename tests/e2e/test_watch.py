@@ -51,6 +51,28 @@ def test_a_clean_ddp_script_passes_with_its_own_output_and_exit_code(tmp_path):
     assert any("8 optimizer step(s) fingerprinted and compared across ddp replicas" in n for n in run["notes"])
 
 
+GAN = "ddparity.fixtures.scripts.gan_train"
+
+
+@pytest.mark.parametrize("skip_on", [None, -1], ids=["clean", "last-skips"])
+def test_a_gan_with_two_ddp_models_names_each_and_a_rank_out_of_step(tmp_path, skip_on):
+    """Two DDP models, two optimizers: two steps a batch. Their parameters were both named
+    "0.weight" (each model's own names); a rank that skips one optimizer's step was a desync
+    of "param 0.weight" four steps on, its cause unnamed."""
+    result, data = watch(tmp_path, 2, GAN, *(["--skip-on", str(skip_on)] if skip_on is not None else []))
+    run = only_run(data)
+    if skip_on is None:
+        assert result.returncode == 0 and run["status"] == "pass", result.stderr
+        assert any("10 optimizer step(s) fingerprinted" in n for n in run["notes"]), run["notes"]
+        return
+    assert result.returncode == 1 and run["status"] == "desync", result.stderr
+    assert run["desync"]["step"] == 4, run["desync"]  # the third batch's first step (two a batch)
+    assert sorted(run["desync"]["differs"][:2]) == ["stepped the optimizer of Discriminator.net.0.weight",
+                                                    "stepped the optimizer of Generator.net.0.weight"], run["desync"]
+    assert "param Generator.net.0.weight" in run["desync"]["differs"], run["desync"]
+    assert any(n.startswith("likely cause: the ranks' optimizer steps are out of step: at step 4") for n in run["notes"])
+
+
 def test_the_scripts_argv_and_exit_code_pass_through_when_nothing_is_found(tmp_path):
     (tmp_path / "train.py").write_text(
         "import sys, torch, torch.distributed as dist\n"

@@ -29,3 +29,23 @@ def test_a_large_tensor_is_read_a_slice_a_step():
     t[3 * size + 5] = float("nan")  # in slice 3 only
     assert [int(nonfinite_count([t], part)) for part in range(SLICES)] == [int(p == 3) for p in range(SLICES)]
     assert int(nonfinite_count([t])) == 1  # no part: the whole tensor
+
+
+def test_several_models_of_a_watched_script_get_their_class_as_a_prefix_and_blocks_none():
+    """A GAN's two models under DDP each name a parameter "0.weight": each gets its class
+    (and its build order where two share one); FSDP2's blocks inside their root, or a root
+    holding one block and nothing else, leave one model, and no prefix."""
+    from torch import nn
+
+    from ddparity.harness.recording.replicas import _root_prefixes
+
+    class Generator(nn.Sequential):
+        pass
+
+    g, d, e = Generator(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 1)), nn.Sequential(nn.Linear(2, 1))
+    assert _root_prefixes([g, d]) == {id(g): "Generator.", id(d): "Sequential."}
+    assert _root_prefixes([d, e]) == {id(d): "Sequential#0.", id(e): "Sequential#1."}
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert _root_prefixes([root[0], root[1], root]) == {}  # fully_shard on each block, then the root
+    wrapper = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+    assert _root_prefixes([wrapper[0], wrapper]) == {}  # the same parameters: one model

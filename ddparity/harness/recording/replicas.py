@@ -34,7 +34,7 @@ from ddparity.harness.optimizer_steps import nested_step
 from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
 from ddparity.harness.recording.recorder import StepRecorder, untraced
 from ddparity.harness.shards import is_sharded
-from ddparity.records import NONFINITE, SETTING, SHARD_TAG
+from ddparity.records import NONFINITE, SETTING, SHARD_TAG, STEPPED
 
 _installed: Replicas | None = None
 
@@ -90,13 +90,14 @@ class Replicas:
             return
         self._known = len(self.modules)
         names: dict[int, tuple[str, str, int]] = {}
+        prefixes = _root_prefixes([m if sharded else m.module for m, sharded, _ in self.modules])
         for module, sharded, ranks in sorted(self.modules, key=lambda m: -sum(1 for _ in m[0].parameters())):
             inner = module if sharded else module.module
             tag = "" if sharded or len(ranks) in (0, self.world_size) else f"{SHARD_TAG}ddp group {list(ranks)}]"
             holders = 0 if sharded else len(ranks)
             for name, p in inner.named_parameters():
                 if id(p) not in names:
-                    names[id(p)] = (name, tag, holders)
+                    names[id(p)] = (prefixes.get(id(inner), "") + name, tag, holders)
         self._names = names
 
     def record_buckets(self, ddp: Any) -> None:
@@ -167,6 +168,8 @@ class Replicas:
             sums = _device_sums(tensors, step)
             names.append(NONFINITE)  # _device_sums' last element
             settings = setting_prints(optimizer) if whole_world else {}
+            if whole_world:  # every rank steps this optimizer: in the same order
+                settings[f"{STEPPED}the optimizer of {names[0].split(' ', 1)[1]}"] = 1
             if sums.device.type != "cuda":
                 self.recorder.fingerprints(step, {**dict(zip(names, sums.tolist())), **settings})
             else:  # published at the next step (or the end), the copy finished by then
@@ -189,6 +192,25 @@ class Replicas:
     def flush(self) -> None:
         """The script ended: publish the last step's fingerprints (a GPU's, still pending)."""
         self._publish_pending()
+
+
+def _root_prefixes(modules: list[Any]) -> dict[int, str]:
+    """Where the script built several models (a GAN's generator and discriminator, each under
+    its own DDP), a prefix for each one's parameter names, by the model's id: its class
+    (``Generator.``), with the order it was built in where two share a class
+    (``Sequential#1.``); none for one model, or for blocks inside another (FSDP2's)."""
+    held = [frozenset(id(p) for p in m.parameters()) for m in modules]
+    widest: dict[frozenset[int], Any] = {}  # one model per set of parameters: the one holding the others
+    for i, m in enumerate(modules):
+        if held[i] and not any(held[i] < other for other in held):
+            known = widest.get(held[i])
+            if known is None or sum(1 for _ in m.modules()) > sum(1 for _ in known.modules()):
+                widest[held[i]] = m
+    roots = list(widest.values())
+    if len(roots) < 2:
+        return {}
+    classes = [type(m).__name__ for m in roots]
+    return {id(m): (c if classes.count(c) == 1 else f"{c}#{i}") + "." for i, (m, c) in enumerate(zip(roots, classes))}
 
 
 def setting_prints(optimizer: Any) -> dict[str, int]:
