@@ -174,12 +174,19 @@ def _label(f: ModuleFinding) -> str:
     return f"{name} ({f.type})"
 
 
+def _uncompared(f: ModuleFinding) -> str:
+    """What "every module agrees" leaves out: outputs whose rows are not one per sample."""
+    return (f"; except modules never compared, their outputs' rows not one per sample of the rank's share: "
+            f"{f.uncompared}"
+            if f.uncompared else "")
+
+
 def module_line(f: ModuleFinding) -> str:
     """Where in the model a run's first differing step first differs, in one line."""
     if not f.found:
         return (f"first differing module: none (step {f.step}): every module's output, activation gradient "
                 f"and parameter gradient agrees with the reference on every rank; the difference comes after "
-                f"them (in the optimizer step or an update of the parameters or buffers)")
+                f"them (in the optimizer step or an update of the parameters or buffers){_uncompared(f)}")
     if f.phase == "compiled":
         return (f"first block that differs compiled: {_label(f)}, step {f.step}, rank {f.rank}: its compiled output "
                 f"differs from its eager output on the same input (rel {f.error:.2g}, tolerance {f.tolerance:.2g}){'; ' + f.note if f.note else ''}")
@@ -189,7 +196,7 @@ def module_line(f: ModuleFinding) -> str:
         return (f"first to differ: the reduction (step {f.step}, rank {f.rank}): every module's output "
                 f"and activation gradient agrees with the reference; every parameter's gradient differs "
                 f"({by}): what differs comes after backward, in the reduction across ranks or in what the step did "
-                f"to the gradients before the optimizer step")
+                f"to the gradients before the optimizer step{_uncompared(f)}")
     if f.phase == "loss":
         by = f" is {f.factor:.3g}x the reference's" if f.factor is not None else " differs"
         return (f"first to differ: the loss (step {f.step}, rank {f.rank}): every module's forward agrees; "

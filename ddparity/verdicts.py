@@ -90,6 +90,9 @@ class ModuleFinding(_ReadsAsJson):
     forwards: tuple[int, int] | None = None
     """(the rank's forwards of the model in the step, one device's), where they differ: a step
     that made fewer micro-batches of a smaller share."""
+    uncompared: str = ""
+    """Modules whose outputs could not be compared (rows not one per sample of the rank's share:
+    ``d (32 rows for 16 samples)``), where the finding says what agrees: that is not about them."""
 
     @property
     def found(self) -> bool:
@@ -103,6 +106,7 @@ class ModuleFinding(_ReadsAsJson):
                 "factor": self.factor, **({"mismatch": self.mismatch} if self.mismatch else {}),
                 **({"note": self.note} if self.note else {}),
                 **({"forwards": list(self.forwards)} if self.forwards else {}),
+                **({"uncompared": self.uncompared} if self.uncompared else {}),
                 **({"op": self.op, "op_error": _finite(self.op_error or 0.0)} if self.op else {})}
 
 

@@ -41,6 +41,10 @@ def test_a_gan_with_two_optimizers_passes_without_no_sync_advice_and_its_bypass_
     assert any(n.startswith("DataParallel pitfall, outputs not one row per sample: forward's output has 32 row(s) "
                             "along dim 0 for a replica's 16 sample(s)") for n in by["dp"].notes), by["dp"].notes
     assert not any("outside optimizer.step()" in n for n in by["dp"].notes), by["dp"].notes
+    where = by["dp"].first_divergence.module  # "every module agrees" was said of modules never compared
+    assert where is not None and "32 rows for 16 samples" in where.uncompared, by["dp"].first_divergence
+    assert "except modules never compared, their outputs' rows not one per sample of the rank's share: d" \
+        in report.render()
     bypassed = check(loops.gan(bypass=True), modes=("ddp",), world_sizes=(2,))
     assert bypassed.runs[0].status == "desync" and bypassed.runs[0].desync.step == 0, bypassed.render()
     assert any(n.startswith("likely cause: the gradients of g.0.weight, g.0.bias, g.2.weight, g.2.bias (4 of 8 "

@@ -225,7 +225,8 @@ class Checking:
             best = self._inside(run, best, sizes[d.step] if d.step < len(sizes) else -1)
         if not best.found:
             with_grads = {n for n, _ in self.reference.entries(d.step, "grad")}
-            best = by_gradients(d.step, found, answers[0][1], with_grads) or best
+            best = dataclasses.replace(by_gradients(d.step, found, answers[0][1], with_grads) or best,
+                                       uncompared=best.uncompared)
         run.first_divergence = dataclasses.replace(d, module=best)
         per_rank = {r.rank: ratio for r in ranks if d.step in r.grad_dots
                     for ratio in [update_ratio([r.grad_dots[d.step]])] if ratio is not None}

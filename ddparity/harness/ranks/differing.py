@@ -210,6 +210,7 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
     reference's samples), phase ``none`` says so in its ``note``: not that every module agrees."""
     calls = _by_key(ref)
     compared = 0
+    uncompared: dict[str, str] = {}  # module -> its output's rows against the rank's samples
 
     def judge(key: str, got: float | None, dtype: Any) -> tuple[float, float, bool] | None:
         """(error, tolerance, beyond it) of one tensor group (None: nothing comparable)."""
@@ -226,7 +227,11 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
         if r is None or not c["outputs"]:
             continue
         label = f"{key[0]}#{key[1]}"
-        out = judge(f"out {label}", errors(c["outputs"], r["outputs"], rows, size), c["outputs"][0].dtype)
+        got = errors(c["outputs"], r["outputs"], rows, size)
+        first = c["outputs"][0]
+        if got is None and rows is not None and first.dim() and len(first) != len(rows):
+            uncompared.setdefault(c["name"] or "the model", f"{len(first)} rows for {len(rows)} samples")
+        out = judge(f"out {label}", got, first.dtype)
         if out is None or not out[2]:
             continue
         inp = judge(f"in {label}", errors(c["inputs"], r["inputs"], rows, size),
@@ -263,7 +268,10 @@ def first_difference(ref: dict[str, Any], noise: dict[str, float], mine: dict[st
                                  differs="input gradient", error=gin[0], tolerance=gin[1], agrees="output gradient",
                                  agrees_error=got_out[0] if got_out is not None else None,
                                  agrees_ok=None if got_out is None else True, position=n)
-    return ModuleFinding(step=step, rank=rank, phase="none", note="" if compared else NOTHING_COMPARED)
+    shown = ", ".join(f"{m} ({why})" for m, why in list(uncompared.items())[:3])
+    more = f" and {len(uncompared) - 3} more" if len(uncompared) > 3 else ""
+    return ModuleFinding(step=step, rank=rank, phase="none", note="" if compared else NOTHING_COMPARED,
+                         uncompared=shown + more)
 
 
 NOTHING_COMPARED = ("no module call of the step could be matched to the reference's samples (a forward on a "
