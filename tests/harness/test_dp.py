@@ -185,6 +185,24 @@ class TakesAMask(nn.Module):
         return self.fc(x) * mask
 
 
+def test_flags_are_handed_on_whole_without_a_note_and_lists_and_numbers_get_one():
+    """A str or bool argument (a pass's name, a training flag) cannot be per sample: DataParallel
+    handing it to every replica is what the step meant; a list or a number might be."""
+
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, part="d", train=True, extra=None):
+            return self.fc(x)
+
+    x = torch.randn(4, 4)
+    assert "non-tensor inputs" not in dp.forward(Takes(), 2, (x,), {"part": "g", "train": False})[1].items
+    noted = dp.forward(Takes(), 2, (x,), {"extra": [1, 2, 3, 4]})[1].items["non-tensor inputs"]
+    assert noted.startswith("kwargs['extra'][0] (int)"), noted
+
+
 def test_an_argument_with_fewer_rows_is_noted_as_cutting_the_batch_short():
     _, notes = dp.forward(TakesAMask(), 4, (torch.randn(8, 4), torch.ones(1, 2)))
     text = notes.items["arguments cut short"]

@@ -26,6 +26,7 @@ differ from real DP by construction.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -239,7 +240,8 @@ class DataParallelNotes:
         import torch
 
         leaves = _leaves(inputs, kwargs)
-        found = [f"{path} ({type(o).__name__})" for path, o in leaves if not isinstance(o, torch.Tensor) and o is not None]
+        found = [f"{path} ({type(o).__name__})" for path, o in leaves  # a flag (a str, a bool) is never per sample
+                 if not isinstance(o, (torch.Tensor, str, bytes, bool, enum.Enum)) and o is not None]
         if found:
             self.items["non-tensor inputs"] = (
                 f"{', '.join(found[:3])} are not scattered: DataParallel hands every replica the same "
