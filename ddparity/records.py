@@ -193,6 +193,12 @@ STEPPED = "stepped "
 Generator.0.weight``): ranks whose optimizer steps are out of step differ in it."""
 
 
+IN_BACKWARD = "stepped inside backward"
+"""Not a tensor's fingerprint: the step's optimizer stepped parameters of a DDP module while
+a backward ran (an optimizer in backward: a post-accumulate-grad hook), before DDP's
+all-reduce gave them the ranks' average. Never compared; the evidence of a desync's cause."""
+
+
 NONFINITE = "nonfinite params"
 """Not a tensor's fingerprint: how many of the rank's parameters hold a NaN or inf in the
 part fingerprinted, the evidence of which of two ranks that disagree went wrong."""

@@ -189,9 +189,13 @@ class Desync(_ReadsAsJson):
     agreeing_ranks: list[int] | None = None
     stacks: dict[int, str] | None = None
     """Every rank's stack when a watcher stopped the task over the mismatch."""
+    in_backward: bool = False
+    """Every rank's optimizer stepped DDP's parameters inside backward at that step (``watch``)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "what": self.what, "ranks": self.ranks}
+        if self.in_backward:
+            out["in_backward"] = True
         if self.collective is not None:
             out["collective"] = self.collective.to_json()
         if self.differs is not None:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ddparity.checks.collectives import minority
-from ddparity.records import NONFINITE, SHARD_TAG, STEPPED
+from ddparity.records import IN_BACKWARD, NONFINITE, SHARD_TAG, STEPPED
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,8 @@ class ReplicaDrift:
     agreeing: list[int] = field(default_factory=list)
     nonfinite: list[int] = field(default_factory=list)
     """Ranks of a tie whose parameters hold a NaN or inf (the tie broken by it)."""
+    in_backward: bool = False
+    """Every rank stepped DDP's parameters inside a backward at this step (:data:`~ddparity.records.IN_BACKWARD`)."""
 
     def what(self, limit: int = 4) -> str:
         shown = ", ".join(self.names[:limit])
@@ -46,7 +48,8 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
         return None
     common = set.intersection(*(set(steps) for steps in per_rank.values()))
     for step in sorted(common):
-        prints = {r: {n: v for n, v in per_rank[r][step].items() if n != NONFINITE} for r in per_rank}
+        prints = {r: {n: v for n, v in per_rank[r][step].items() if n not in (NONFINITE, IN_BACKWARD)}
+                  for r in per_rank}
         names = list(dict.fromkeys(n for p in prints.values() for n in p))
         every = frozenset(prints)  # a name a rank lacks differs there; a shard's is only its replicas'
         held = {n: frozenset(r for r, p in prints.items() if n in p) if SHARD_TAG in n else every for n in names}
@@ -64,7 +67,7 @@ def first_desync(per_rank: dict[int, dict[int, dict[str, int]]],
         ranks = minority(votes, prefer_wrong or tuple(nan))
         agreeing = sorted(r for r in among if r not in ranks)
         return ReplicaDrift(step, _order(differing), ranks, agreeing, nonfinite=sorted(nan) if ranks == sorted(nan)
-                            else [])
+                            else [], in_backward=all(per_rank[r][step].get(IN_BACKWARD) for r in per_rank))
     return None
 
 

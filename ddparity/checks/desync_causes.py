@@ -90,6 +90,14 @@ def desync_cause(desync: Desync, params: int, forwards: list[dict[int, tuple[int
     out_of_step = _out_of_step(desync)
     if out_of_step:
         return out_of_step
+    if desync.in_backward:
+        return (f"likely cause: the optimizer stepped inside backward (a post-accumulate-grad hook calling "
+                f"optimizer.step(), the optimizer-in-backward pattern) at step {desync.step}, on every rank: DDP "
+                f"all-reduces a gradient after backward has produced it, bucket by bucket, so each rank stepped "
+                f"with its own shard's gradient before the average arrived; under DDP step after backward() "
+                f"returns (or register the step as a DDP comm hook's continuation: "
+                f"ddp._register_fused_optim), or use FSDP2, whose post-accumulate-grad hooks run on the reduced "
+                f"gradient")
     settings = settings_desync(desync.differs, desync.step, desync.ranks, desync.agreeing_ranks)
     if settings:
         return settings

@@ -45,7 +45,8 @@ def state_desync(found: ReplicaDrift) -> Desync:
     nan = (f" (rank {found.nonfinite[0]}'s parameters hold a NaN or inf, the other's none)"
            if found.nonfinite else "")
     return Desync(step=found.step, what=f"{found.what()} differ across ranks after step {found.step}{nan}",
-                  ranks=found.ranks, differs=found.names, agreeing_ranks=found.agreeing)
+                  ranks=found.ranks, differs=found.names, agreeing_ranks=found.agreeing,
+                  in_backward=found.in_backward)
 
 
 def _ledgers(records: dict[int, Any]) -> dict[int, list[Entry]]:

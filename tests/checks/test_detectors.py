@@ -113,6 +113,22 @@ def test_first_desync_names_the_step_tensors_and_ranks():
     assert first_desync({r: {0: dict(same)} for r in range(2)}) is None
 
 
+def test_a_step_inside_backward_is_evidence_never_a_difference():
+    """Every rank's step inside backward (an optimizer in backward) is recorded, compared by no
+    one, and read as the drift's evidence; a rank that alone lacks it is no difference either."""
+    from ddparity.checks.desync_causes import desync_cause
+    from ddparity.checks.judge import state_desync
+    from ddparity.records import IN_BACKWARD
+
+    prints = {r: {0: {"param w": 1 + r, IN_BACKWARD: 1}} for r in range(2)}
+    found = first_desync(prints)
+    assert (found.names, found.in_backward) == (["param w"], True)
+    assert desync_cause(state_desync(found), 1, []).startswith("likely cause: the optimizer stepped inside backward")
+    prints[1][0].pop(IN_BACKWARD)
+    prints[1][0]["param w"] = 1
+    assert first_desync(prints) is None
+
+
 def test_hsdp_shards_are_compared_among_their_replicas_only():
     """Under HSDP (2 replicas x 2 shards: ranks 0, 2 hold shard 0; 1, 3 shard 1) each shard's
     fingerprints are compared among the ranks holding it: different shards never differ

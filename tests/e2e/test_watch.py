@@ -73,6 +73,17 @@ def test_a_gan_with_two_ddp_models_names_each_and_a_rank_out_of_step(tmp_path, s
     assert any(n.startswith("likely cause: the ranks' optimizer steps are out of step: at step 4") for n in run["notes"])
 
 
+def test_an_optimizer_stepping_inside_backward_under_ddp_is_named_as_the_cause(tmp_path):
+    """torch's optimizer-in-backward recipe (each parameter's optimizer steps in its
+    post-accumulate-grad hook) under DDP steps before the all-reduce: a desync at step 0,
+    whose cause was unnamed."""
+    result, data = watch(tmp_path, 2, DDP, "--step-in-backward", "--steps", "3")
+    run = only_run(data)
+    assert result.returncode == 1 and run["status"] == "desync" and run["desync"]["step"] == 0, result.stderr
+    assert run["desync"]["in_backward"] is True, run["desync"]
+    assert any(n.startswith("likely cause: the optimizer stepped inside backward") for n in run["notes"]), run["notes"]
+
+
 def test_the_scripts_argv_and_exit_code_pass_through_when_nothing_is_found(tmp_path):
     (tmp_path / "train.py").write_text(
         "import sys, torch, torch.distributed as dist\n"

@@ -34,7 +34,7 @@ from ddparity.harness.optimizer_steps import nested_step
 from ddparity.harness.recording.fingerprint import device_sums, nonfinite_count
 from ddparity.harness.recording.recorder import StepRecorder, untraced
 from ddparity.harness.shards import is_sharded
-from ddparity.records import NONFINITE, SETTING, SHARD_TAG, STEPPED
+from ddparity.records import IN_BACKWARD, NONFINITE, SETTING, SHARD_TAG, STEPPED
 
 _installed: Replicas | None = None
 
@@ -170,6 +170,8 @@ class Replicas:
             settings = setting_prints(optimizer) if whole_world else {}
             if whole_world:  # every rank steps this optimizer: in the same order
                 settings[f"{STEPPED}the optimizer of {names[0].split(' ', 1)[1]}"] = 1
+            if replicated and not any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+                settings.update(_in_backward())
             if sums.device.type != "cuda":
                 self.recorder.fingerprints(step, {**dict(zip(names, sums.tolist())), **settings})
             else:  # published at the next step (or the end), the copy finished by then
@@ -192,6 +194,14 @@ class Replicas:
     def flush(self) -> None:
         """The script ended: publish the last step's fingerprints (a GPU's, still pending)."""
         self._publish_pending()
+
+
+def _in_backward() -> dict[str, int]:
+    """:data:`~ddparity.records.IN_BACKWARD` where a backward is running on this thread."""
+    import torch
+
+    task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+    return {IN_BACKWARD: 1} if task != -1 else {}
 
 
 def _root_prefixes(modules: list[Any]) -> dict[int, str]:
