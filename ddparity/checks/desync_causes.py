@@ -7,7 +7,7 @@
 * part of a step around DDP: the parameters that differ got their last gradient from a
   backward no DDP forward with sync on preceded, while one did run (``model.module.head(h)``,
   a GAN's generator pass through ``model.module``);
-* parameters used on some ranks only (a collective mismatched at a DDP bucket);
+* parameters used on some ranks only (FSDP2's reduce-scatters of different sizes);
 * a setting of the optimizer's that differs between the ranks;
 * rank-local state: one rank alone drifts from the others that agree.
 """

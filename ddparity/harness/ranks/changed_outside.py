@@ -18,7 +18,9 @@ class ChangedOutside:
     a permutation of a parameter's values through ``.data``, is not seen). Where such a change
     depends on the batch, each rank makes it from its own shard only. Any optimizer's step
     over the model's parameters is the optimizer's, not outside it: a GAN's discriminator's,
-    stepped between two forwards (told by torch's global optimizer hooks)."""
+    stepped between two forwards. Its steps are told by torch's global optimizer hooks alone
+    (the outermost call: a wrapper's base optimizer is part of the wrapper's step), not also
+    by the watch's :meth:`pre` and :meth:`post`, which would measure every parameter twice."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
@@ -34,22 +36,30 @@ class ChangedOutside:
             import torch
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+            from ddparity.harness.optimizer_steps import nested_step
+
             mine = {id(p) for _, p in self._params}
 
             def around(then: Callable[[], None]) -> Callable[..., None]:
                 def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
-                    if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+                    if not nested_step() and any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
                         then()
                 return torch.compiler.disable(hook)
 
-            self._handles = [register_optimizer_step_pre_hook(around(self.pre)),
-                             register_optimizer_step_post_hook(around(self.post))]
+            self._handles = [register_optimizer_step_pre_hook(around(self._stepping)),
+                             register_optimizer_step_post_hook(around(self._stepped))]
 
     def pre(self) -> None:
+        pass  # told by the global hook (see the class)
+
+    def post(self) -> None:
+        pass
+
+    def _stepping(self) -> None:
         self._note()
         self._versions = None  # the optimizer's own changes are not counted
 
-    def post(self) -> None:
+    def _stepped(self) -> None:
         self._versions = self._now()
 
     def end(self) -> None:

@@ -144,6 +144,7 @@ class Replicas:
         tensors: list[Any] = []
         unmatched = replicated = 0
         whole_world = True  # every parameter a DDP's over every rank: so is the optimizer
+        sharded = False
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if is_sharded(p):
@@ -151,7 +152,7 @@ class Replicas:
                     names.append(f"param {name}{SHARD_TAG}{_coordinates(p)}]")
                     tensors.append(p.to_local())
                     replicated += _replicas(p) > 1
-                    whole_world = False
+                    whole_world, sharded = False, True
                 elif id(p) in self._names:
                     name, tag, holders = self._names[id(p)]
                     names.append(f"param {name}{tag}")
@@ -170,7 +171,7 @@ class Replicas:
             settings = setting_prints(optimizer) if whole_world else {}
             if whole_world:  # every rank steps this optimizer: in the same order
                 settings[f"{STEPPED}the optimizer of {names[0].split(' ', 1)[1]}"] = 1
-            if replicated and not any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+            if replicated and not sharded:  # DDP's parameters (FSDP2's hooks run on reduced gradients)
                 settings.update(_in_backward())
             if sums.device.type != "cuda":
                 self.recorder.fingerprints(step, {**dict(zip(names, sums.tolist())), **settings})
